@@ -1,0 +1,39 @@
+# Alloy: two commands. `make demo` runs the main job, `make test` runs the whole suite.
+# Both set everything up first (idempotent: a second run only checks a stamp).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.alloy-setup-stamp
+CONFIG  ?= configs/demo.yaml
+PYTEST_ARGS ?=
+
+.PHONY: setup demo smoke test test-unit bench clean-runs
+
+setup: $(STAMP)
+
+# torch goes in first, from the CPU wheel on local disk: anything that depends on torch would
+# otherwise pull a multi-GB CUDA build. constraints.txt pins the set that is known to resolve here.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1)) || \
+	  echo "note: chromium not installed; browser tests will be skipped"; }
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/alloy run $(CONFIG) --report runs/demo-report.json
+
+smoke: setup
+	$(BIN)/alloy run configs/smoke.yaml --report runs/smoke-report.json
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)
+
+clean-runs:
+	rm -rf runs
