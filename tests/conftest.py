@@ -1,0 +1,20 @@
+"""Shared fixtures. Tests are split by cost with markers: unit, integration, e2e (see pyproject.toml)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A fresh tiny Llama + char tokenizer in HF format, built once per session (seed 0)."""
+    from infra.models import init_model_dir
+
+    return init_model_dir("tiny", tmp_path_factory.mktemp("tiny-model"), seed=0)
