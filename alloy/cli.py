@@ -1,0 +1,183 @@
+"""The `alloy` command line. Exit codes: 0 success, 1 the job failed, 2 bad input (config, arguments)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "urllib3", "alembic", "mlflow", "filelock", "botocore", "s3fs", "fsspec"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _env_defaults() -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+
+
+# ------------------------------------------------------------------------------------------ commands
+
+
+def cmd_run(args) -> int:
+    from infra.config import ConfigError, load_config
+
+    try:
+        load_config(args.config, args.set)  # fail fast, before Prefect starts
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from flows.pipeline import pipeline
+
+    try:
+        report = pipeline(config=args.config, overrides=args.set, report_path=args.report)
+    except ConfigError as exc:  # e.g. a domain plugin that does not load
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # the flow logged the traceback
+        print(f"error: pipeline failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    from infra.report import render_table
+
+    print(render_table(report))
+    if args.report:
+        print(f"report written to {args.report}")
+    return EXIT_OK
+
+
+def cmd_config(args) -> int:
+    from infra.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    import yaml
+
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return EXIT_OK
+
+
+def cmd_model_init(args) -> int:
+    from infra.models import PRESETS, init_model_dir
+
+    if args.preset not in PRESETS:
+        print(f"error: unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}", file=sys.stderr)
+        return EXIT_USAGE
+    out = init_model_dir(args.preset, args.out, seed=args.seed)
+    print(f"wrote a fresh '{args.preset}' model and char tokenizer to {out}")
+    return EXIT_OK
+
+
+def cmd_eval(args) -> int:
+    from domains.evaluate import evaluate
+    from infra.config import ConfigError, load_config
+    from tasks.context import load_domains
+
+    try:
+        cfg = load_config(args.config, args.set)
+        domains = load_domains(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if not Path(args.model).is_dir():
+        print(f"error: --model {args.model}: not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    df = evaluate(args.model, domains, cfg.eval.n_eval, cfg.run.seed, args.stage,
+                  max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size)
+    print(df[["domain", "stage", "score", "n_eval"]].to_string(index=False))
+    print(f"mean score {df['score'].mean():.4f}")
+    if args.out:
+        Path(args.out).write_text(df.to_json(orient="records", indent=2))
+    return EXIT_OK
+
+
+def cmd_report(args) -> int:
+    from infra.report import render_table
+
+    p = Path(args.path)
+    try:
+        report = json.loads(p.read_text())
+    except FileNotFoundError:
+        print(f"error: no report at {p}", file=sys.stderr)
+        return EXIT_USAGE
+    except json.JSONDecodeError as exc:
+        print(f"error: {p} is not valid JSON: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(render_table(report))
+    return EXIT_OK
+
+
+def cmd_serve(args) -> int:
+    from infra.engine.server import main as serve_main
+
+    return serve_main(args.server_args) or EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------ parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="alloy", description="Alloy: RL specialists merged into one student by on-policy distillation.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run the pipeline for a config (a Prefect flow run)")
+    r.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. base.steps=50")
+    r.add_argument("--report", default=None, metavar="PATH", help="also write report.json here")
+    r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser("config", help="validate a config and print it with defaults filled in")
+    c.add_argument("config")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    c.set_defaults(fn=cmd_config)
+
+    m = sub.add_parser("model", help="model utilities")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    mi = msub.add_parser("init", help="write a fresh tiny model + char tokenizer in HF format")
+    mi.add_argument("--preset", default="tiny")
+    mi.add_argument("--out", required=True)
+    mi.add_argument("--seed", type=int, default=0)
+    mi.set_defaults(fn=cmd_model_init)
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint on the config's domains (greedy, eval split)")
+    e.add_argument("config")
+    e.add_argument("--model", required=True, help="HF checkpoint directory")
+    e.add_argument("--stage", default="eval", help="label for the stage column")
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    e.add_argument("--out", default=None, help="write the scores as JSON")
+    e.set_defaults(fn=cmd_eval)
+
+    rp = sub.add_parser("report", help="print a report.json as a table")
+    rp.add_argument("path")
+    rp.set_defaults(fn=cmd_report)
+
+    s = sub.add_parser("serve", help="serve a checkpoint with the embedded SGLang-protocol engine (see --help of the server)",
+                       add_help=False)
+    s.add_argument("server_args", nargs=argparse.REMAINDER)
+    s.set_defaults(fn=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    _env_defaults()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

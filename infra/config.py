@@ -1,0 +1,230 @@
+"""Typed configuration: one pydantic model per component, loaded from YAML once at the flow boundary.
+
+`load_config(path, overrides)` reads YAML, applies `--set a.b.c=value` overrides (values parsed as YAML scalars,
+list items addressed by index: `domains.0.difficulty=2`), and validates. Unknown keys and wrong types fail here,
+with the dotted path of every bad field, as a `ConfigError` (the CLI exits with code 2).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the dotted path of each bad field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Strict):
+    name: str = Field("alloy", description="Run name; used for the run directory and the MLflow parent run.")
+    root: str = Field("runs", description="Local working directory for runs (logs, local copies of checkpoints).")
+    storage: str | None = Field(None, description="fsspec URL where checkpoints and reports go: file://… or s3://bucket/prefix. "
+                                                 "Default: file://<root>/<name>.")
+    seed: int = Field(0, description="Global seed (model init, data order, sampling).")
+    resume: bool = Field(True, description="Reuse complete checkpoints of an earlier run with the same name and config.")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not v or any(c in v for c in "/\\ \t\n") or v.startswith("."):
+            raise ValueError("must be a non-empty name without slashes or whitespace")
+        return v
+
+
+class ModelConfig(_Strict):
+    preset: Literal["nano", "tiny", "small", "base"] = Field("tiny", description="Size preset of the freshly built tiny model.")
+    path: str | None = Field(None, description="A local HF causal-LM checkpoint to start from instead of a fresh preset model.")
+
+
+class DomainConfig(_Strict):
+    name: str = Field(..., description="Built-in domain name, or the name of a plugin domain.")
+    impl: str | None = Field(None, description='Plugin class as "package.module:ClassName" (any importable module).')
+    difficulty: int = Field(1, ge=1, le=10, description="Difficulty knob of the domain's generator.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the domain class.")
+
+    @field_validator("impl")
+    @classmethod
+    def _impl_form(cls, v: str | None) -> str | None:
+        if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
+            raise ValueError('must look like "package.module:ClassName"')
+        return v
+
+
+class TrainConfig(_Strict):
+    """DeepSpeed settings shared by every trainer (base SFT, specialists, student)."""
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (torch AdamW).")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip (0 = off).")
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    micro_batch_size: int = Field(32, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    world_size: int = Field(1, ge=1, description="Ranks per trainer; > 1 launches the trainer under torchrun.")
+
+
+class BaseConfig(_Strict):
+    """The base stage: SFT of a fresh model on mixed-domain demonstrations."""
+    steps: int = Field(300, ge=0, description="Optimizer steps of supervised fine-tuning.")
+    n_train_per_domain: int = Field(2000, ge=1, description="Training examples drawn per domain (train split).")
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    log_every: int = Field(25, ge=1)
+
+
+class EvalConfig(_Strict):
+    n_eval: int = Field(100, ge=1, description="Held-out examples per domain (eval split).")
+    max_new_tokens: int = Field(16, ge=1, le=512)
+    batch_size: int = Field(128, ge=1)
+
+
+class TrackingConfig(_Strict):
+    enabled: bool = True
+    uri: str | None = Field(None, description="MLflow tracking URI; default sqlite:///<root>/mlflow.db. "
+                                              "MLFLOW_TRACKING_URI in the environment wins.")
+    experiment: str = "alloy"
+
+
+class EngineConfig(_Strict):
+    backend: Literal["embedded", "sglang"] = Field("embedded", description="embedded = Alloy's CPU server; sglang = real SGLang.")
+    host: str = Field("127.0.0.1", description="Bind address of launched servers (loopback unless told otherwise).")
+    api_key: str | None = Field(None, description="Bearer key for launched servers and the client (or ALLOY_ENGINE_API_KEY).")
+    threads: int = Field(1, ge=1, description="Torch threads per embedded server.")
+    sglang_args: dict[str, Any] = Field(default_factory=dict, description="Extra sglang.launch_server options (GPU).")
+
+
+class TeachersConfig(_Strict):
+    external: dict[str, str] = Field(default_factory=dict, description="domain → URL of a teacher already served elsewhere.")
+
+    @field_validator("external")
+    @classmethod
+    def _urls(cls, v: dict[str, str]) -> dict[str, str]:
+        for dom, url in v.items():
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"teacher URL for {dom!r} must start with http:// or https://, got {url!r}")
+        return v
+
+
+class AlloyConfig(_Strict):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    domains: list[DomainConfig] = Field(..., min_length=1)
+    base: BaseConfig = Field(default_factory=BaseConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    teachers: TeachersConfig = Field(default_factory=TeachersConfig)
+
+    @model_validator(mode="after")
+    def _unique_domains(self) -> "AlloyConfig":
+        names = [d.name for d in self.domains]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"domain names must be unique; repeated: {dupes}")
+        unknown = sorted(set(self.teachers.external) - set(names))
+        if unknown:
+            raise ValueError(f"teachers.external names domains that are not configured: {unknown}")
+        return self
+
+    @property
+    def storage_url(self) -> str:
+        if self.run.storage:
+            return self.run.storage.rstrip("/")
+        return "file://" + str((Path(self.run.root) / self.run.name).resolve())
+
+    def domain_names(self) -> list[str]:
+        return [d.name for d in self.domains]
+
+    def fingerprint(self, *sections: str) -> str:
+        """A short hash of the given config sections (all if none): a stage's cache key."""
+        data = self.model_dump(mode="json")
+        if sections:
+            data = {k: data[k] for k in sections}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. base.steps=100")
+    key, raw = item.split("=", 1)
+    path = [p for p in key.strip().split(".")]
+    if not all(path):
+        raise ConfigError(f"--set {item!r}: empty path segment in {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {exc}") from None
+    return path, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides to a raw config dict (lists indexed by number). Returns the same dict."""
+    for item in overrides or []:
+        path, value = _parse_override(item)
+        node: Any = data
+        for i, part in enumerate(path[:-1]):
+            where = ".".join(path[: i + 1])
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"--set {'.'.join(path)}: {where} is not a valid list index (list has {len(node)} items)")
+                node = node[int(part)]
+            elif isinstance(node, dict):
+                node = node.setdefault(part, {})
+            else:
+                raise ConfigError(f"--set {'.'.join(path)}: {where} is not a mapping")
+        last = path[-1]
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) >= len(node):
+                raise ConfigError(f"--set {'.'.join(path)}: {last!r} is not a valid list index")
+            node[int(last)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise ConfigError(f"--set {'.'.join(path)}: parent is not a mapping")
+    return data
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}: {exc.error_count()} error(s)"]
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        got = err.get("input")
+        shown = "" if err["type"] == "missing" or isinstance(got, (dict, list)) else f" (got {got!r})"
+        lines.append(f"  {path}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> AlloyConfig:
+    try:
+        return AlloyConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> AlloyConfig:
+    """Read YAML, apply overrides, validate. Raises ConfigError with dotted paths."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: top level must be a mapping, got {type(data).__name__}")
+    apply_overrides(data, overrides or [])
+    return config_from_dict(data, source=str(path))

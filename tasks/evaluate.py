@@ -1,0 +1,23 @@
+"""Evaluation stage: greedy eval-split scores per domain for one checkpoint, logged to MLflow."""
+from __future__ import annotations
+
+import pandas as pd
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from domains.evaluate import evaluate
+from infra.progress import progress
+from tasks.context import RunContext, stage_timer
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_stage(ctx: RunContext, checkpoint_dir: str, stage: str, domains: list[str] | None = None) -> pd.DataFrame:
+    cfg = ctx.cfg
+    doms = {n: d for n, d in ctx.domains.items() if domains is None or n in domains}
+    with stage_timer(ctx, "eval"), progress(f"eval {stage}", len(doms) * cfg.eval.n_eval) as bar:
+        df = evaluate(checkpoint_dir, doms, cfg.eval.n_eval, cfg.run.seed, stage,
+                      max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
+                      progress=lambda done, total: bar(done))
+    ctx.tracker.log_metrics({f"eval/{stage}/{r.domain}": float(r.score) for r in df.itertuples()})
+    ctx.tracker.log_metrics({f"eval/{stage}/mean": float(df["score"].mean())})
+    return df

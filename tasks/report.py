@@ -1,0 +1,44 @@
+"""Publish the run's results: report.json (local path and storage), MLflow table and summary, Prefect artifacts."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import pandas as pd
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from infra.report import build_report, render_table
+from infra.storage import join, write_json
+from tasks.context import RunContext
+
+log = logging.getLogger("alloy")
+
+
+@task(name="publish-report", cache_policy=NO_CACHE)
+def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | None = None, n_teachers: int = 0,
+                   throughput: dict | None = None, guard: dict | None = None, artifacts: dict | None = None) -> dict:
+    ctx.timings["total"] = time.monotonic() - ctx.started
+    tracker = ctx.tracker
+    report = build_report(
+        config=ctx.config_path, run_id=ctx.parent_run_id or "", scores=scores, domains=list(ctx.domains),
+        mlflow={"tracking_uri": getattr(tracker, "tracking_uri", None), "experiment": ctx.cfg.tracking.experiment,
+                "parent_run_id": ctx.parent_run_id},
+        n_teachers=n_teachers, timings_s=ctx.timings, throughput=throughput, guard=guard, artifacts=artifacts,
+    )
+    write_json(join(ctx.storage_url, "report.json"), report)
+    if report_path:
+        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(report_path).write_text(json.dumps(report, indent=2))
+    tracker.log_table(scores, "scores.json")
+    tracker.log_metrics({f"summary/{k}": float(v) for k, v in report["summary"].items() if isinstance(v, (int, float))})
+    tracker.log_dict(report, "report.json")
+    rows = [{"domain": d, **{k: v for k, v in r.items()}} for d, r in report["domains"].items()]
+    create_table_artifact(key="alloy-scores", table=rows, description="Per-domain eval scores (base / specialist / student)")
+    create_markdown_artifact(key="alloy-summary", markdown="```\n" + render_table(report) + "\n```",
+                             description="Alloy run summary")
+    log.info("report:\n%s", render_table(report))
+    return report

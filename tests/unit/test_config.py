@@ -1,0 +1,95 @@
+"""Config loading: defaults, overrides, and errors that name the dotted path."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from infra.config import ConfigError, apply_overrides, config_from_dict, load_config
+
+pytestmark = pytest.mark.unit
+
+MINIMAL = {"domains": [{"name": "addition"}, {"name": "reverse"}]}
+
+
+def write(tmp_path, data) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return str(p)
+
+
+def test_defaults_fill_in(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL))
+    assert cfg.domain_names() == ["addition", "reverse"]
+    assert cfg.base.train.zero_stage == 0 and cfg.engine.host == "127.0.0.1"
+    assert cfg.storage_url.startswith("file://") and cfg.storage_url.endswith("/runs/alloy")
+
+
+def test_overrides_nested_and_list_index(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL), ["base.steps=7", "domains.1.difficulty=3", "base.train.lr=0.01",
+                                                "run.storage=s3://bucket/x"])
+    assert cfg.base.steps == 7 and cfg.domains[1].difficulty == 3 and cfg.base.train.lr == 0.01
+    assert cfg.storage_url == "s3://bucket/x"
+
+
+@pytest.mark.parametrize("override, path", [
+    ("base.stpes=3", "base.stpes: unknown key"),
+    ("base.steps=many", "base.steps: Input should be a valid integer"),
+    ("base.train.zero_stage=5", "base.train.zero_stage"),
+    ("domains.0.difficulty=0", "domains.0.difficulty"),
+    ("eval.n_eval=-1", "eval.n_eval"),
+    ("run.name=a/b", "run.name"),
+    ("domains.0.impl=nocolon", "domains.0.impl"),
+])
+def test_errors_name_the_dotted_path(tmp_path, override, path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, MINIMAL), [override])
+    assert path in str(err.value)
+
+
+def test_several_errors_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"domains": [{"name": "a", "difficulty": "x"}], "bogus": 1, "eval": {"n_eval": 0}})
+    msg = str(err.value)
+    assert "3 error(s)" in msg and "domains.0.difficulty" in msg and "bogus: unknown key" in msg and "eval.n_eval" in msg
+
+
+def test_duplicate_domains_and_unknown_external_teacher():
+    with pytest.raises(ConfigError, match="repeated: \\['a'\\]"):
+        config_from_dict({"domains": [{"name": "a"}, {"name": "a"}]})
+    with pytest.raises(ConfigError, match="not configured: \\['b'\\]"):
+        config_from_dict({"domains": [{"name": "a"}], "teachers": {"external": {"b": "http://127.0.0.1:1"}}})
+    with pytest.raises(ConfigError, match="teachers.external"):
+        config_from_dict({"domains": [{"name": "a"}], "teachers": {"external": {"a": "ftp://x"}}})
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        apply_overrides({}, ["nokey"])
+    with pytest.raises(ConfigError, match="not a valid list index"):
+        apply_overrides({"domains": [{"name": "a"}]}, ["domains.5.name=b"])
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("domains: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_fingerprint_stable_and_sensitive():
+    a = config_from_dict(MINIMAL)
+    b = config_from_dict(MINIMAL)
+    assert a.fingerprint() == b.fingerprint()
+    b.base.steps = 1
+    assert a.fingerprint() != b.fingerprint() and a.fingerprint("model") == b.fingerprint("model")
+
+
+def test_cli_exit_code_2_with_dotted_path(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    proc = subprocess.run([sys.executable, "-m", "alloy.cli", "config", path, "--set", "base.train.dtype=fp8"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "base.train.dtype" in proc.stderr
