@@ -1,0 +1,194 @@
+"""The domain interface: a seeded prompt generator with a disjoint train/eval split, and a verifier.
+
+A domain is a small verifiable task (`add:12+34=` → `46`). Subclasses implement two methods:
+
+* `generate(rng) -> Example`: one random example. The answer must be a function of the prompt.
+* `score(example, response) -> float`: the reward of a model response in [0, 1] (1.0 = exactly right).
+
+Everything else is shared and lives here: parameter validation, `verify` (the never-raising, clamped wrapper that
+trainers and evaluation call), and `split` (n distinct examples; an example is in *eval* iff the sha256 of its prompt
+falls in a fixed 20% bucket, so train and eval are disjoint by construction, for every seed).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+SPLITS = ("train", "eval")
+EVAL_BUCKETS = 5  # eval = bucket 0 of 5 → 20% of the prompt space is held out
+
+
+@dataclass(frozen=True)
+class Example:
+    domain: str
+    prompt: str  # what the model sees, e.g. "add:12+34="
+    answer: str  # the exact target completion, e.g. "46"
+    difficulty: int
+    meta: dict = field(default_factory=dict, compare=False, hash=False)  # optional extras; not part of identity
+
+
+def is_eval_prompt(prompt: str) -> bool:
+    """Whether a prompt belongs to the eval split: a stable hash (sha256, not Python's salted `hash`) into 5 buckets."""
+    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") % EVAL_BUCKETS == 0
+
+
+def positional_credit(answer: str, response: str, weight: float = 0.5) -> float:
+    """Partial credit for string answers: 1.0 if `response == answer`, else
+    `weight * #{i : response[i] == answer[i]} / max(len(answer), len(response))`.
+
+    Dividing by the longer length caps wrong-length responses (extra or missing characters count as wrong),
+    and `weight < 1` keeps every near miss well below an exact match.
+    """
+    if response == answer:
+        return 1.0
+    longest = max(len(answer), len(response))
+    if longest == 0:
+        return 0.0
+    matches = sum(a == r for a, r in zip(answer, response))
+    return weight * matches / longest
+
+
+def _clean_text(s: object) -> bool:
+    """Non-empty printable ASCII without newlines (every character is one token of the char tokenizer)."""
+    return isinstance(s, str) and len(s) > 0 and s.isascii() and s.isprintable()
+
+
+class Domain(ABC):
+    """Base class of every domain, built-in or plugin.
+
+    Subclasses set the class attributes below, implement `generate` and `score`, and may override `setup()` to
+    derive sizes from `self.difficulty` and `self.params` (raise ValueError naming the bad param there).
+    """
+
+    name: str = ""  # registry key, stamped on every Example (load_domain may set a config alias per instance)
+    tag: ClassVar[str] = ""  # short prompt prefix, unique per domain: prompts look like f"{tag}:{body}="
+    description: ClassVar[str] = ""
+    max_answer_chars: int = 16  # upper bound on len(answer) at this instance's difficulty: the generation budget
+    max_difficulty: ClassVar[int] = 10
+    defaults: ClassVar[dict[str, Any]] = {}  # the accepted extra params and their default values
+
+    def __init__(self, difficulty: int = 1, **params: Any):
+        cls = type(self).__name__
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"domain class {cls} must set a non-empty class attribute 'name'")
+        if isinstance(difficulty, bool) or not isinstance(difficulty, int) or not 1 <= difficulty <= self.max_difficulty:
+            raise ValueError(f"domain {self.name!r}: difficulty must be an int in [1, {self.max_difficulty}], "
+                             f"got {difficulty!r}")
+        unknown = sorted(set(params) - set(self.defaults))
+        if unknown:
+            allowed = ", ".join(sorted(self.defaults)) or "none"
+            raise ValueError(f"domain {self.name!r}: unknown param {', '.join(map(repr, unknown))} (allowed: {allowed})")
+        self.difficulty = difficulty
+        self.params: dict[str, Any] = {**self.defaults, **params}
+        self.verifier_errors = 0  # exceptions (or non-finite scores) swallowed by `verify`
+        self.setup()
+
+    def setup(self) -> None:
+        """Hook: validate params and derive sizes (e.g. `self.max_answer_chars`) from the difficulty."""
+
+    # -- the two methods a domain implements ---------------------------------------------------------------------
+
+    @abstractmethod
+    def generate(self, rng: random.Random) -> Example:
+        """One random example, drawn with `rng` only (so splits are reproducible)."""
+
+    @abstractmethod
+    def score(self, example: Example, response: str) -> float:
+        """Reward of `response` (the raw completion text, without the prompt) in [0, 1]."""
+
+    # -- shared behaviour -----------------------------------------------------------------------------------------
+
+    def make(self, body: str, answer: str, **meta: Any) -> Example:
+        """An Example of this domain with the standard prompt format `f"{tag}:{body}="`."""
+        return Example(self.name, f"{self.tag}:{body}=", answer, self.difficulty, meta)
+
+    @property
+    def max_response_chars(self) -> int:
+        """Responses longer than this score 0.0 without reaching `score` (a guard against pathological input)."""
+        return 1024 + 16 * self.max_answer_chars
+
+    def verify(self, example: Example, response: object) -> float:
+        """The reward trainers and evaluation use: `score`, made safe. Never raises.
+
+        Non-str or over-long responses → 0.0. An exception in `score`, or a score that is None/NaN/inf/not a number,
+        → 0.0 and `self.verifier_errors += 1`. Otherwise the score clamped to [0, 1].
+        """
+        if not isinstance(response, str) or len(response) > self.max_response_chars:
+            return 0.0
+        try:
+            value = float(self.score(example, response))
+        except Exception:  # a verifier bug must not crash a training step; it is counted instead
+            self.verifier_errors += 1
+            return 0.0
+        if not math.isfinite(value):
+            self.verifier_errors += 1
+            return 0.0
+        return min(1.0, max(0.0, value))
+
+    def is_correct(self, example: Example, response: object) -> bool:
+        """Exact match: `response.strip() == example.answer` (the 0/1 accuracy, ignoring partial credit)."""
+        return isinstance(response, str) and response.strip() == example.answer
+
+    def demonstration(self, example: Example) -> str:
+        """The full text SFT trains on: prompt followed by the answer (the trainer appends EOS)."""
+        return example.prompt + example.answer
+
+    def split(self, split: str, n: int, seed: int) -> list[Example]:
+        """n distinct examples (distinct prompts) of the "train" or "eval" split, deterministic in
+        (name, split, n, seed, difficulty, params).
+
+        Rejection sampling: draw, keep a prompt iff its eval bucket matches the split and it is new. Draws are
+        bounded (50·n + 5000 in all, ~10x what a 20% bucket needs, and 20,000 in a row without a new example), so a
+        prompt space too small for n distinct examples ends in a ValueError instead of a hang.
+        """
+        if split not in SPLITS:
+            raise ValueError(f"domain {self.name!r}: split must be one of {SPLITS}, got {split!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"domain {self.name!r}: n must be a non-negative int, got {n!r}")
+        # A str seed is hashed with sha512 by `random.seed`: stable across processes (unlike Python's hash).
+        params = repr(sorted(self.params.items()))
+        rng = random.Random(f"{self.name}|{split}|{seed}|{self.difficulty}|{params}")
+        want_eval = split == "eval"
+        seen: set[str] = set()
+        out: list[Example] = []
+        max_attempts, max_stall = 50 * n + 5000, 20_000
+        attempts = stall = 0
+        while len(out) < n and attempts < max_attempts and stall < max_stall:
+            attempts += 1
+            stall += 1
+            ex = self.generate(rng)
+            if ex.prompt in seen or is_eval_prompt(ex.prompt) != want_eval:
+                continue
+            stall = 0
+            self._check_example(ex)
+            seen.add(ex.prompt)
+            out.append(ex)
+        if len(out) < n:
+            raise ValueError(
+                f"domain {self.name!r} (difficulty {self.difficulty}): found only {len(out)} distinct {split} examples "
+                f"in {attempts} draws, {n} requested; the prompt space is too small, ask for fewer examples or raise "
+                f"the difficulty")
+        return out
+
+    def _check_example(self, ex: Example) -> None:
+        """Fail fast (naming the domain and the example) when a generator breaks the Example contract."""
+        problem = None
+        if not isinstance(ex, Example):
+            problem = f"generate() returned {type(ex).__name__}, not Example"
+        elif not _clean_text(ex.prompt):
+            problem = "prompt must be non-empty printable ASCII without newlines"
+        elif not _clean_text(ex.answer) or ex.answer != ex.answer.strip():
+            problem = "answer must be non-empty printable ASCII without newlines or surrounding spaces"
+        elif len(ex.answer) > self.max_answer_chars:
+            problem = f"answer is longer than max_answer_chars={self.max_answer_chars}"
+        if problem:
+            raise ValueError(f"domain {self.name!r}: bad example {ex!r}: {problem}")
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v in self.params.items())
+        return f"{type(self).__name__}(name={self.name!r}, difficulty={self.difficulty}{extra})"

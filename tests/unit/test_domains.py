@@ -1,0 +1,314 @@
+"""Built-in domains and the Domain base class: answers checked against independent oracles and by hand, verifier
+robustness (never raises, always in [0, 1]), disjoint and deterministic train/eval splits, difficulty scaling."""
+import math
+import random
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from domains.base import Domain, Example, is_eval_prompt, positional_credit
+from domains.builtin.text import Caesar, is_balanced
+from domains.registry import BUILTIN, list_domains, load_domain
+
+pytestmark = pytest.mark.unit
+
+NAMES = sorted(BUILTIN)
+PARTIAL = {"binary", "reverse", "copy", "sort_digits", "case_swap", "caesar"}  # positional partial credit
+
+
+def _body(prompt: str) -> str:
+    """'add:12+34=' → '12+34'."""
+    return prompt.split(":", 1)[1][:-1]
+
+
+def _count(body: str) -> str:
+    target, s = body.split(":")
+    return str(s.count(target))
+
+
+def _caesar(body: str) -> str:
+    k, s = body.split(":")
+    return "".join(chr((ord(c) - 97 + int(k)) % 26 + 97) for c in s)
+
+
+def _balanced_by_erasure(s: str) -> bool:
+    """A second, independent bracket check: erase adjacent matched pairs until none is left."""
+    while any(p in s for p in ("()", "[]", "{}")):
+        s = s.replace("()", "").replace("[]", "").replace("{}", "")
+    return s == ""
+
+
+# Independent re-implementations: prompt body → expected answer.
+ORACLES = {
+    "addition": lambda b: str(sum(int(x) for x in b.split("+"))),
+    "subtraction": lambda b: str(int(b.split("-")[0]) - int(b.split("-")[1])),
+    "multiplication": lambda b: str(math.prod(int(x) for x in b.split("*"))),
+    "max_list": lambda b: str(max(int(x) for x in b.split(","))),
+    "digit_sum": lambda b: str(sum(int(c) for c in b) % 10),
+    "binary": lambda b: bin(int(b))[2:],
+    "reverse": lambda b: "".join(reversed(b)),
+    "copy": lambda b: b,
+    "sort_digits": lambda b: "".join(sorted(b)),
+    "case_swap": lambda b: "".join(c.lower() if c.isupper() else c.upper() for c in b),
+    "caesar": _caesar,
+    "count_char": _count,
+    "brackets": lambda b: "yes" if _balanced_by_erasure(b) else "no",
+}
+
+
+def _wrong(answer: str) -> str:
+    """The answer with its last character changed (same length)."""
+    last = "0" if answer[-1] != "0" else "1"
+    return answer[:-1] + last
+
+
+@pytest.fixture(scope="module")
+def samples():
+    """name → 100 train examples at difficulty 1 (generated once per module)."""
+    return {name: load_domain(name).split("train", 100, seed=0) for name in NAMES}
+
+
+def test_thirteen_builtins_with_unique_tags():
+    assert list_domains() == NAMES and len(NAMES) >= 13
+    tags = [cls.tag for cls in BUILTIN.values()]
+    assert len(set(tags)) == len(tags) and all(tags)
+    assert all(cls.name == name and cls.description for name, cls in BUILTIN.items())
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("difficulty", [1, 3])
+def test_answers_match_independent_oracle(name, difficulty):
+    dom = load_domain(name, difficulty=difficulty)
+    for ex in dom.split("train", 150, seed=1) + dom.split("eval", 50, seed=1):
+        assert ex.domain == name and ex.difficulty == difficulty
+        assert ex.answer == ORACLES[name](_body(ex.prompt)), ex
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_right_answer_scores_one_and_wrong_scores_less(name, samples):
+    dom = load_domain(name)
+    for ex in samples[name]:
+        assert dom.verify(ex, ex.answer) == 1.0
+        assert dom.verify(ex, f"  {ex.answer}\n") == 1.0  # surrounding whitespace is stripped
+        assert dom.is_correct(ex, ex.answer) and not dom.is_correct(ex, _wrong(ex.answer))
+        wrong = dom.verify(ex, _wrong(ex.answer))
+        if name in PARTIAL:  # one of L characters wrong: 0.5 * (L-1) / L
+            assert wrong == pytest.approx(0.5 * (len(ex.answer) - 1) / len(ex.answer), abs=1e-12)
+        else:
+            assert wrong == 0.0
+    assert dom.verifier_errors == 0
+
+
+@pytest.mark.parametrize("name", ["addition", "subtraction", "multiplication", "max_list", "digit_sum", "count_char"])
+def test_numeric_near_miss_scores_zero(name, samples):
+    dom = load_domain(name)
+    for ex in samples[name]:
+        assert dom.verify(ex, str(int(ex.answer) + 1)) == 0.0
+
+
+def test_brackets_flipped_answer_scores_zero_and_classes_are_balanced(samples):
+    dom = load_domain("brackets")
+    exs = dom.split("train", 1000, seed=0)
+    for ex in exs[:100]:
+        assert dom.verify(ex, "no" if ex.answer == "yes" else "yes") == 0.0
+    n_yes = sum(ex.answer == "yes" for ex in exs)
+    assert 400 <= n_yes <= 600  # a constant answer cannot score much above 0.5
+
+
+# Junk that shares no character with any answer (answers use letters and digits only), so even partial credit is 0.
+GARBAGE = ["", "   ", "\n\t", "\x00\x01\x7f", "🙂🙂", "!?#", "-+*/", "=" * 50, "~" * 1000]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_garbage_empty_huge_and_non_str_score_zero(name, samples):
+    dom = load_domain(name)
+    ex = samples[name][0]
+    for bad in GARBAGE + ["x" * 1_000_000, ex.answer * 200_000, ex.answer + " " * 1_000_000]:  # 1 MB: over the limit
+        assert dom.verify(ex, bad) == 0.0, bad[:40]
+    for bad in [None, 42, 4.6, b"46", [ex.answer], {"text": ex.answer}]:
+        assert dom.verify(ex, bad) == 0.0
+    for echo in (ex.prompt, ex.prompt + ex.answer):  # echoing the prompt is wrong (chance characters at most)
+        assert dom.verify(ex, echo) < (0.5 if name in PARTIAL else 1e-12)
+    assert dom.verifier_errors == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(NAMES), text=st.text(max_size=40), difficulty=st.integers(1, 10))
+def test_verify_never_raises_and_stays_in_unit_interval(name, text, difficulty):
+    dom = load_domain(name, difficulty=difficulty)
+    ex = dom.generate(random.Random(text))
+    for response in (text, ex.answer + text, text + ex.answer):
+        r = dom.verify(ex, response)
+        assert type(r) is float and 0.0 <= r <= 1.0
+    assert dom.verifier_errors == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_splits_disjoint_distinct_deterministic(name):
+    dom = load_domain(name)
+    train, evals = dom.split("train", 300, seed=0), dom.split("eval", 100, seed=0)
+    assert len({e.prompt for e in train}) == 300 and len({e.prompt for e in evals}) == 100
+    assert not {e.prompt for e in train} & {e.prompt for e in evals}
+    assert all(is_eval_prompt(e.prompt) for e in evals) and not any(is_eval_prompt(e.prompt) for e in train)
+    assert dom.split("train", 300, seed=0) == train
+    assert load_domain(name).split("eval", 100, seed=0) == evals  # a fresh instance gives the same list
+    other_seed = dom.split("train", 300, seed=1)
+    assert other_seed != train
+    assert not {e.prompt for e in other_seed} & {e.prompt for e in evals}  # disjoint across seeds too
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_default_config_sizes_fit_at_difficulty_one(name):
+    """The default config draws 2,000 train and up to a few hundred eval examples per domain at difficulty 1."""
+    dom = load_domain(name)
+    assert len(dom.split("train", 2000, seed=0)) == 2000
+    assert len(dom.split("eval", 300, seed=0)) == 300
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_difficulty_changes_the_examples(name):
+    easy, hard = load_domain(name, difficulty=1), load_domain(name, difficulty=4)
+    easy_ex, hard_ex = easy.split("train", 200, seed=0), hard.split("train", 200, seed=0)
+    size = lambda exs: sum(len(e.prompt) + len(e.answer) for e in exs) / len(exs)  # noqa: E731
+    assert size(hard_ex) > size(easy_ex)
+    assert hard.max_answer_chars >= easy.max_answer_chars
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    from infra.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_formats_fit_the_char_tokenizer_and_tiny_models(name, char_tokenizer):
+    printable = {chr(c) for c in range(32, 127)}  # newline is a token too, but never inside a prompt or answer
+    tag = BUILTIN[name].tag
+    for difficulty in range(1, 11):
+        dom = load_domain(name, difficulty=difficulty)
+        exs = dom.split("train", 60, seed=0)  # split also checks len(answer) <= max_answer_chars
+        ids = char_tokenizer([dom.demonstration(ex) for ex in exs], add_special_tokens=False).input_ids
+        for ex, row in zip(exs, ids):
+            assert len(row) == len(ex.prompt) + len(ex.answer) and char_tokenizer.unk_token_id not in row
+            assert char_tokenizer.decode(row) == ex.prompt + ex.answer
+            assert set(ex.prompt) <= printable and set(ex.answer) <= printable
+            assert ex.prompt.startswith(tag + ":") and ex.prompt.endswith("=")
+            assert dom.demonstration(ex) == ex.prompt + ex.answer
+            if difficulty <= 2:
+                assert len(ex.prompt) <= 24
+                assert len(ex.answer) <= (14 if name == "binary" else 10)  # binary: 12 bits at d=1, 14 at d=2
+
+
+def test_hand_checked_answers():
+    assert Caesar.shift_text("abz", 1) == "bca"
+    cases = {  # name → (prompt body, answer), worked out by hand
+        "addition": ("57+68", "125"), "subtraction": ("68-57", "11"), "multiplication": ("123*7", "861"),
+        "max_list": ("3,9,1", "9"), "digit_sum": ("4821", "5"), "binary": ("13", "1101"),
+        "reverse": ("abcd", "dcba"), "copy": ("abcd", "abcd"), "sort_digits": ("3141", "1134"),
+        "case_swap": ("aBcD", "AbCd"), "caesar": ("1:abz", "bca"), "count_char": ("a:abcab", "2"),
+        "brackets": ("([)]", "no"),
+    }
+    for name, (body, answer) in cases.items():
+        assert ORACLES[name](body) == answer, name
+        dom = load_domain(name)
+        ex = dom.make(body, answer)
+        assert ex.prompt == f"{BUILTIN[name].tag}:{body}=" and dom.verify(ex, answer) == 1.0
+    assert is_balanced("([]{})") and is_balanced("") and not is_balanced("([)]") and not is_balanced("((")
+    assert not is_balanced(")(") and not is_balanced("{]")
+
+
+def test_positional_partial_credit_by_hand():
+    rev = load_domain("reverse")
+    ex = rev.make("abcd", "dcba")
+    assert rev.verify(ex, "dcbx") == pytest.approx(0.5 * 3 / 4)  # 3 of 4 positions right
+    assert rev.verify(ex, "dcb") == pytest.approx(0.5 * 3 / 4)  # missing char counts as wrong
+    assert rev.verify(ex, "dcbaa") == pytest.approx(0.5 * 4 / 5)  # extra char: over the longer length
+    assert rev.verify(ex, "abcd") == 0.0  # no position right
+    assert positional_credit("", "") == 1.0 and positional_credit("ab", "") == 0.0
+    assert load_domain("binary").verify(load_domain("binary").make("13", "1101"), "1100") == pytest.approx(0.375)
+
+
+def test_caesar_fixed_shift_param_and_validation():
+    dom = load_domain("caesar", params={"shift": 3})
+    for ex in dom.split("train", 50, seed=0):
+        assert _body(ex.prompt).startswith("3:")
+    for bad in (0, 26, "3", True):
+        with pytest.raises(ValueError, match="shift"):
+            Caesar(shift=bad)
+
+
+# -- the base class ------------------------------------------------------------------------------------------------
+
+
+class Tiny(Domain):
+    """A ten-prompt domain whose scorer misbehaves on purpose, driven by the response text."""
+
+    name, tag = "tiny", "tny"
+    max_answer_chars = 1
+
+    def generate(self, rng):
+        d = rng.randrange(10)
+        return self.make(str(d), str(d))
+
+    def score(self, example, response):
+        table = {"raise": None, "nan": math.nan, "inf": math.inf, "big": 5, "neg": -1.0, "none": None, "str": "0.25"}
+        if response == "raise":
+            raise RuntimeError("verifier bug")
+        return table.get(response, 1.0 if response == example.answer else 0.0)
+
+
+def test_verify_wraps_score_and_counts_errors():
+    dom = Tiny()
+    ex = dom.make("3", "3")
+    assert dom.verify(ex, "3") == 1.0 and dom.verify(ex, "4") == 0.0
+    assert dom.verify(ex, "big") == 1.0 and dom.verify(ex, "neg") == 0.0  # clamped
+    assert dom.verify(ex, "str") == 0.25  # anything float() accepts
+    assert dom.verifier_errors == 0
+    for bad in ("raise", "nan", "inf", "none"):
+        assert dom.verify(ex, bad) == 0.0
+    assert dom.verifier_errors == 4
+
+
+def test_split_errors_and_termination():
+    dom = Tiny()
+    assert dom.split("eval", 0, seed=0) == []
+    n_eval = sum(is_eval_prompt(f"tny:{d}=") for d in range(10))
+    assert len(dom.split("eval", n_eval, seed=0)) == n_eval  # the whole eval bucket of a 10-prompt space
+    with pytest.raises(ValueError, match=r"'tiny'.*only \d+ distinct train examples.*50 requested"):
+        dom.split("train", 50, seed=0)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="too small"):  # stops after 20,000 draws without a new example
+        load_domain("addition").split("eval", 10**9, seed=0)
+    assert time.monotonic() - t0 < 3.0
+    with pytest.raises(ValueError, match="split must be one of"):
+        dom.split("test", 5, seed=0)
+    with pytest.raises(ValueError, match="n must be"):
+        dom.split("train", -1, seed=0)
+
+
+def test_constructor_validates_difficulty_and_params():
+    with pytest.raises(ValueError, match=r"unknown param 'colour'.*allowed: none"):
+        load_domain("addition").__class__(colour=1)
+    for bad in (0, 11, True, "2", 1.0):
+        with pytest.raises(ValueError, match="difficulty"):
+            Tiny(difficulty=bad)
+
+
+def test_generator_contract_is_enforced():
+    class Broken(Tiny):
+        name = "broken"
+
+        def generate(self, rng):
+            return self.make("1", "12")  # longer than max_answer_chars=1
+
+    with pytest.raises(ValueError, match=r"'broken'.*max_answer_chars"):
+        Broken().split("train", 1, seed=0)
+
+
+def test_example_meta_is_not_part_of_identity():
+    a = Example("d", "p", "a", 1, {"x": 1})
+    b = Example("d", "p", "a", 1)
+    assert a == b and hash(a) == hash(b) and a.meta == {"x": 1}
