@@ -1,0 +1,234 @@
+"""On-Policy Distillation losses: pure functions on tensors, no config objects, no I/O.
+
+The student samples its own response y; the domain's teacher scores it (per-token log-prob of y_t and its top-k
+distribution at every position). Two losses, both token-level and chosen by name (``get_loss``):
+
+- ``sampled_rkl``: reverse KL on the sampled token used as a detached advantage in a policy-gradient loss
+  (Agarwal et al. 2024 "On-Policy Distillation of Language Models", arXiv:2306.13649; Thinking Machines
+  "On-Policy Distillation" 2025; the slime OPD form);
+- ``topk_kl``: KL between teacher and student over the teacher's top-k ids plus one tail bucket, forward, reverse,
+  or TRL/GKD's generalized JSD.
+
+Conventions: padded ``(B, T)`` tensors with ``mask (B, T)`` (1 = response token that counts); losses return
+``(loss, metrics)`` with metrics as python floats; aggregation is token-mean (Σ over valid tokens / their number, or
+/ ``global_token_count`` so that data-parallel ranks sum to the one-rank loss). The few masked-mean lines are
+repeated here on purpose: ``student`` does not import ``teachers``' internals (DESIGN, "Imports flow one way").
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+DIRECTIONS = ("forward", "reverse", "jsd")
+# Tail mass is clamped to ≥ TAIL_MIN so log(tail) stays finite (reverse KL against a teacher whose top-k already holds
+# all the mass would otherwise be +inf); log-probs are clamped to ≥ LOG_FLOOR so -inf (masked vocab) stays finite.
+TAIL_MIN = 1e-12
+LOG_FLOOR = -1e4
+_MAX_LOG_RATIO = 20.0
+
+
+def _token_mean(x: torch.Tensor, valid: torch.Tensor, global_token_count: float | torch.Tensor | None) -> torch.Tensor:
+    """Σ_{valid} x / N with N = number of valid tokens (or global_token_count). x, valid (B, T)."""
+    total = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
+    if global_token_count is None:
+        return total / max(int(valid.sum()), 1)
+    if float(global_token_count) <= 0:
+        raise ValueError(f"global_token_count must be > 0, got {float(global_token_count)}")
+    return total / global_token_count
+
+
+def _mean(x: torch.Tensor, valid: torch.Tensor) -> float:
+    return _token_mean(x.detach(), valid, None).item()
+
+
+def _check_bt(fn: str, mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and tuple(t.shape) != tuple(mask.shape):
+            raise ValueError(f"{fn}: {name} has shape {tuple(t.shape)} but mask has {tuple(mask.shape)}")
+
+
+def importance_ratio(logp_current: torch.Tensor, logp_behaviour: torch.Tensor, mask: torch.Tensor,
+                     clip: float | None = None) -> torch.Tensor:
+    """Per-token importance weight for tokens sampled by an older student (the behaviour policy), detached:
+
+        w_t = exp(log π_current(y_t) − log π_behaviour(y_t)),   truncated at ``clip`` if given: min(w_t, clip)
+
+    Exactly 1 on-policy (exp(0)). Computed as exp(min(Δ, log clip)) so it cannot overflow.
+    Shapes: logp_current, logp_behaviour, mask (B, T) → w (B, T), 0 on padded positions.
+    """
+    _check_bt("importance_ratio", mask, logp_current=logp_current, logp_behaviour=logp_behaviour)
+    if clip is not None and clip <= 0:
+        raise ValueError(f"importance_ratio: clip must be > 0 or None, got {clip}")
+    log_w = (logp_current.detach() - logp_behaviour.detach()).clamp(max=_MAX_LOG_RATIO)
+    if clip is not None:
+        log_w = log_w.clamp(max=math.log(clip))
+    w = torch.exp(log_w)
+    return torch.where(mask != 0, w, torch.zeros((), dtype=w.dtype, device=w.device))
+
+
+def sampled_rkl_loss(logp_student: torch.Tensor, logp_teacher: torch.Tensor, mask: torch.Tensor,
+                     old_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None,
+                     reward_adv: torch.Tensor | None = None, reward_coef: float = 0.0, is_clip: float | None = None,
+                     global_token_count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sampled-token reverse KL as a policy-gradient loss (slime / Thinking Machines OPD form):
+
+        rkl_t = log π_s(y_t) − log π_T(y_t)          (π_s from old_logp if given, else the detached logp_student)
+        A_t   = −rkl_t + reward_coef · reward_adv     (detached)
+        ρ_t   = exp(logp_t − sg(logp_t))              (= 1 in value; ∇ρ_t = ∇ log π_s(y_t))
+        w_t   = min(exp(sg(logp_t) − rollout_logp_t), is_clip)   (1 if rollout_logp is None; see importance_ratio)
+        ℓ_t   = −A_t · ρ_t · w_t,     loss = token-mean of ℓ over the mask
+
+    so ∇loss = −(1/N) Σ_t w_t·A_t·∇ log π_s(y_t): minimising it descends the reverse KL E_{y~π_s}[log π_s − log π_T]
+    (the score-function gradient, per token without future-token credit, as in the references).
+    Shapes: logp_student (B, T) with grad; logp_teacher, mask, old_logp, rollout_logp (B, T); reward_adv (B,) or (B, T).
+    Metrics: ``loss``, ``reverse_kl`` (mean rkl_t on sampled tokens; can be < 0 per sample), ``adv_abs_mean``,
+    ``is_weight_mean``.
+    """
+    _check_bt("sampled_rkl_loss", mask, logp_student=logp_student, logp_teacher=logp_teacher, old_logp=old_logp,
+              rollout_logp=rollout_logp)
+    if reward_coef != 0.0 and reward_adv is None:
+        raise ValueError(f"sampled_rkl_loss: reward_coef={reward_coef} but reward_adv is None")
+    valid = mask != 0
+    # Padding may hold garbage: zero it with torch.where so neither the loss nor a gradient (via 0·nan) sees it.
+    zero = torch.zeros((), dtype=logp_student.dtype, device=logp_student.device)
+    logp_student, logp_teacher, old_logp, rollout_logp = [
+        None if x is None else torch.where(valid, x, zero) for x in (logp_student, logp_teacher, old_logp, rollout_logp)]
+    logp_det = logp_student.detach()
+    student_ref = logp_det if old_logp is None else old_logp.detach()
+    rkl = student_ref - logp_teacher.detach()
+    adv = -rkl
+    if reward_adv is not None and reward_coef != 0.0:
+        r = reward_adv.detach().to(adv.dtype)
+        if r.dim() == 1:
+            if r.shape[0] != mask.shape[0]:
+                raise ValueError(f"sampled_rkl_loss: reward_adv has shape {tuple(r.shape)}, expected "
+                                 f"({mask.shape[0]},) or {tuple(mask.shape)}")
+            r = r[:, None]
+        else:
+            _check_bt("sampled_rkl_loss", mask, reward_adv=r)
+        adv = adv + reward_coef * torch.where(valid, r, zero)
+    ratio = torch.exp(logp_student - logp_det)
+    if rollout_logp is None:
+        w = torch.ones_like(logp_det)
+    else:
+        w = importance_ratio(logp_det, rollout_logp, mask, is_clip)
+    loss = _token_mean(-adv * ratio * w, valid, global_token_count)
+    metrics = {
+        "loss": loss.item(),
+        "reverse_kl": _mean(rkl, valid),
+        "adv_abs_mean": _mean(adv.abs(), valid),
+        "is_weight_mean": _mean(w, valid),
+    }
+    return loss, metrics
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − exp(x)) for x < 0, stable at both ends (Mächler 2012): log(−expm1(x)) near 0, log1p(−exp(x)) below."""
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _with_tail(topk_logp: torch.Tensor) -> torch.Tensor:
+    """Append the tail bucket: (…, K) log-probs → (…, K + 1), last = log(max(1 − Σ_k p_k, TAIL_MIN))."""
+    lse = torch.logsumexp(topk_logp, dim=-1, keepdim=True).clamp(max=math.log1p(-TAIL_MIN))
+    return torch.cat([topk_logp, _log1mexp(lse)], dim=-1)
+
+
+def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(P‖Q) = Σ_i p_i (log p_i − log q_i) over the last dim."""
+    return (logp.exp() * (logp - logq)).sum(dim=-1)
+
+
+def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor, teacher_topk_logp: torch.Tensor,
+                 mask: torch.Tensor, direction: str = "forward", beta: float = 0.5,
+                 global_token_count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level KL between the teacher's top-k distribution and the student's, each with one tail bucket.
+
+    Buckets at each position: the K teacher ids, plus a tail holding the rest of the mass,
+        T = (p_T(i_1), …, p_T(i_K), max(1 − Σ_k p_T(i_k), TAIL_MIN))
+        S = (p_S(i_1), …, p_S(i_K), max(1 − Σ_k p_S(i_k), TAIL_MIN))
+    With K = V the tail is empty (TAIL_MIN) and the divergence equals the full-vocabulary one (up to ~1e-12).
+    Then per token (``direction``):
+        forward: KL(T‖S)            reverse: KL(S‖T)
+        jsd:     exactly TRL's GKD ``generalized_jsd_loss`` (arXiv:2306.13649 eq. 1):
+                 M = β·T + (1 − β)·S,   JSD_β = β·KL(T‖M) + (1 − β)·KL(S‖M),
+                 and, as TRL special-cases them, β = 0 → KL(T‖S) (forward) and β = 1 → KL(S‖T) (reverse).
+                 Note JSD_β itself → 0 at both ends; the continuous limits are JSD_β/β → KL(T‖S) as β → 0 and
+                 JSD_β/(1 − β) → KL(S‖T) as β → 1, so the special cases are a (documented) jump, as in TRL.
+    loss = token-mean over the mask. All in log space (logsumexp, log1mexp), in float32 or wider.
+
+    Shapes: student_logits (B, T, V) logits or full log-probs (log_softmax is applied; it is the identity on log-probs);
+    teacher_topk_ids (B, T, K) integer ids, distinct per position; teacher_topk_logp (B, T, K) teacher log-probs of
+    those ids (under the teacher's full softmax); mask (B, T). Gradient flows to student_logits only.
+    Metrics: ``loss``, ``teacher_tail_mass``, ``student_tail_mass``.
+    """
+    if student_logits.dim() != 3:
+        raise ValueError(f"topk_kl_loss: student_logits must be (B, T, V), got shape {tuple(student_logits.shape)}")
+    B, T, V = student_logits.shape
+    if teacher_topk_ids.dim() != 3 or tuple(teacher_topk_ids.shape[:2]) != (B, T):
+        raise ValueError(f"topk_kl_loss: teacher_topk_ids has shape {tuple(teacher_topk_ids.shape)}, "
+                         f"expected ({B}, {T}, K)")
+    if teacher_topk_logp.shape != teacher_topk_ids.shape:
+        raise ValueError(f"topk_kl_loss: teacher_topk_logp has shape {tuple(teacher_topk_logp.shape)} but "
+                         f"teacher_topk_ids has {tuple(teacher_topk_ids.shape)}")
+    K = teacher_topk_ids.shape[-1]
+    if not 1 <= K <= V:
+        raise ValueError(f"topk_kl_loss: need 1 <= K <= V, got K={K}, V={V}")
+    if tuple(mask.shape) != (B, T):
+        raise ValueError(f"topk_kl_loss: mask has shape {tuple(mask.shape)}, expected ({B}, {T})")
+    if direction not in DIRECTIONS:
+        raise ValueError(f"topk_kl_loss: direction={direction!r}; valid directions are {list(DIRECTIONS)}")
+    if direction == "jsd" and not 0.0 <= beta <= 1.0:
+        raise ValueError(f"topk_kl_loss: beta must be in [0, 1], got {beta}")
+
+    valid = mask != 0
+    valid_k = valid[..., None].expand(B, T, K)
+    ids = teacher_topk_ids.long()
+    if bool(((ids < 0) | (ids >= V))[valid_k].any()):
+        raise ValueError(f"topk_kl_loss: teacher_topk_ids out of range [0, {V}) at a valid position")
+    sorted_ids = ids.sort(dim=-1).values
+    dup = (sorted_ids[..., 1:] == sorted_ids[..., :-1]).any(dim=-1) & valid
+    if bool(dup.any()):
+        b, t = dup.nonzero()[0].tolist()
+        raise ValueError(f"topk_kl_loss: teacher_topk_ids has a repeated id at (row, t)=({b}, {t})")
+
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    # Padded positions may hold garbage ids/log-probs; replace them so no nan can reach a gradient.
+    ids = torch.where(valid_k, ids, torch.arange(K, device=ids.device).expand(B, T, K))
+    filler = torch.full((), -math.log(K), dtype=dtype, device=student_logits.device)
+    t_top = torch.where(valid_k, teacher_topk_logp.detach().to(dtype), filler)
+    student_logits = torch.where(valid[..., None], student_logits.to(dtype), torch.zeros((), dtype=dtype,
+                                                                                         device=student_logits.device))
+    s_full = torch.log_softmax(student_logits, dim=-1)
+    s_log = _with_tail(s_full.gather(-1, ids).clamp_min(LOG_FLOOR))     # (B, T, K+1)
+    t_log = _with_tail(t_top.clamp_min(LOG_FLOOR))                      # (B, T, K+1)
+
+    if direction == "forward" or (direction == "jsd" and beta == 0.0):
+        per_tok = _kl(t_log, s_log)
+    elif direction == "reverse" or (direction == "jsd" and beta == 1.0):
+        per_tok = _kl(s_log, t_log)
+    else:
+        m_log = torch.logsumexp(torch.stack([t_log + math.log(beta), s_log + math.log1p(-beta)]), dim=0)
+        per_tok = beta * _kl(t_log, m_log) + (1.0 - beta) * _kl(s_log, m_log)
+
+    loss = _token_mean(per_tok, valid, global_token_count)
+    metrics = {
+        "loss": loss.item(),
+        "teacher_tail_mass": _mean(t_log[..., -1].exp(), valid),
+        "student_tail_mass": _mean(s_log[..., -1].exp(), valid),
+    }
+    return loss, metrics
+
+
+LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
+    "sampled_rkl": sampled_rkl_loss,
+    "topk_kl": topk_kl_loss,
+}
+
+
+def get_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """The OPD loss function registered under ``name`` (see ``LOSSES``)."""
+    if name not in LOSSES:
+        raise ValueError(f"unknown OPD loss {name!r}; valid names are {sorted(LOSSES)}")
+    return LOSSES[name]
