@@ -11,6 +11,8 @@ os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 
 import pytest
 
+from s3_fixtures import moto_server, s3_bucket, s3_env  # noqa: F401,E402  (pytest fixtures)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
