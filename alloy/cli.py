@@ -24,6 +24,8 @@ def _env_defaults() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; avoids a telemetry error line
 
 
 # ------------------------------------------------------------------------------------------ commands

@@ -21,7 +21,7 @@ log = logging.getLogger("alloy")
 def open_run(config_path: str, overrides: list[str]) -> RunContext:
     cfg = load_config(config_path, overrides)
     domains = load_domains(cfg)
-    work_dir = Path(cfg.run.root).resolve() / cfg.run.name
+    work_dir = Path(cfg.run.root).resolve() / cfg.run.name / "work"  # local scratch; storage holds what is committed
     work_dir.mkdir(parents=True, exist_ok=True)
     if cfg.tracking.enabled:
         tracker = Tracker(runs_root=cfg.run.root, experiment=cfg.tracking.experiment, uri=cfg.tracking.uri)

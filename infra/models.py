@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, LlamaConfig, LlamaForCausalLM
 
 from infra.tokenizer import save_char_tokenizer
+
+hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars are noise for tiny local checkpoints
 
 
 @dataclass(frozen=True)

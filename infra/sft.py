@@ -82,12 +82,11 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple[str, str]], steps: int, 
         global_idx, order = order[:batch_size], order[batch_size:]
         local_idx = global_idx[backend.rank :: backend.world_size]
         batch = collate([encoded[i] for i in local_idx], tokenizer.pad_token_id)
-        # normalise by the global token count so N ranks and 1 rank give the same update
+        # normalise by the global token count (N / W per rank) so N ranks and 1 rank give the same update
         global_tokens = float(sum(len(encoded[i][0]) - encoded[i][1] for i in global_idx))
-        out = backend.module(input_ids=batch.input_ids.to(backend.device),
-                             attention_mask=batch.attention_mask.to(backend.device))
+        out = backend(input_ids=batch.input_ids.to(backend.device), attention_mask=batch.attention_mask.to(backend.device))
         loss, metrics = sft_loss(out.logits, batch.input_ids.to(backend.device), batch.loss_mask.to(backend.device),
-                                 token_normalizer=global_tokens / backend.world_size)
+                                 token_normalizer=backend.loss_normalizer(global_tokens))
         metrics.update(backend.step(loss))
         if on_step is not None:
             on_step(step, metrics)

@@ -41,5 +41,7 @@ def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | Non
     create_table_artifact(key="alloy-scores", table=rows, description="Per-domain eval scores (base / specialist / student)")
     create_markdown_artifact(key="alloy-summary", markdown="```\n" + render_table(report) + "\n```",
                              description="Alloy run summary")
-    log.info("report:\n%s", render_table(report))
+    s = report["summary"]
+    log.info("report: %d domains, base mean %s, specialist mean %s, student mean %s", s["n_domains"], s["base_mean"],
+             s["specialist_mean"], s["student_mean"])
     return report

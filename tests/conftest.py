@@ -8,6 +8,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.pop("MLFLOW_TRACKING_URI", None)  # tests use their own SQLite stores
 
 import pytest
 
@@ -20,3 +23,13 @@ def tiny_model_dir(tmp_path_factory):
     from infra.models import init_model_dir
 
     return init_model_dir("tiny", tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One Prefect test harness (a temporary API + SQLite) for the whole session: it takes ~15 s to start."""
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,104 @@
+"""The pipeline (base → eval → report) as a real Prefect flow with real DeepSpeed, MLflow (SQLite) and storage."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from infra.storage import latest_complete, read_json, verify_checkpoint
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = str(ROOT / "configs" / "smoke.yaml")
+FAST = ["base.steps=20", "base.n_train_per_domain=200", "eval.n_eval=10"]
+
+REPORT_KEYS = {"config", "run_id", "mlflow", "domains", "summary", "timings_s", "throughput", "guard", "artifacts"}
+
+
+def check_report(report: dict, n_domains: int) -> None:
+    assert REPORT_KEYS <= set(report)
+    assert len(report["domains"]) == n_domains
+    for dom, row in report["domains"].items():
+        assert 0.0 <= row["base"] <= 1.0 and row["n_eval"] == 10, dom
+    assert report["summary"]["n_domains"] == n_domains
+    assert report["summary"]["base_mean"] == pytest.approx(
+        sum(r["base"] for r in report["domains"].values()) / n_domains, abs=1e-5)
+    assert report["timings_s"]["base"] > 0 and report["timings_s"]["total"] >= report["timings_s"]["base"]
+
+
+def test_smoke_pipeline_local(tmp_path, prefect_harness):
+    from flows.pipeline import pipeline
+
+    out = tmp_path / "out.json"
+    report = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}"], report_path=str(out))
+    check_report(json.loads(out.read_text()), 3)
+    assert report["run_id"] == report["mlflow"]["parent_run_id"]
+
+    # MLflow: the parent run and its nested base run exist in the SQLite store
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    parent = client.get_run(report["mlflow"]["parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["domains.0.name"] == "reverse"
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert [c.info.run_name for c in children] == ["base"]
+    assert "sft/loss" in children[0].data.metrics
+
+    # storage: the base checkpoint is committed by a valid COMPLETE manifest, the report sits beside it
+    ckpt = latest_complete(f"file://{tmp_path}/smoke/{_base_dir(tmp_path)}")
+    assert ckpt and verify_checkpoint(ckpt, deep=True)[0]
+    assert read_json(f"file://{tmp_path}/smoke/report.json")["run_id"] == report["run_id"]
+
+    # a second run with the same config reuses the committed base checkpoint (no retraining)
+    again = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}"])
+    assert again["timings_s"]["base"] < 5.0
+    assert again["domains"] == report["domains"]
+
+
+def _base_dir(tmp_path: Path) -> str:
+    dirs = [p.name for p in (tmp_path / "smoke").iterdir() if p.name.startswith("base-")]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def test_smoke_pipeline_on_s3(tmp_path, s3_bucket, prefect_harness):
+    from flows.pipeline import pipeline
+
+    storage = f"{s3_bucket}/alloy/smoke"
+    report = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}", f"run.storage={storage}"])
+    check_report(report, 3)
+    assert read_json(f"{storage}/report.json")["run_id"] == report["run_id"]
+    from infra.storage import get_fs
+
+    fs, path = get_fs(storage)
+    bases = [p for p in fs.ls(path) if p.rsplit("/", 1)[-1].startswith("base-")]
+    assert len(bases) == 1
+    ckpt = latest_complete("s3://" + bases[0])
+    assert ckpt and verify_checkpoint(ckpt, deep=True)[0]
+
+
+def clean_env() -> dict:
+    """The environment a user's shell would have: no rendezvous variables left by in-process DeepSpeed tests."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PREFECT_API_URL"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def test_cli_run_exit_codes(tmp_path):
+    """The real CLI: a good run exits 0 and writes the report; a bad override exits 2 naming the field."""
+    out = tmp_path / "report.json"
+    sets = sum((["--set", s] for s in FAST + [f"run.root={tmp_path}", "tracking.enabled=false"]), [])
+    proc = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, *sets, "--report", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_report(json.loads(out.read_text()), 3)
+    assert "reverse" in proc.stdout and "report written to" in proc.stdout
+
+    bad = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "base.steps=-3"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+    assert bad.returncode == 2 and "base.steps" in bad.stderr
+    plugin = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "domains.0.impl=nowhere.mod:Cls",
+                             "--set", f"run.root={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert plugin.returncode == 2 and "nowhere.mod:Cls" in plugin.stderr and "domains.0.impl" in plugin.stderr
