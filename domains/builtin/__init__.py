@@ -1,8 +1,9 @@
-"""The built-in domains (13). Each class documents its prompt format, difficulty knob and partial credit."""
+"""The built-in domains (14). Each class documents its prompt format, difficulty knob and partial credit."""
 from domains.builtin.arithmetic import Addition, DigitSum, MaxList, Multiplication, Subtraction, ToBinary
 from domains.builtin.text import Brackets, Caesar, CaseSwap, Copy, CountChar, Reverse, SortDigits
+from domains.tools import ToolAdd
 
 ALL = [Addition, Subtraction, Multiplication, MaxList, DigitSum, ToBinary,
-       Reverse, Copy, SortDigits, CaseSwap, Caesar, CountChar, Brackets]
+       Reverse, Copy, SortDigits, CaseSwap, Caesar, CountChar, Brackets, ToolAdd]
 
 __all__ = [cls.__name__ for cls in ALL] + ["ALL"]

@@ -43,6 +43,7 @@ def _balanced_by_erasure(s: str) -> bool:
 # Independent re-implementations: prompt body → expected answer.
 ORACLES = {
     "addition": lambda b: str(sum(int(x) for x in b.split("+"))),
+    "tool_add": lambda b: str(sum(int(x) for x in b.split("+"))),
     "subtraction": lambda b: str(int(b.split("-")[0]) - int(b.split("-")[1])),
     "multiplication": lambda b: str(math.prod(int(x) for x in b.split("*"))),
     "max_list": lambda b: str(max(int(x) for x in b.split(","))),

@@ -1,0 +1,382 @@
+"""Tool execution sandbox: run one whitelisted command in a confined subprocess and capture its output.
+
+Layers, outermost first (each one alone stops a different escape):
+
+1. Parsing: `shlex.split`, never a shell (`shell=False` always), so `;`, `|`, `$(...)`, globs and redirects are
+   plain characters. The program must be in `allowed` and in `PROGRAMS`.
+2. Path confinement for file programs (`ls`, `cat`): every path argument must stay inside the work dir after
+   resolving symlinks; `..` components are refused outright, absolute paths only if they resolve inside.
+3. Process confinement, in a `preexec_fn` of the forked child (before exec):
+   - new network namespace (`unshare(CLONE_NEWNET)` via ctypes: Python 3.11 has no `os.unshare`): only a
+     loopback interface that is down, so no connection anywhere, 127.0.0.1 included;
+   - new PID namespace: the program runs as PID 1 of its own namespace under a tiny waiting parent, so when it
+     ends or is killed, the kernel kills and reaps everything it forked (no orphans, no zombies left to a PID 1
+     that does not reap);
+   - rlimits: CPU seconds, address space (`memory_mb`), process count, open files, file size (caps the output
+     files), no core dumps;
+   - as root: drop to `nobody` (no capabilities, so the namespaces cannot be undone, and RLIMIT_NPROC is enforced,
+     which it is not for root) and `PR_SET_NO_NEW_PRIVS` (setuid binaries gain nothing). As non-root the
+     namespaces come from an unprivileged user namespace, when the kernel allows it;
+   - parent-death signal, a fresh session (so a wall-clock timeout kills the whole process group);
+   - a scrubbed environment: `PATH`, `HOME` = work dir, `LANG=C`; no proxies, tokens or keys are inherited.
+4. Output: stdout/stderr go to temp files capped by RLIMIT_FSIZE (a flood is killed by SIGXFSZ) and are read
+   back up to `max_output_bytes`.
+
+When the namespaces cannot be created (no root, no user namespaces), `isolation_support()` says so, every result
+carries `net_isolated=False`, and the fallback is rule-level blocking: programs that could open sockets
+(`network_capable`, e.g. `python`) are refused, as are arguments that look like URLs or host:port addresses.
+
+`calc` evaluates arithmetic with an AST whitelist (`safe_calc`) in a sandboxed interpreter, so even a
+pathological expression is bounded by the same limits. `python` (arbitrary code) is in `PROGRAMS` for coding
+domains and for the escape tests, never in `DEFAULT_ALLOWED`; note it is not path-confined (only layers 3-4 hold
+it: it can read world-readable files such as /etc/passwd, but not reach the network, fork without bound, or keep
+running).
+"""
+from __future__ import annotations
+
+import ctypes
+import inspect
+import math
+import os
+import re
+import resource
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x40000000, 0x20000000, 0x10000000
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+NOBODY = 65534
+DEFAULT_ALLOWED = frozenset({"calc", "ls", "cat", "echo"})
+_SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+_URL_RE = re.compile(r"[a-z][a-z0-9+.-]*://|(?:^|[@/])[\w.-]+:\d{1,5}(?:/|$)", re.I)
+_FLAG_RE = re.compile(r"^-[A-Za-z1]+$")
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here, never in the forked child
+
+
+@dataclass
+class ToolResult:
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None when the command was not run; −N when killed by signal N
+    timed_out: bool = False
+    blocked_reason: str | None = None  # why the command was refused before running
+    net_isolated: bool = False  # ran inside a fresh network namespace
+    truncated: bool = False  # output hit the cap
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and self.blocked_reason is None
+
+
+@dataclass(frozen=True)
+class Program:
+    argv0: tuple[str, ...]  # the command line prefix; the user's arguments are appended
+    file_args: bool = False  # arguments are paths: confine them to the work dir
+    flags_ok: bool = False  # short flags like `-la` are accepted (not path-checked)
+    network_capable: bool = False  # could open sockets: refused when there is no network namespace
+    needs_python: bool = False
+
+
+def safe_calc(expr: str) -> str:
+    """Evaluate integer arithmetic: + - * / // % ** and parentheses on integer literals. Self-contained (only `ast`),
+    because its source is also run inside the sandbox. Exponents ≤ 256, results ≤ 300 digits. '/' is exact
+    division: an integer when it divides, else the quotient rounded to 6 decimals."""
+    import ast as _ast
+
+    def ev(node):
+        if isinstance(node, _ast.Expression):
+            return ev(node.body)
+        if isinstance(node, _ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, _ast.UnaryOp) and isinstance(node.op, (_ast.USub, _ast.UAdd)):
+            v = ev(node.operand)
+            return -v if isinstance(node.op, _ast.USub) else v
+        if isinstance(node, _ast.BinOp):
+            a, b = ev(node.left), ev(node.right)
+            op = type(node.op).__name__
+            if op == "Pow":
+                if not isinstance(b, int) or not 0 <= b <= 256 or abs(a) > 10**300:
+                    raise ValueError("exponent out of range")
+                r = a**b
+            elif op in ("Div", "FloorDiv", "Mod") and b == 0:
+                raise ValueError("division by zero")
+            elif op == "Div":
+                r = a // b if isinstance(a, int) and isinstance(b, int) and a % b == 0 else round(a / b, 6)
+            else:
+                fn = {"Add": lambda x, y: x + y, "Sub": lambda x, y: x - y, "Mult": lambda x, y: x * y,
+                      "FloorDiv": lambda x, y: x // y, "Mod": lambda x, y: x % y}.get(op)
+                if fn is None:
+                    raise ValueError(f"operator {op} not allowed")
+                r = fn(a, b)
+            if isinstance(r, int) and abs(r) >= 10**300:
+                raise ValueError("result too large")
+            return r
+        raise ValueError(f"{type(node).__name__} not allowed")
+
+    if len(expr) > 200:
+        raise ValueError("expression too long")
+    return str(ev(_ast.parse(expr.strip(), mode="eval")))
+
+
+_CALC_MAIN = ("import sys\n" + inspect.getsource(safe_calc) +
+              "try:\n    print(safe_calc(' '.join(sys.argv[1:])))\n"
+              "except Exception as e:\n    print(f'calc: {e}', file=sys.stderr); sys.exit(1)\n")
+
+
+def _world_executable(path: str) -> bool:
+    """Whether an unprivileged user (nobody) can execute `path`: o+x on the file and on every parent directory."""
+    p = Path(path).resolve()
+    try:
+        if not p.stat().st_mode & stat.S_IXOTH:
+            return False
+        return all(parent.stat().st_mode & stat.S_IXOTH for parent in p.parents)
+    except OSError:
+        return False
+
+
+@lru_cache(maxsize=1)
+def sandbox_python() -> str | None:
+    """An interpreter the sandbox user may execute (as root, /root/... interpreters are out of reach of nobody)."""
+    cands = [getattr(sys, "_base_executable", ""), sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]
+    for c in cands:
+        if c and os.path.exists(c) and (os.geteuid() != 0 or _world_executable(c)):
+            return c
+    return None
+
+
+def _which(name: str) -> str:
+    return shutil.which(name, path=_SAFE_PATH) or f"/bin/{name}"
+
+
+PROGRAMS: dict[str, Program] = {
+    "calc": Program(("{python}", "-I", "-S", "-c", _CALC_MAIN), needs_python=True),
+    "ls": Program((_which("ls"),), file_args=True, flags_ok=True),
+    "cat": Program((_which("cat"),), file_args=True, flags_ok=True),
+    "echo": Program((_which("echo"),)),
+    "python": Program(("{python}", "-I", "-S"), network_capable=True, needs_python=True),
+    "true": Program((_which("true"),)),
+}
+
+
+# -- process confinement ----------------------------------------------------------------------------------------
+
+def _set_limits(timeout_s: float, memory_mb: int, max_procs: int, max_output_bytes: int) -> None:
+    cpu = max(1, math.ceil(timeout_s))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    mem = memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_NPROC, (max_procs, max_procs))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_output_bytes + 1, max_output_bytes + 1))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _wait_polling(pid: int, deadline: float | None, reap: bool) -> tuple[int | None, bool]:
+    """Wait for `pid` to exit, polling (1 ms growing to 20 ms) until `deadline` (time.monotonic()).
+
+    Returns (exit code, or −N when killed by signal N, or None if unknown; exited). With reap=False the exited
+    child stays a zombie (WNOWAIT), so its pid, and the process group id it leads, cannot be recycled while we
+    still signal that group.
+    """
+    delay = 0.001
+    flags = os.WEXITED | os.WNOHANG | (0 if reap else os.WNOWAIT)
+    while True:
+        try:
+            info = os.waitid(os.P_PID, pid, flags)
+        except ChildProcessError:
+            return None, True
+        except InterruptedError:
+            continue
+        if info is not None:
+            if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+                return -info.si_status, True
+            return info.si_status, True
+        if deadline is not None and time.monotonic() >= deadline:
+            return None, False
+        time.sleep(delay)
+        delay = min(0.02, delay * 2)
+
+
+def _supervise(pid: int, timeout_s: float) -> None:
+    """The supervisor's whole life (see `_preexec`); always ends in `os._exit`, never back in `Popen`'s exec path."""
+    status = 1
+    try:
+        os.closerange(3, 65536)
+        status, exited = _wait_polling(pid, time.monotonic() + timeout_s, reap=True)
+        if not exited:
+            os.kill(pid, signal.SIGKILL)
+            status, _ = _wait_polling(pid, None, reap=True)
+        if status is not None and status < 0:  # mirror a death by signal
+            if -status not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(-status, signal.SIG_DFL)
+            os.kill(os.getpid(), -status)
+    finally:
+        os._exit(status if status is not None and status >= 0 else 1)
+
+
+def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_output_bytes: int):
+    """The function the forked child runs before exec. mode: "root" | "userns" | "none".
+
+    With namespaces it forks once more: the grandchild (PID 1 of the new PID namespace) continues to exec; the
+    child stays as a tiny supervisor: it closes every inherited descriptor (so `Popen` learns exec success from
+    the grandchild alone), kills the grandchild at the wall-clock timeout (which makes the kernel kill and reap
+    the whole namespace), reaps it, and exits with its status, re-raising its signal.
+    """
+    def run() -> None:
+        if mode != "none":
+            flags = CLONE_NEWNET | CLONE_NEWPID | (CLONE_NEWUSER if mode == "userns" else 0)
+            if _libc.unshare(flags) != 0:
+                raise OSError(ctypes.get_errno(), "sandbox: unshare failed")
+            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            pid = os.fork()
+            if pid > 0:
+                _supervise(pid, timeout_s)  # never returns
+        _set_limits(timeout_s, memory_mb, max_procs, max_output_bytes)
+        if mode == "root":
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
+    return run
+
+
+@lru_cache(maxsize=1)
+def isolation_support() -> str:
+    """"root" (netns + pidns + drop to nobody), "userns" (unprivileged user namespace + netns + pidns) or "none".
+    Probed once per process by running `true` under each mode."""
+    modes = ["root", "userns"] if os.geteuid() == 0 else ["userns"]
+    for mode in modes:
+        try:
+            p = subprocess.Popen([_which("true")], cwd="/", env={"PATH": _SAFE_PATH}, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                 preexec_fn=_preexec(mode, 2.0, 64, 16, 1024))
+            if p.wait(timeout=10) == 0:
+                return mode
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return "none"
+
+
+# -- argument checks --------------------------------------------------------------------------------------------
+
+def _confine(arg: str, workdir: Path) -> str | None:
+    """Why a path argument escapes the work dir, or None when it is inside (after resolving symlinks)."""
+    if "\x00" in arg:
+        return f"NUL byte in argument {arg!r}"
+    if ".." in Path(arg).parts:
+        return f"'..' in path {arg!r}"
+    root = workdir.resolve()
+    target = (root / arg).resolve()  # an absolute arg replaces root here; symlinks are followed
+    if target != root and root not in target.parents:
+        return f"path {arg!r} resolves outside the work dir"
+    return None
+
+
+def check_command(command: str, workdir: Path, allowed: set[str] | frozenset[str], net_isolated: bool) -> tuple[
+        list[str], Program | None, str | None]:
+    """Parse and vet a command. Returns (argv tokens, program, blocked_reason)."""
+    try:
+        tokens = shlex.split(command)
+    except ValueError as e:
+        return [], None, f"cannot parse command: {e}"
+    if not tokens:
+        return [], None, "empty command"
+    name, args = tokens[0], tokens[1:]
+    if name not in allowed or name not in PROGRAMS:
+        usable = ", ".join(sorted(set(allowed) & PROGRAMS.keys()))
+        return tokens, None, f"program {name!r} is not allowed (allowed: {usable})"
+    prog = PROGRAMS[name]
+    if not net_isolated:
+        if prog.network_capable:
+            return tokens, None, f"program {name!r} can open sockets and no network namespace is available"
+        if any(_URL_RE.search(a) for a in args):
+            return tokens, None, "network address in arguments and no network namespace is available"
+    if prog.file_args:
+        for a in args:
+            if prog.flags_ok and _FLAG_RE.match(a):
+                continue
+            why = _confine(a, workdir)
+            if why:
+                return tokens, None, why
+    if prog.needs_python and sandbox_python() is None:
+        return tokens, None, "no Python interpreter the sandbox user can execute"
+    return tokens, prog, None
+
+
+def _scrubbed_env(workdir: Path) -> dict[str, str]:
+    """A fresh environment: nothing inherited (no proxies, no credentials)."""
+    return {"PATH": _SAFE_PATH, "HOME": str(workdir), "LANG": "C", "LC_ALL": "C", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _read_capped(f, cap: int) -> tuple[str, bool]:
+    f.seek(0)
+    data = f.read(cap + 1)
+    return data[:cap].decode("utf-8", errors="replace"), len(data) > cap
+
+
+def _kill_group(pgid: int) -> None:
+    for _ in range(3):  # a second pass catches children forked while the first signal was in flight
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+
+
+def run_tool(command: str, workdir: Path | str, timeout_s: float = 2.0, memory_mb: int = 256,
+             allowed: set[str] | frozenset[str] = DEFAULT_ALLOWED, max_output_bytes: int = 4096,
+             max_procs: int = 32) -> ToolResult:
+    """Run `command` ("cat notes.txt", "calc 12+34") in the sandbox with cwd = `workdir` (see the module docstring).
+
+    Never raises for a bad or hostile command: refusals come back as `blocked_reason`, limits as `timed_out`,
+    a negative `exit_code` (killed by a signal) or `truncated`. As root the work dir must be readable by `nobody`
+    (mode 0o755, as `domains.tools.ToolEnv` creates it). `max_procs` is RLIMIT_NPROC, which counts every process
+    of the sandbox user, so it must exceed the number of sandboxes running at once (each is one process).
+    """
+    t0 = time.monotonic()
+    workdir = Path(workdir)
+    mode = isolation_support()
+    net_isolated = mode != "none"
+    if not workdir.is_dir():
+        return ToolResult("", "", None, blocked_reason=f"work dir {workdir} does not exist", net_isolated=net_isolated)
+    tokens, prog, why = check_command(command, workdir, allowed, net_isolated)
+    if why:
+        return ToolResult("", "", None, blocked_reason=why, net_isolated=net_isolated,
+                          elapsed_s=time.monotonic() - t0)
+    assert prog is not None
+    argv = [sandbox_python() if a == "{python}" else a for a in prog.argv0] + tokens[1:]
+    timed_out = False
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(argv, cwd=str(workdir), env=_scrubbed_env(workdir), stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=err, close_fds=True, start_new_session=True,
+                                    preexec_fn=_preexec(mode, timeout_s, memory_mb, max_procs, max_output_bytes))
+        except (OSError, subprocess.SubprocessError) as e:  # e.g. the process limit was hit at exec
+            return ToolResult("", f"sandbox: could not start {tokens[0]!r}: {e}", None, net_isolated=net_isolated,
+                              elapsed_s=time.monotonic() - t0)
+        # The supervisor (namespace modes) enforces timeout_s; the deadline here is the backstop, and the only
+        # timer in mode "none". The group is signalled before the leader is reaped, so its id is still ours.
+        backstop = timeout_s + (1.0 if net_isolated else 0.0)
+        _, exited = _wait_polling(proc.pid, t0 + backstop, reap=False)
+        if not exited:
+            timed_out = True
+            _kill_group(proc.pid)
+        _kill_group(proc.pid)  # anything the program left running in its session
+        code = proc.wait()
+        stdout, trunc_out = _read_capped(out, max_output_bytes)
+        stderr, trunc_err = _read_capped(err, max_output_bytes)
+    # RLIMIT_CPU ends a CPU-bound program with SIGXCPU (soft) or SIGKILL (hard) before the wall clock does
+    timed_out = timed_out or code in (-signal.SIGXCPU, -signal.SIGKILL)
+    truncated = trunc_out or trunc_err or code == -signal.SIGXFSZ
+    return ToolResult(stdout, stderr, code, timed_out=timed_out, net_isolated=net_isolated, truncated=truncated,
+                      elapsed_s=time.monotonic() - t0)
