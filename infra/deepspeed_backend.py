@@ -1,0 +1,465 @@
+"""The DeepSpeed training backend: one engine per trainer, CPU (gloo) by default, ZeRO-1/2/3 on GPUs at scale.
+
+A trainer builds its model, wraps it in `DeepSpeedBackend(model, TrainSettings(...))`, and per optimizer step does
+
+    out = backend(input_ids=ids, attention_mask=attn)          # forward through the engine (ZeRO hooks)
+    loss = Σ_local ℓ_t / backend.loss_normalizer(N_global)     # token-level, see "Loss normalisation"
+    metrics = backend.step(loss)                               # engine.backward + engine.step
+
+Loss normalisation (token-level aggregation across ranks). The update we want is the gradient of the global
+token mean  L = Σ_{all ranks, all micro-batches} ℓ_t / N,  N = the token count of the whole optimizer step.
+DeepSpeed *averages* gradients over the W data-parallel ranks and divides each micro-batch loss by the G
+gradient-accumulation steps, so the gradient it applies is  (1 / (W·G)) Σ_{r,g} ∇ loss_{r,g}.  Hence each rank
+passes  loss_{r,g} = Σ_{t ∈ (r,g)} ℓ_t · W·G / N  =  Σ ℓ_t / loss_normalizer(N),  loss_normalizer(N) = N / (W·G).
+With this, 1 rank and W ranks on the same global batch apply the same update (tests/integration proves it for
+W = 2 under ZeRO-2 and ZeRO-3, and against plain torch), and `all_reduce_mean(loss)` is the global token-mean
+loss. Normalising by the *local* token count instead weighs a short rank's tokens more than a long rank's.
+
+Where things run: `init_distributed` reads the launcher's env (torchrun or the `deepspeed` launcher set RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); without a launcher it sets them for a world of one on a free
+127.0.0.1 port (otherwise DeepSpeed tries MPI discovery and fails). The accelerator comes from `DS_ACCELERATOR`
+(importing `infra` defaults it to cpu); the process-group backend follows the accelerator: gloo on cpu, nccl on
+cuda, the accelerator's own backend otherwise.
+
+The optimizer is always a torch AdamW handed to DeepSpeed (never DeepSpeed's FusedAdam, which JIT-compiles for
+minutes on CPU); the schedule is a torch LambdaLR (`lr_multiplier`), stepped by the engine after each update.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before `import deepspeed`: it picks its accelerator at import time
+import deepspeed  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+T = TypeVar("T")
+
+CHECKPOINT_TAG = "state"  # fixed tag: one resumable state per directory, no "latest" guessing
+_DTYPES = ("fp32", "bf16", "fp16")
+_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class TrainSettings:
+    """Optimizer, precision and parallelism settings of one trainer (every field is plain data).
+
+    lr, weight_decay, betas, eps: AdamW (decay applies to ≥2-D weights only, not to norms or biases).
+    grad_clip: max global L2 norm of the gradient; 0 disables clipping.
+    zero_stage: 0 (plain data parallel), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters).
+    dtype: "fp32", "bf16" (fp32 master weights in the optimizer) or "fp16" (dynamic loss scaling).
+    micro_batch_size: rows per rank per forward; grad_accum: micro-batches per optimizer step.
+    warmup_steps: linear warm-up from lr/warmup_steps to lr; lr_schedule: "constant" or "cosine" (to 0 at
+    total_steps, which cosine requires). Steps count optimizer updates, not micro-batches.
+    seed: seeds python/numpy/torch RNGs on every rank (same value on all ranks, so a global batch sampled with
+    these RNGs is identical everywhere). ds_config_overrides: deep-merged last into the generated DeepSpeed
+    config (offload, bucket sizes, ... at scale).
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    zero_stage: int = 0
+    dtype: str = "fp32"
+    micro_batch_size: int = 16
+    grad_accum: int = 1
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    total_steps: int | None = None
+    seed: int = 0
+    ds_config_overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"TrainSettings.{name}={getattr(self, name)!r}: {why}")
+
+        if not self.lr > 0:
+            raise bad("lr", "must be > 0")
+        if self.weight_decay < 0:
+            raise bad("weight_decay", "must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise bad("betas", "must be two numbers in [0, 1)")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if not self.eps > 0:
+            raise bad("eps", "must be > 0")
+        if self.grad_clip < 0:
+            raise bad("grad_clip", "must be >= 0 (0 disables clipping)")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise bad("zero_stage", "must be 0, 1, 2 or 3")
+        if self.dtype not in _DTYPES:
+            raise bad("dtype", f"must be one of {list(_DTYPES)}")
+        if self.micro_batch_size < 1:
+            raise bad("micro_batch_size", "must be >= 1")
+        if self.grad_accum < 1:
+            raise bad("grad_accum", "must be >= 1")
+        if self.warmup_steps < 0:
+            raise bad("warmup_steps", "must be >= 0")
+        if self.lr_schedule not in _SCHEDULES:
+            raise bad("lr_schedule", f"must be one of {list(_SCHEDULES)}")
+        if self.lr_schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):
+            raise bad("total_steps", f"cosine needs total_steps > warmup_steps ({self.warmup_steps})")
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def build_ds_config(settings: TrainSettings, world_size: int) -> dict:
+    """The DeepSpeed config dict for `settings` on `world_size` data-parallel ranks (pure).
+
+    train_batch_size = micro_batch_size × grad_accum × world_size (DeepSpeed checks this identity).
+    The optimizer and scheduler are not in the dict: the backend passes torch objects (see module docstring).
+    """
+    if world_size < 1:
+        raise ValueError(f"build_ds_config: world_size={world_size} must be >= 1")
+    s = settings
+    cfg: dict[str, Any] = {
+        "train_batch_size": s.micro_batch_size * s.grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": s.micro_batch_size,
+        "gradient_accumulation_steps": s.grad_accum,
+        "gradient_clipping": float(s.grad_clip),
+        "zero_optimization": {"stage": s.zero_stage},
+        "bf16": {"enabled": s.dtype == "bf16"},
+        # loss_scale 0 = dynamic loss scaling, the only sane fp16 default
+        "fp16": {"enabled": s.dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        # we hand DeepSpeed a torch AdamW; ZeRO refuses "untested" optimizers without this flag
+        "zero_allow_untested_optimizer": True,
+        "wall_clock_breakdown": False,
+    }
+    if s.zero_stage == 3:
+        # lets engine.save_16bit_model work too; save_hf gathers through the consolidated state dict either way
+        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    return _deep_merge(cfg, s.ds_config_overrides)
+
+
+def lr_multiplier(step: int, warmup_steps: int, schedule: str, total_steps: int | None) -> float:
+    """lr(step) / lr for the update with 0-based index `step` (pure).
+
+    warm-up (step < W): (step + 1) / W, so the first update already moves;
+    constant: 1;  cosine: ½ (1 + cos(π p)),  p = clamp((step − W) / (total_steps − W), 0, 1).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        if total_steps is None or total_steps <= warmup_steps:
+            raise ValueError(f"lr_multiplier: cosine needs total_steps > warmup_steps, got {total_steps}")
+        p = min(max((step - warmup_steps) / (total_steps - warmup_steps), 0.0), 1.0)
+        return 0.5 * (1.0 + math.cos(math.pi * p))
+    raise ValueError(f"lr_multiplier: unknown schedule {schedule!r}; choose one of {list(_SCHEDULES)}")
+
+
+def loss_normalizer(global_tokens: float, world_size: int, grad_accum: int = 1) -> float:
+    """The divisor for a rank's summed token loss: N / (W·G) (see module docstring for the derivation)."""
+    if global_tokens <= 0:
+        raise ValueError(f"loss_normalizer: global_tokens={global_tokens} must be > 0")
+    return float(global_tokens) / (world_size * grad_accum)
+
+
+def shard_for_rank(items: Sequence[T], rank: int, world_size: int) -> list[T]:
+    """This rank's rows of a global batch: items[rank::world_size] (deterministic, equal sizes).
+
+    Strided like torch's DistributedSampler, so every rank sees a similar mix of a sorted batch.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"shard_for_rank: rank={rank} not in [0, world_size={world_size})")
+    if len(items) % world_size:
+        raise ValueError(f"shard_for_rank: global batch of {len(items)} rows does not split evenly over "
+                         f"{world_size} ranks; make it a multiple of the world size")
+    return list(items[rank::world_size])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_dist_backend() -> str:
+    """gloo on the cpu accelerator, nccl on cuda, the accelerator's own backend (hccl, ccl, ...) otherwise."""
+    name = get_accelerator().device_name()
+    if name == "cpu":
+        return "gloo"  # DeepSpeed's cpu default is oneCCL, which is not installed; gloo needs nothing
+    return get_accelerator().communication_backend_name()
+
+
+_SELF_RENDEZVOUS = "ALLOY_SELF_RENDEZVOUS"  # "pid:port" of the process that wrote a world-of-one env
+
+
+def _launched_by_a_launcher() -> bool:
+    """True when RANK & co. come from torchrun / the deepspeed launcher / mpirun.
+
+    A world-of-one env written by `init_distributed` in a *parent* process is inherited by its children (Prefect
+    workers, subprocesses); joining it would make the child host a second store on the parent's port. Such an env
+    is recognised by the marker and rewritten. A launcher started from such a parent sets its own MASTER_PORT, so
+    the marker no longer matches and the launcher's env wins.
+    """
+    if "OMPI_COMM_WORLD_RANK" in os.environ and "RANK" not in os.environ:
+        return True  # mpirun: DeepSpeed's MPI discovery fills in the rest
+    if "RANK" not in os.environ:
+        return False
+    marker = os.environ.get(_SELF_RENDEZVOUS, "")
+    pid, _, port = marker.partition(":")
+    inherited = bool(marker) and pid != str(os.getpid()) and port == os.environ.get("MASTER_PORT")
+    return not inherited
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int]:
+    """Join (or create) the process group; idempotent. Returns (rank, world_size).
+
+    Launched by torchrun / the deepspeed launcher / mpirun: uses their env. Otherwise: a world of one on a free
+    127.0.0.1 port (the env vars are set in os.environ, as DeepSpeed reads them there). The first call on a
+    machine JIT-compiles DeepSpeed's small shm op (~35 s on 2 cores; cached in ~/.cache/torch_extensions).
+    """
+    if not dist.is_initialized():
+        if not _launched_by_a_launcher():
+            port = _free_port()
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            os.environ[_SELF_RENDEZVOUS] = f"{os.getpid()}:{port}"
+        if get_accelerator().device_name() != "cpu":
+            # bind this rank to its device before the (nccl) group is created, as torch recommends
+            get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        deepspeed.init_distributed(dist_backend=backend or default_dist_backend(), verbose=False)
+    else:
+        deepspeed.init_distributed(verbose=False)  # wraps a user-created torch group; no-op if already done
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group (call at the end of a launched script: a rank exiting with a live gloo group can
+    abort with 'terminate called without an active exception' while its peer is still shutting down)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every accelerator device
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional for the backend
+        pass
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on ≥2-D weights (matrices, embeddings), none on 1-D (norm gains, biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+class DeepSpeedBackend:
+    """A DeepSpeed engine around `model`, with the few calls a trainer needs.
+
+    Forward through the backend (`backend(**batch)`), not through `backend.module`, when the output feeds `step`:
+    the engine's forward registers the ZeRO backward hooks. `backend.module` (the plain HF model) is for generation,
+    evaluation and inspection.
+    """
+
+    def __init__(self, model: torch.nn.Module, settings: TrainSettings):
+        init_distributed()
+        accel = get_accelerator()
+        if (settings.dtype == "fp16" and not accel.is_fp16_supported()) or \
+                (settings.dtype == "bf16" and not accel.is_bf16_supported()):
+            raise ValueError(f"TrainSettings.dtype={settings.dtype!r} is not supported on the "
+                             f"{accel.device_name()!r} accelerator (DS_ACCELERATOR); use 'fp32' or another dtype")
+        self.settings = settings
+        seed_everything(settings.seed)
+        self.ds_config = build_ds_config(settings, dist.get_world_size())
+        s = settings
+
+        def make_optimizer(groups):
+            return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
+
+        def make_scheduler(optimizer):
+            # LambdaLR.state_dict skips plain lambdas; the schedule is rebuilt from settings, only the step is saved
+            return torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda step: lr_multiplier(step, s.warmup_steps, s.lr_schedule, s.total_steps))
+
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, s.weight_decay), optimizer=make_optimizer,
+            lr_scheduler=make_scheduler, config=self.ds_config)
+        # the plain torch AdamW under stage 0 + fp32 keeps no grad norm: step() computes it itself then
+        self._norm_tracked = hasattr(self.engine.optimizer, "_global_grad_norm")
+
+    # ---- identity -------------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer updates applied so far (restored by `load_state`)."""
+        return int(self.engine.global_steps)
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    # ---- training -------------------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Forward through the DeepSpeed engine (required for the output of a loss passed to `step`)."""
+        return self.engine(*args, **kwargs)
+
+    def loss_normalizer(self, global_tokens: float) -> float:
+        """N / (W·G): divide this rank's summed token loss by this (N = tokens of the whole optimizer step)."""
+        return loss_normalizer(global_tokens, self.world_size, self.settings.grad_accum)
+
+    def step(self, loss: torch.Tensor) -> dict:
+        """Backward `loss` (a scalar normalised with `loss_normalizer`) and, at an accumulation boundary, update.
+
+        Returns {"lr": lr this update used, "stepped": 1.0 at a boundary else 0.0, "grad_norm": the global
+        pre-clip L2 norm of the averaged gradient (at a boundary; inf after an fp16 overflow, whose update is skipped)}.
+        A collective under W > 1: every rank calls it once per micro-batch.
+        """
+        engine = self.engine
+        boundary = engine.is_gradient_accumulation_boundary()
+        lr = float(engine.get_lr()[0])  # read before step(): the scheduler advances inside it
+        engine.backward(loss)
+        own_norm = self._module_grad_norm() if boundary and not self._norm_tracked else None
+        engine.step()
+        if not boundary:
+            return {"lr": lr, "stepped": 0.0}
+        norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
+        return {"lr": lr, "stepped": 1.0, "grad_norm": float(norm) if norm is not None else float("nan")}
+
+    def _module_grad_norm(self) -> float:
+        # stage 0: the engine all-reduced (averaged) the module grads in backward, so every rank holds the global grad
+        norms = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+    def train_mode(self) -> None:
+        self.engine.train()
+
+    def eval_mode(self) -> None:
+        self.engine.eval()
+
+    # ---- collectives ----------------------------------------------------------------------------------------
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def all_reduce_sum(self, value: float) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item())
+
+    def all_reduce_mean(self, value: float) -> float:
+        """Mean of a scalar metric over ranks (with `loss_normalizer` losses: the global token-mean loss)."""
+        return self.all_reduce_sum(value) / self.world_size
+
+    # ---- saving ---------------------------------------------------------------------------------------------
+    def save_hf(self, out_dir: str | Path, tokenizer=None) -> None:
+        """Write an HF-format model (config + safetensors, plus `tokenizer` if given) to `out_dir` on rank 0.
+
+        A collective: call it on every rank. Under ZeRO-3 the parameters are sharded, so they are gathered one layer
+        at a time into a state dict on rank 0 first. Weights are saved in the training dtype (fp32 master weights
+        of bf16/fp16 runs stay in the optimizer state: see `save_state`).
+        """
+        out = Path(out_dir)
+        state_dict = None
+        if self.settings.zero_stage == 3:
+            state_dict = self.engine._zero3_consolidated_16bit_state_dict()  # all ranks take part; None off rank 0
+        if self.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            self.module.save_pretrained(str(out), state_dict=state_dict, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(out))
+        self.barrier()
+
+    def save_state(self, state_dir: str | Path) -> Path:
+        """Save everything needed to resume (a collective: call on every rank). Returns state_dir/CHECKPOINT_TAG.
+
+        What lands in `state_dir` (DeepSpeed's layout, fixed tag "state"):
+          latest                                        the tag name ("state")
+          zero_to_fp32.py                               DeepSpeed's script to rebuild fp32 weights from ZeRO shards
+          state/mp_rank_00_model_states.pt              module weights, lr-scheduler state, global step, ds config
+                                                        (stage 0: also the optimizer state)
+          state/zero_pp_rank_<r>_mp_rank_00_optim_states.pt   stages 1-3: rank r's optimizer (+ fp32 master) shard
+          state/zero_pp_rank_<r>_mp_rank_00_model_states.pt   stage 3: rank r's parameter shard
+          state/rng_rank<r>.pt                          rank r's python / numpy / torch (/ cuda) RNG states
+        On several nodes `state_dir` must be a shared filesystem. Resume with the same world size and ZeRO stage.
+        """
+        root = Path(state_dir)
+        self.engine.save_checkpoint(str(root), tag=CHECKPOINT_TAG)
+        tag_dir = root / CHECKPOINT_TAG
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(_rng_state(), tag_dir / f"rng_rank{self.rank}.pt")
+        self.barrier()
+        return tag_dir
+
+    def load_state(self, state_dir: str | Path) -> None:
+        """Resume from `save_state(state_dir)`: weights, optimizer, scheduler, global step and this rank's RNG."""
+        root = Path(state_dir)
+        if not (root / CHECKPOINT_TAG).is_dir():
+            raise FileNotFoundError(f"load_state: no '{CHECKPOINT_TAG}' checkpoint under {root}")
+        path, _ = self.engine.load_checkpoint(str(root), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"load_state: DeepSpeed could not load the checkpoint in {root / CHECKPOINT_TAG}")
+        rng_file = root / CHECKPOINT_TAG / f"rng_rank{self.rank}.pt"
+        if not rng_file.exists():
+            raise FileNotFoundError(f"load_state: {rng_file} missing (saved with a different world size?)")
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+        self.barrier()
+
+    def close(self) -> None:
+        """Release the engine's hooks and buffers (the module stays usable on stages 0-2)."""
+        self.engine.destroy()

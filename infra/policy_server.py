@@ -1,0 +1,54 @@
+"""A trainer's own rollout server: one engine server serving the current policy, weights pushed after each step.
+
+Used by both RL trainers (specialist PPO, OPD student). The trainer saves HF weights to a versioned directory,
+the live server loads them with `update_weights_from_disk`, and the supervisor records them so that a restarted
+server comes back with the latest weights and the same `weight_version`.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from infra.engine.client import EngineClient
+from infra.engine.launcher import ServerSpec, Supervisor
+
+log = logging.getLogger("alloy.policy_server")
+
+
+class PolicyServer:
+    """Serve `model_dir` under `name`; `push(backend, tokenizer, version)` publishes new weights.
+
+    Keeps the last `keep` weight directories under `work_dir/weights/` (the server may still be reading the
+    previous one while it swaps).
+    """
+
+    def __init__(self, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path, *,
+                 backend: str = "embedded", api_key: str | None = None, host: str = "127.0.0.1",
+                 extra_args: list[str] | None = None, keep: int = 2, version: int = 0):
+        self.supervisor, self.name = supervisor, name
+        self.weights_dir = Path(work_dir) / "weights"
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        self.keep, self.version = keep, version
+        spec = ServerSpec(name=name, model_path=str(model_dir), backend=backend, host=host, api_key=api_key,
+                          extra_args=list(extra_args or []), weight_version=str(version))
+        self.url = supervisor.start([spec])[name]
+        self.client = EngineClient(self.url, api_key=api_key)
+        self._pushed: list[Path] = []
+
+    async def push(self, train_backend, tokenizer, version: int) -> str:
+        """Save the trainer's weights (rank 0) and load them into the live server as `weight_version=version`."""
+        path = self.weights_dir / f"v{version:06d}"
+        if path.exists():
+            shutil.rmtree(path)
+        train_backend.save_hf(str(path), tokenizer=tokenizer)
+        await self.client.update_weights(str(path), version=str(version), flush_cache=True)
+        self.supervisor.set_weights(self.name, str(path), str(version))
+        self.version = version
+        self._pushed.append(path)
+        while len(self._pushed) > self.keep:
+            shutil.rmtree(self._pushed.pop(0), ignore_errors=True)
+        return str(path)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
