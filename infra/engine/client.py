@@ -1,0 +1,424 @@
+"""The one engine client: async HTTP to an SGLang-protocol server (Alloy's embedded server or real SGLang).
+
+Every caller (rollouts, teacher scoring, evaluation, the launcher's health checks) goes through `EngineClient`, so
+there is one place that owns the HTTP session, timeouts, retries and response validation (STYLE.md principle 4).
+
+- One `aiohttp.ClientSession` per event loop, created lazily and reused by every request on that loop. A session
+  is bound to the loop it was created on, so a client shared by threads with their own loops keeps one per loop.
+- Bounded exponential backoff with jitter on connection errors, timeouts, 502/503/504 (a server that is down,
+  restarting or still loading). Any other 4xx/5xx raises `EngineRequestError` at once: retrying a bad request
+  only repeats it.
+- Responses are validated into typed arrays; a malformed or non-finite response raises `EngineResponseError`
+  so the caller can drop that sample and count it instead of training on garbage.
+
+Protocol facts (DESIGN.md, "The engine protocol"): scoring sends `max_new_tokens=0, return_logprob=true,
+logprob_start_len=s`; `input_token_logprobs` then has one entry per token s … n-1, where entry 0 is
+`[null, id, null]` in current SGLang (older releases filled it). We send `s = start - 1` so the entry for
+`input_ids[start]` (the first response token) is entry 1, and keep only the tail aligned to `input_ids[start:]`:
+both conventions give the same tail. This is what slime does.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import aiohttp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "ALLOY_ENGINE_API_KEY"
+RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class EngineError(Exception):
+    """Base class of every error the engine client raises."""
+
+
+class EngineRequestError(EngineError):
+    """The server rejected the request (4xx, or a non-retryable 5xx). Not retried."""
+
+    def __init__(self, status: int, message: str, url: str = ""):
+        self.status, self.message, self.url = status, message, url
+        super().__init__(f"HTTP {status} from {url}: {message}")
+
+
+class EngineUnavailable(EngineError):
+    """The server could not be reached (or kept answering 502/503/504) after all retries."""
+
+
+class EngineResponseError(EngineError):
+    """The server answered 200 but the body is malformed: wrong lengths, nulls, non-finite log-probs."""
+
+
+@dataclass
+class Generation:
+    """One sampled completion. `output_logprobs[t]` = rollout log π(output_ids[t] | prefix) as the engine saw it."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str | None
+    rid: str | None
+
+
+@dataclass
+class ScoreResult:
+    """Teacher log-probs of the response tokens `input_ids[start:]` (L of them), each given its full prefix.
+
+    token_logprobs: (L,) float32, log P(ids[start+j] | ids[:start+j]).
+    topk_ids: (L, K) int64 and topk_logprobs: (L, K) float32, the teacher's top-K at each position, sorted
+    descending (K = the requested top_k; shape (L, 0) when top_k == 0).
+    """
+
+    token_logprobs: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    weight_version: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure helpers (unit-tested on hand-written protocol JSON)
+# ---------------------------------------------------------------------------------------------------------------
+
+def backoff_delays(max_retries: int, base: float, max_delay: float, rng: random.Random | None = None) -> list[float]:
+    """Sleep before retry i (i = 0 … max_retries-1): d_i = min(max_delay, base · 2^i) · u_i, u_i ~ U[0.5, 1].
+
+    "Equal jitter": at least half the exponential step (so a flapping server is not hammered), at most the cap,
+    and the jitter de-synchronises many clients retrying against one restarting server.
+    Total wait ≤ Σ_i min(max_delay, base · 2^i).
+    """
+    rng = rng or random.Random()
+    return [min(max_delay, base * 2.0**i) * rng.uniform(0.5, 1.0) for i in range(max_retries)]
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def parse_finish_reason(fr: Any) -> str:
+    """`{"type": "stop"|"length"|"abort", ...}` (or a bare string) → the type string."""
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind not in ("stop", "length", "abort"):
+        raise EngineResponseError(f"unknown finish_reason {fr!r}")
+    return kind
+
+
+def parse_generation(obj: dict, rid: str | None = None, want_logprobs: bool = True) -> Generation:
+    """One `/generate` response object → `Generation`; checks that log-probs match the output tokens."""
+    try:
+        meta = obj["meta_info"]
+        output_ids = [int(t) for t in obj["output_ids"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise EngineResponseError(f"generate response lacks output_ids/meta_info: {e!r}") from None
+    logprobs: list[float] = []
+    if want_logprobs:
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list) or len(entries) != len(output_ids):
+            got = len(entries) if isinstance(entries, list) else entries
+            raise EngineResponseError(f"output_token_logprobs has {got} entries for {len(output_ids)} output tokens")
+        for j, (entry, tok) in enumerate(zip(entries, output_ids)):
+            if not isinstance(entry, (list, tuple)) or len(entry) < 2 or not _finite(entry[0]) or entry[1] != tok:
+                raise EngineResponseError(f"output_token_logprobs[{j}] = {entry!r} is not a finite log-prob of token {tok}")
+            logprobs.append(float(entry[0]))
+    return Generation(
+        output_ids=output_ids, output_logprobs=logprobs, finish_reason=parse_finish_reason(meta.get("finish_reason")),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)), completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
+        weight_version=meta.get("weight_version"), rid=meta.get("id", rid),
+    )
+
+
+def parse_score(obj: dict, input_ids: Sequence[int], start: int, top_k: int) -> ScoreResult:
+    """One scoring response → `ScoreResult` aligned to the response tokens `input_ids[start:]` (L = n - start).
+
+    Takes the last L entries of `input_token_logprobs` / `input_top_logprobs` (robust to both entry-0
+    conventions; entry 0 may be `null`), and checks each entry's token id against `input_ids`.
+    """
+    n, L = len(input_ids), len(input_ids) - start
+    meta = obj.get("meta_info") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict):
+        raise EngineResponseError("score response lacks meta_info")
+    if "prompt_tokens" in meta and int(meta["prompt_tokens"]) != n:
+        raise EngineResponseError(f"server saw {meta['prompt_tokens']} prompt tokens, we sent {n}")
+    entries = meta.get("input_token_logprobs")
+    if not isinstance(entries, list) or len(entries) < L:
+        got = len(entries) if isinstance(entries, list) else entries
+        raise EngineResponseError(f"input_token_logprobs has {got} entries, need at least {L} (tokens {start}..{n - 1})")
+    tail = entries[len(entries) - L:] if L else []
+    token_lp = np.empty(L, dtype=np.float32)
+    for j, entry in enumerate(tail):
+        pos = start + j
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2 or not _finite(entry[0]):
+            raise EngineResponseError(f"input_token_logprobs entry for position {pos} is {entry!r}, not a finite log-prob")
+        if entry[1] != input_ids[pos]:
+            raise EngineResponseError(f"input_token_logprobs entry for position {pos} is token {entry[1]}, sent {input_ids[pos]}")
+        token_lp[j] = entry[0]
+
+    topk_ids = np.zeros((L, top_k), dtype=np.int64)
+    topk_lp = np.zeros((L, top_k), dtype=np.float32)
+    if top_k > 0 and L > 0:
+        tops = meta.get("input_top_logprobs")
+        if not isinstance(tops, list) or len(tops) < L:
+            got = len(tops) if isinstance(tops, list) else tops
+            raise EngineResponseError(f"input_top_logprobs has {got} entries, need at least {L}")
+        for j, row in enumerate(tops[len(tops) - L:]):
+            if not isinstance(row, list) or len(row) != top_k:
+                got = len(row) if isinstance(row, list) else row
+                raise EngineResponseError(f"input_top_logprobs entry for position {start + j} has {got} items, want {top_k}")
+            for k, item in enumerate(row):
+                if not isinstance(item, (list, tuple)) or len(item) < 2 or not _finite(item[0]) or not isinstance(item[1], int):
+                    raise EngineResponseError(f"input_top_logprobs[{start + j}][{k}] = {item!r} is not [finite logprob, id, _]")
+                topk_lp[j, k], topk_ids[j, k] = item[0], item[1]
+    return ScoreResult(token_lp, topk_ids, topk_lp, meta.get("weight_version"))
+
+
+def expand_rids(rid: str | list[str] | None, n_prompts: int, n: int) -> list[str | None]:
+    """Request ids of the n_prompts * n expanded requests (prompt-major). A str names the batch: prompt i gets
+    `rid-i` (just `rid` for one prompt); sample j of a prompt gets a further `-j` when n > 1. None → no ids."""
+    if rid is None:
+        return [None] * (n_prompts * n)
+    if isinstance(rid, list):
+        if len(rid) != n_prompts or len(set(rid)) != n_prompts or not all(isinstance(r, str) and r for r in rid):
+            raise ValueError(f"rid must be {n_prompts} unique non-empty strings, got {rid!r}")
+        base = rid
+    else:
+        base = [rid] if n_prompts == 1 else [f"{rid}-{i}" for i in range(n_prompts)]
+    return [r if n == 1 else f"{r}-{j}" for r in base for j in range(n)]
+
+
+def run_sync(coro):
+    """Run a coroutine to completion from sync code. Inside a running event loop (an async Prefect task calling
+    a sync helper) `asyncio.run` is not allowed, so the coroutine then runs on a fresh loop in a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alloy-run-sync") as ex:
+        return ex.submit(asyncio.run, coro).result()
+
+
+def _error_message(body: Any, text: str) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
+        return str(body["error"]["message"])
+    return text[:500] or "(empty body)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The client
+# ---------------------------------------------------------------------------------------------------------------
+
+class EngineClient:
+    """Async client of one engine server. Share one instance per server; it keeps one HTTP session per event loop.
+
+    >>> async with EngineClient("http://127.0.0.1:30000") as c:
+    ...     gens = await c.generate([[1, 5, 6]], max_new_tokens=8)
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0, max_retries: int = 5,
+                 backoff_base: float = 0.2, backoff_max: float = 5.0, max_connections: int = 256):
+        self.base_url = base_url.rstrip("/")
+        self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self.timeout, self.max_retries = float(timeout), int(max_retries)
+        self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
+        self.max_connections = int(max_connections)
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._counts = {"requests": 0, "retries": 0, "errors": 0}
+
+    def __repr__(self) -> str:  # never print the key
+        return f"EngineClient({self.base_url!r}, api_key={'set' if self._api_key else None})"
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """{"requests", "retries", "errors"} since creation (a copy, for metrics)."""
+        return dict(self._counts)
+
+    # -- session per loop ---------------------------------------------------------------------------------------
+    def _session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        for other in [lp for lp in self._sessions if lp.is_closed()]:
+            del self._sessions[other]  # its loop is gone; the session cannot be used or closed any more
+        sess = self._sessions.get(loop)
+        if sess is None or sess.closed:
+            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+            sess = aiohttp.ClientSession(
+                headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=self.max_connections),
+            )
+            self._sessions[loop] = sess
+        return sess
+
+    async def aclose(self) -> None:
+        """Close this loop's session (other loops' sessions must be closed on their own loop)."""
+        sess = self._sessions.pop(asyncio.get_running_loop(), None)
+        if sess is not None and not sess.closed:
+            await sess.close()
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    def run_sync(self, coro):
+        """Run a coroutine of this client from sync code (scripts, tests, Prefect tasks) and close its session."""
+
+        async def runner():
+            try:
+                return await coro
+            finally:
+                await self.aclose()
+
+        return run_sync(runner())
+
+    # -- transport ----------------------------------------------------------------------------------------------
+    async def request(self, method: str, path: str, payload: dict | None = None, *, retries: int | None = None,
+                       timeout: float | None = None) -> Any:
+        """One raw protocol call with bounded retries (the typed methods all go through it). Returns the parsed JSON
+        body, or the text when the body is not JSON."""
+        url = f"{self.base_url}{path}"
+        retries = self.max_retries if retries is None else retries
+        delays = backoff_delays(retries, self.backoff_base, self.backoff_max)
+        kw: dict[str, Any] = {"json": payload} if payload is not None else {}
+        if timeout is not None:
+            kw["timeout"] = aiohttp.ClientTimeout(total=timeout)
+        self._counts["requests"] += 1
+        last = "no attempt"
+        for attempt in range(retries + 1):
+            try:
+                async with self._session().request(method, url, **kw) as resp:
+                    text = await resp.text()
+                    try:
+                        body = await resp.json(content_type=None) if text else None
+                    except ValueError:
+                        body = None
+                    if resp.status == 200:
+                        return body if body is not None else text
+                    if resp.status not in RETRY_STATUSES:
+                        self._counts["errors"] += 1
+                        raise EngineRequestError(resp.status, _error_message(body, text), url)
+                    last = f"HTTP {resp.status}: {_error_message(body, text)}"
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+                last = f"{type(e).__name__}: {e}"
+            if attempt < retries:
+                self._counts["retries"] += 1
+                log.debug("engine %s %s failed (%s); retry %d/%d in %.2fs", method, url, last, attempt + 1, retries, delays[attempt])
+                await asyncio.sleep(delays[attempt])
+        self._counts["errors"] += 1
+        raise EngineUnavailable(f"{method} {url} failed after {retries + 1} attempts; last error: {last}")
+
+    # -- generation and scoring ---------------------------------------------------------------------------------
+    async def generate(self, input_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
+                       ignore_eos: bool = False, return_logprob: bool = True, rid: str | list[str] | None = None,
+                       n: int = 1) -> list[Generation]:
+        """Sample completions for a batch of token prompts; returns len(input_ids) * n generations, prompt-major
+        (all n samples of prompt 0, then prompt 1, ...). One HTTP call for the whole batch.
+
+        n > 1 is sent as n copies of each prompt (rids suffixed `-j`): the ordering is then ours, not the server's,
+        and SGLang's prefix cache still shares the prompt's KV.
+        """
+        if not input_ids or not all(isinstance(p, list) and p for p in input_ids):
+            raise ValueError("input_ids must be a non-empty list of non-empty token lists")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        all_rids = expand_rids(rid, len(input_ids), n)
+        prompts = [p for p in input_ids for _ in range(n)]
+        params: dict[str, Any] = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
+                                  "top_p": float(top_p), "top_k": int(top_k), "ignore_eos": bool(ignore_eos)}
+        if stop_token_ids:
+            params["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        payload: dict[str, Any] = {"input_ids": prompts, "sampling_params": params, "return_logprob": bool(return_logprob)}
+        if all_rids[0] is not None:
+            payload["rid"] = all_rids
+        body = await self.request("POST", "/generate", payload)
+        try:
+            if not isinstance(body, list) or len(body) != len(prompts):
+                got = len(body) if isinstance(body, list) else type(body).__name__
+                raise EngineResponseError(f"/generate returned {got} results for a batch of {len(prompts)}")
+            return [parse_generation(o, r, return_logprob) for o, r in zip(body, all_rids)]
+        except EngineResponseError:
+            self._counts["errors"] += 1
+            raise
+
+    async def score(self, input_ids: list[int] | list[list[int]], start: int | list[int],
+                    top_k: int = 0) -> ScoreResult | list[ScoreResult]:
+        """Log-probs of the response tokens `input_ids[start:]` under this server's model (the teacher call).
+
+        `start` = len(prompt), the index of the first response token (1 ≤ start ≤ len(input_ids)). Sends
+        `logprob_start_len = start - 1` so the first scored token is `input_ids[start]`. A list of sequences is
+        scored in one HTTP call and returns a list. Raises `EngineResponseError` on a malformed response.
+        """
+        single = bool(input_ids) and not isinstance(input_ids[0], list)
+        seqs: list[list[int]] = [input_ids] if single else list(input_ids)  # type: ignore[list-item]
+        starts = [start] * len(seqs) if isinstance(start, int) else list(start)
+        if not seqs or len(starts) != len(seqs):
+            raise ValueError(f"score got {len(seqs)} sequences and {len(starts)} starts")
+        for i, (s, st) in enumerate(zip(seqs, starts)):
+            if not 1 <= st <= len(s):
+                raise ValueError(f"sequence {i}: start={st} must be in [1, len(input_ids)={len(s)}] "
+                                 "(position 0 has no log-prob)")
+        lsl = [st - 1 for st in starts]
+        payload: dict[str, Any] = {
+            "input_ids": seqs, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True, "logprob_start_len": lsl[0] if len(set(lsl)) == 1 else lsl,
+            "top_logprobs_num": int(top_k),
+        }
+        body = await self.request("POST", "/generate", payload)
+        try:
+            if not isinstance(body, list) or len(body) != len(seqs):
+                got = len(body) if isinstance(body, list) else type(body).__name__
+                raise EngineResponseError(f"/generate (score) returned {got} results for a batch of {len(seqs)}")
+            out = [parse_score(o, s, st, int(top_k)) for o, s, st in zip(body, seqs, starts)]
+        except EngineResponseError:
+            self._counts["errors"] += 1
+            raise
+        return out[0] if single else out
+
+    # -- control endpoints --------------------------------------------------------------------------------------
+    async def health(self) -> bool:
+        """One `GET /health` attempt, no retries: True iff 200."""
+        try:
+            await self.request("GET", "/health", retries=0, timeout=min(self.timeout, 5.0))
+            return True
+        except EngineError:
+            return False
+
+    async def wait_healthy(self, timeout: float = 120.0, interval: float = 0.25) -> None:
+        """Poll `/health` until 200; raise `EngineUnavailable` after `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not await self.health():
+            if loop.time() >= deadline:
+                raise EngineUnavailable(f"{self.base_url} not healthy after {timeout:.0f}s")
+            await asyncio.sleep(interval)
+
+    async def model_info(self) -> dict:
+        """`GET /get_model_info` → {model_path, tokenizer_path, is_generation, weight_version, ...}."""
+        return await self.request("GET", "/get_model_info")
+
+    async def update_weights(self, path: str, version: str | None = None, flush_cache: bool = True,
+                             abort_all: bool = False) -> dict:
+        """Load new weights from a checkpoint dir on the server's disk; raises `EngineRequestError` if refused."""
+        payload: dict[str, Any] = {"model_path": str(path), "flush_cache": flush_cache, "abort_all_requests": abort_all}
+        if version is not None:
+            payload["weight_version"] = str(version)
+        body = await self.request("POST", "/update_weights_from_disk", payload)
+        if not (isinstance(body, dict) and body.get("success")):
+            msg = body.get("message") if isinstance(body, dict) else body
+            raise EngineRequestError(200, f"update_weights_from_disk({path}) refused: {msg}", self.base_url)
+        return body
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort one request (by rid) or all; pending `/generate` calls return partial output ("abort")."""
+        await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": bool(abort_all)})
+
+    async def flush_cache(self) -> None:
+        await self.request("POST", "/flush_cache", {})

@@ -1,0 +1,439 @@
+"""Launch and supervise many engine servers (embedded or SGLang): free ports, logs, health, restarts, clean stop.
+
+A `Supervisor` owns a set of server processes. Each runs in its own session (process group) so that stopping it
+kills everything it spawned (SGLang forks scheduler/detokenizer processes). Children also get
+`PR_SET_PDEATHSIG(SIGKILL)` on Linux, so a SIGKILLed parent leaves no orphans. Because Linux delivers that signal
+when the *thread* that forked the child exits, every `Popen` runs on one long-lived spawner thread owned by the
+supervisor: starting a supervisor from a short-lived worker thread (a Prefect task thread) must not kill the
+servers when that thread ends.
+
+A monitor thread polls the processes; a dead server is restarted on the same port (so clients just retry) with
+its latest weights (`set_weights`), at most `max_restarts` times per `restart_window_s`.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import queue
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.engine.client import EngineClient, run_sync
+
+log = logging.getLogger(__name__)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# SGLang `ServerArgs` fields a GPU user typically sets (flag = "--" + name with "-"), from
+# sgl-project/sglang python/sglang/srt/server_args.py. Booleans are store_true flags.
+SGLANG_OPTIONS: dict[str, type] = {
+    "tokenizer_path": str, "skip_tokenizer_init": bool, "tp_size": int, "dp_size": int, "pp_size": int,
+    "mem_fraction_static": float, "context_length": int, "dtype": str, "trust_remote_code": bool,
+    "max_running_requests": int, "chunked_prefill_size": int, "max_total_tokens": int, "random_seed": int,
+    "served_model_name": str, "log_level": str, "quantization": str, "kv_cache_dtype": str,
+    "attention_backend": str, "base_gpu_id": int, "disable_cuda_graph": bool, "disable_radix_cache": bool,
+    "enable_deterministic_inference": bool,
+}
+
+
+@dataclass
+class ServerSpec:
+    """One server to run. `port=None` → a free port is picked. `options` (SGLang only) are `SGLANG_OPTIONS` keys;
+    `extra_args` are passed verbatim after them. `env` is added to the child's environment."""
+
+    name: str
+    model_path: str
+    backend: str = "embedded"  # "embedded" | "sglang"
+    host: str = "127.0.0.1"
+    port: int | None = None
+    api_key: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    weight_version: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def sglang_option_args(options: dict[str, Any]) -> list[str]:
+    """{"tp_size": 2, "trust_remote_code": True} → ["--tp-size", "2", "--trust-remote-code"]; unknown keys raise."""
+    args: list[str] = []
+    for key, value in options.items():
+        if key not in SGLANG_OPTIONS:
+            raise ValueError(f"unknown SGLang option {key!r}; known: {sorted(SGLANG_OPTIONS)} (use extra_args for others)")
+        flag = "--" + key.replace("_", "-")
+        if SGLANG_OPTIONS[key] is bool:
+            if value:
+                args.append(flag)
+        elif value is not None:
+            args += [flag, str(SGLANG_OPTIONS[key](value))]
+    return args
+
+
+def build_command(spec: ServerSpec, port: int) -> list[str]:
+    """The argv that starts `spec` on `port` (pure)."""
+    if spec.backend == "embedded":
+        if spec.options:
+            raise ValueError(f"server {spec.name!r}: `options` are SGLang flags; the embedded backend takes none")
+        cmd = [sys.executable, "-m", "infra.engine.server", "--model", str(spec.model_path),
+               "--port", str(port), "--host", spec.host]
+    elif spec.backend == "sglang":
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(spec.model_path),
+               "--port", str(port), "--host", spec.host]
+    else:
+        raise ValueError(f"server {spec.name!r}: backend must be 'embedded' or 'sglang', got {spec.backend!r}")
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
+    if spec.weight_version is not None:
+        cmd += ["--weight-version", str(spec.weight_version)]
+    if spec.backend == "sglang":
+        cmd += sglang_option_args(spec.options)
+    return cmd + [str(a) for a in spec.extra_args]
+
+
+def redact(cmd: list[str]) -> list[str]:
+    """The argv with the value after --api-key masked (for logs)."""
+    return ["***" if i > 0 and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Bind to port 0, read the port the kernel chose, release it. Racy by nature: callers retry on a clash."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def url_for(host: str, port: int) -> str:
+    h = f"[{host}]" if ":" in host else host
+    return f"http://{h}:{port}"
+
+
+def log_tail(path: Path, n_lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 16384))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-n_lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _pdeathsig_preexec(parent_pid: int):
+    """preexec_fn: ask the kernel to SIGKILL the child when its parent (thread) dies; exit if it already died."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    prctl = libc.prctl if libc is not None else None  # resolved before fork: no dlsym in the child
+
+    def preexec():
+        if prctl is not None:
+            prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # parent died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+@dataclass
+class _Server:
+    spec: ServerSpec
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    restart_times: collections.deque = field(default_factory=collections.deque)
+    failed: str | None = None
+
+    @property
+    def url(self) -> str:
+        return url_for(self.spec.host, self.port)
+
+
+class SupervisorError(RuntimeError):
+    pass
+
+
+class _Spawner:
+    """A daemon thread that runs every `Popen` of one supervisor (see the module docstring: PDEATHSIG follows the
+    forking thread). Daemon, unlike a ThreadPoolExecutor worker, so interpreter exit does not end it (and SIGKILL
+    the servers) before the atexit `stop()` has terminated them gracefully."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._closed = False
+        threading.Thread(target=self._run, name="alloy-spawner", daemon=True).start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def run(self, fn):
+        if self._closed:
+            raise RuntimeError("spawner is shut down")
+        fut: Future = Future()
+        self._jobs.put((fn, fut))
+        return fut.result()
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._jobs.put(None)
+
+
+class Supervisor:
+    """Start, watch, restart and stop engine servers. Use as a context manager.
+
+    >>> with Supervisor("runs/x/logs") as sup:
+    ...     urls = sup.start([ServerSpec("math", "ckpt/math")])
+    """
+
+    def __init__(self, log_dir: str | Path, *, max_restarts: int = 3, restart_window_s: float = 600.0,
+                 health_timeout: float = 180.0, monitor_interval: float = 0.5, grace_s: float = 5.0,
+                 threads_per_server: int | None = 1, install_signal_handlers: bool = True, port_retries: int = 3):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.max_restarts, self.restart_window_s = max_restarts, restart_window_s
+        self.health_timeout, self.monitor_interval, self.grace_s = health_timeout, monitor_interval, grace_s
+        self.threads_per_server, self.port_retries = threads_per_server, port_retries
+        self._servers: dict[str, _Server] = {}
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._spawner = _Spawner()
+        self._monitor: threading.Thread | None = None
+        self._prev_handlers: dict[int, Any] = {}
+        atexit.register(self.stop)
+        if install_signal_handlers and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # an ignored signal stays ignored (e.g. `cmd &`)
+                    self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    # -- public API ---------------------------------------------------------------------------------------------
+    def start(self, specs: list[ServerSpec]) -> dict[str, str]:
+        """Launch every spec, wait until all answer `/health`; returns {name: url}. On failure, raises with the log
+        tail of each server that did not come up (the others keep running; `stop()` ends them)."""
+        if self._stopping.is_set():
+            raise SupervisorError("supervisor is stopped")
+        names = [s.name for s in specs]
+        dup = {n for n in names if names.count(n) > 1} | (set(names) & set(self._servers))
+        if dup:
+            raise ValueError(f"server names must be unique; duplicated: {sorted(dup)}")
+        new, taken = [], {s.port for s in self._servers.values()}
+        for spec in specs:
+            # A private copy: set_weights() updates it, never the caller's object.
+            spec = dataclasses.replace(spec, extra_args=list(spec.extra_args), env=dict(spec.env),
+                                       options=dict(spec.options))
+            port = spec.port
+            while port is None or (spec.port is None and port in taken):
+                port = free_port(spec.host)
+            taken.add(port)
+            srv = _Server(spec, port, self.log_dir / f"{spec.name}.log")
+            with self._lock:
+                self._servers[spec.name] = srv
+            self._launch(srv)
+            new.append(srv)
+        errors = self._wait_healthy(new, allow_new_port=True)
+        if errors:
+            raise SupervisorError("engine servers failed to start:\n" + "\n\n".join(errors))
+        self._ensure_monitor()
+        return {s.spec.name: s.url for s in new}
+
+    def set_weights(self, name: str, path: str, version: str | None) -> None:
+        """Record the latest weights of `name`: a restart launches with `--model path --weight-version version`.
+        (Pushing the weights to the live server is the caller's `EngineClient.update_weights`.)"""
+        with self._lock:
+            srv = self._get(name)
+            srv.spec.model_path, srv.spec.weight_version = str(path), version
+
+    def url(self, name: str) -> str:
+        return self._get(name).url
+
+    def urls(self) -> dict[str, str]:
+        with self._lock:
+            return {n: s.url for n, s in self._servers.items()}
+
+    def status(self) -> list[dict]:
+        with self._lock:
+            return [{
+                "name": n, "url": s.url, "pid": s.proc.pid if s.proc else None,
+                "alive": bool(s.proc and s.proc.poll() is None), "restarts": s.restarts, "log": str(s.log_path),
+                "model_path": s.spec.model_path, "weight_version": s.spec.weight_version, "failed": s.failed,
+            } for n, s in self._servers.items()]
+
+    def stop(self) -> None:
+        """Terminate every server's process group (SIGTERM, SIGKILL after `grace_s`). Idempotent."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=5.0)
+        with self._lock:
+            procs = [s.proc for s in self._servers.values() if s.proc is not None]
+        for p in procs:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(p, signal.SIGKILL)  # also reaps stragglers the server itself spawned
+            try:
+                p.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                log.error("process %d survived SIGKILL", p.pid)
+        self._spawner.shutdown()
+        for sig, handler in self._prev_handlers.items():
+            try:
+                signal.signal(sig, handler)
+            except ValueError:  # not in the main thread any more
+                pass
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> "Supervisor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _get(self, name: str) -> _Server:
+        if name not in self._servers:
+            raise KeyError(f"no server named {name!r}; known: {sorted(self._servers)}")
+        return self._servers[name]
+
+    def _child_env(self, spec: ServerSpec) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        if spec.backend == "embedded":
+            env["DS_ACCELERATOR"] = "cpu"
+            if self.threads_per_server:
+                # Many CPU servers on 2 cores: one intra-op thread each (torch reads OMP_NUM_THREADS at start),
+                # or they oversubscribe the cores and all crawl.
+                n = str(self.threads_per_server)
+                env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n)
+        env.update({k: str(v) for k, v in spec.env.items()})
+        return env
+
+    def _launch(self, srv: _Server) -> None:
+        cmd = build_command(srv.spec, srv.port)
+        env = self._child_env(srv.spec)
+        with open(srv.log_path, "ab") as logf:  # the child keeps its own copy of the fd
+            logf.write(f"\n=== alloy launch {time.strftime('%H:%M:%S')}: {' '.join(redact(cmd))}\n".encode())
+            logf.flush()
+            popen = lambda: subprocess.Popen(  # noqa: E731
+                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT),
+                start_new_session=True, preexec_fn=_pdeathsig_preexec(os.getpid()))
+            srv.proc = self._spawner.run(popen)
+        log.info("started %s (pid %d) on %s, log %s", srv.spec.name, srv.proc.pid, srv.url, srv.log_path)
+
+    def _wait_healthy(self, servers: list[_Server], allow_new_port: bool) -> list[str]:
+        """Wait for all `servers` concurrently; returns one error text per server that did not come up."""
+
+        async def wait_one(srv: _Server, client: EngineClient) -> str | None:
+            loop = asyncio.get_running_loop()
+            deadline, port_tries = loop.time() + self.health_timeout, 0
+            while True:
+                if self._stopping.is_set():
+                    return f"{srv.spec.name}: supervisor stopped"
+                if srv.proc.poll() is not None:
+                    tail = log_tail(srv.log_path)
+                    clash = "address already in use" in tail.lower() or "errno 98" in tail.lower()
+                    if clash and allow_new_port and srv.spec.port is None and port_tries < self.port_retries:
+                        port_tries += 1  # someone took the port between free_port() and bind: pick another
+                        srv.port = free_port(srv.spec.host)
+                        client.base_url = srv.url  # same session, new address
+                        self._launch(srv)
+                        continue
+                    return (f"{srv.spec.name}: process exited with code {srv.proc.returncode} before becoming healthy; "
+                            f"last lines of {srv.log_path}:\n{tail}")
+                if await client.health():
+                    return None
+                if loop.time() > deadline:
+                    return (f"{srv.spec.name}: not healthy at {srv.url} after {self.health_timeout:.0f}s; "
+                            f"last lines of {srv.log_path}:\n{log_tail(srv.log_path)}")
+                await asyncio.sleep(0.2)
+
+        async def wait_all() -> list[str | None]:
+            clients = [EngineClient(s.url, api_key=s.spec.api_key, timeout=5.0) for s in servers]
+            try:
+                return await asyncio.gather(*(wait_one(s, c) for s, c in zip(servers, clients)))
+            finally:
+                for c in clients:
+                    await c.aclose()
+
+        return [e for e in run_sync(wait_all()) if e]
+
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None or not self._monitor.is_alive():
+            self._monitor = threading.Thread(target=self._monitor_loop, name="alloy-supervisor", daemon=True)
+            self._monitor.start()
+
+    def _monitor_loop(self) -> None:
+        while not self._stopping.wait(self.monitor_interval):
+            with self._lock:
+                dead = [s for s in self._servers.values() if s.failed is None and s.proc and s.proc.poll() is not None]
+            for srv in dead:
+                try:
+                    self._restart(srv)
+                except Exception as e:  # keep watching the others
+                    log.exception("restart of %s failed", srv.spec.name)
+                    srv.failed = f"restart failed: {e}"
+
+    def _restart(self, srv: _Server) -> None:
+        now = time.monotonic()
+        while srv.restart_times and now - srv.restart_times[0] > self.restart_window_s:
+            srv.restart_times.popleft()
+        code = srv.proc.returncode
+        _signal_group(srv.proc, signal.SIGKILL)  # whatever it spawned dies with it
+        if len(srv.restart_times) >= self.max_restarts:
+            srv.failed = (f"died (exit {code}) after {self.max_restarts} restarts within {self.restart_window_s:.0f}s; "
+                          f"not restarting. Log: {srv.log_path}")
+            log.error("%s %s", srv.spec.name, srv.failed)
+            return
+        srv.restart_times.append(now)
+        srv.restarts += 1
+        log.warning("%s died (exit %s); restart %d on port %d with %s (version %s)", srv.spec.name, code,
+                    srv.restarts, srv.port, srv.spec.model_path, srv.spec.weight_version)
+        if self._stopping.is_set():
+            return
+        try:
+            self._launch(srv)
+        except RuntimeError:  # the spawner was shut down by a concurrent stop()
+            if self._stopping.is_set():
+                return
+            raise
+        errors = self._wait_healthy([srv], allow_new_port=False)
+        if errors:
+            # Kill it so the next monitor pass sees it dead and tries again (within the max_restarts budget).
+            log.error("restart of %s did not become healthy: %s", srv.spec.name, errors[0])
+            _signal_group(srv.proc, signal.SIGKILL)
+            srv.proc.wait()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop()
+        prev = self._prev_handlers.get(signum)
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to the child's process group (it leads its own session, so pgid == pid)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
