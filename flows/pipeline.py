@@ -30,7 +30,7 @@ def open_run(config_path: str, overrides: list[str]) -> RunContext:
         tracker.log_config(cfg.model_dump(mode="json"))
     else:
         tracker, parent = NoopTracker(), None
-    return RunContext(cfg=cfg, config_path=config_path, work_dir=work_dir, storage_url=cfg.storage_url,
+    return RunContext(cfg=cfg, config_path=config_path, overrides=list(overrides), work_dir=work_dir, storage_url=cfg.storage_url,
                       tracker=tracker, parent_run_id=parent or uuid.uuid4().hex, domains=domains)
 
 

@@ -1,40 +1,45 @@
 """Base stage: SFT of a fresh tiny model (or a given HF checkpoint) on mixed-domain demonstrations.
 
 Produces the base checkpoint every later stage starts from. The checkpoint is committed to storage with a
-COMPLETE manifest; a rerun with the same config reuses it instead of training again.
+COMPLETE manifest; a rerun with the same config reuses it instead of training again. One rank trains in-process;
+several ranks run `tasks.base_worker` under torchrun.
 """
 from __future__ import annotations
 
 import logging
-import random
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed
-from infra.models import init_model_dir, load_model, load_tokenizer
-from infra.progress import progress
-from infra.sft import train_sft
+from infra.models import init_model_dir
 from infra.storage import join, latest_complete, load_checkpoint, save_checkpoint
+from tasks.base_worker import run_base_sft
 from tasks.context import RunContext, stage_timer
 
 log = logging.getLogger("alloy")
 
-
-def demonstrations(domains: dict, n_per_domain: int, seed: int) -> list[tuple[str, str]]:
-    """Mixed-domain (prompt, answer) pairs from each domain's train split, shuffled."""
-    pairs = [(ex.prompt, ex.answer) for dom in domains.values() for ex in dom.split("train", n_per_domain, seed)]
-    random.Random(seed).shuffle(pairs)
-    return pairs
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def train_settings(train_cfg, total_steps: int, seed: int) -> TrainSettings:
-    t = train_cfg
-    return TrainSettings(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
-                         dtype=t.dtype, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                         warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule, total_steps=total_steps, seed=seed)
+def torchrun_command(module: str, nproc: int, args: list[str]) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc_per_node N -m module args…` (single node)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module, *args]
+
+
+def run_multi_rank(cmd: list[str], log_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}  # a fresh process group, not ours
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-30:]
+        raise RuntimeError(f"{cmd[6]} failed with exit code {proc.returncode}; last log lines ({log_path}):\n"
+                           + "\n".join(tail))
 
 
 @task(name="train-base", cache_policy=NO_CACHE)
@@ -47,35 +52,23 @@ def train_base(ctx: RunContext) -> str:
         found = latest_complete(prefix) if cfg.run.resume else None
         if found:
             log.info("base: reusing complete checkpoint %s", found)
-            if local.exists():
-                shutil.rmtree(local)
+            shutil.rmtree(local, ignore_errors=True)
             load_checkpoint(found, str(local))
             return str(local)
 
-        init_dir = ctx.work_dir / "base-init"
-        if cfg.model.path:
-            init_dir = Path(cfg.model.path)
-        else:
-            init_model_dir(cfg.model.preset, init_dir, seed=cfg.run.seed)
-        tok = load_tokenizer(init_dir)
-        model = load_model(init_dir)
-        pairs = demonstrations(ctx.domains, cfg.base.n_train_per_domain, cfg.run.seed)
-        log.info("base: SFT of %s on %d demonstrations from %d domains, %d steps",
-                 cfg.model.path or f"a fresh '{cfg.model.preset}' model", len(pairs), len(ctx.domains), cfg.base.steps)
-        init_distributed()
-        backend = DeepSpeedBackend(model, train_settings(cfg.base.train, cfg.base.steps, cfg.run.seed))
-        batch = cfg.base.train.micro_batch_size * backend.world_size
-        with ctx.tracker.child("base", tags={"stage": "base"}) as run, progress("base SFT", cfg.base.steps) as bar:
-            def on_step(step: int, m: dict) -> None:
-                bar(step, loss=m["loss"], acc=m["token_acc"])
-                if step % cfg.base.log_every == 0 or step == cfg.base.steps:
-                    run.log_metrics({"sft/loss": m["loss"], "sft/token_acc": m["token_acc"],
-                                     "sft/grad_norm": float(m.get("grad_norm", 0.0))}, step=step)
-
-            train_sft(backend, tok, pairs, cfg.base.steps, batch, seed=cfg.run.seed, on_step=on_step)
-        if local.exists():
-            shutil.rmtree(local)
-        backend.save_hf(str(local), tokenizer=tok)
+        init_dir = Path(cfg.model.path) if cfg.model.path else init_model_dir(cfg.model.preset, ctx.work_dir / "base-init",
+                                                                              seed=cfg.run.seed)
+        shutil.rmtree(local, ignore_errors=True)
+        with ctx.tracker.child("base", tags={"stage": "base"}) as run:
+            if cfg.base.train.world_size == 1:
+                run_base_sft(cfg, ctx.domains, str(init_dir), str(local), run)
+            else:
+                args = ["--config", ctx.config_path, *sum((["--set", s] for s in ctx.overrides), []),
+                        "--init", str(init_dir), "--out", str(local)]
+                if getattr(run, "run_id", None):
+                    args += ["--mlflow-run-id", run.run_id]
+                run_multi_rank(torchrun_command("tasks.base_worker", cfg.base.train.world_size, args),
+                               ctx.work_dir / "logs" / "base.log")
         url = save_checkpoint(str(local), join(prefix, f"step-{cfg.base.steps:08d}"), step=cfg.base.steps,
                               meta={"stage": "base", "config_fingerprint": cfg.fingerprint()})
         log.info("base: committed %s", url)

@@ -15,6 +15,7 @@ log = logging.getLogger("alloy")
 class RunContext:
     cfg: AlloyConfig
     config_path: str
+    overrides: list  # the --set overrides the config was loaded with (passed on to worker processes)
     work_dir: Path  # local scratch for this run: logs, local copies of checkpoints
     storage_url: str  # fsspec URL where checkpoints and the report are committed
     tracker: object  # infra.tracking.Tracker or NoopTracker

@@ -102,3 +102,17 @@ def test_cli_run_exit_codes(tmp_path):
     plugin = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "domains.0.impl=nowhere.mod:Cls",
                              "--set", f"run.root={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert plugin.returncode == 2 and "nowhere.mod:Cls" in plugin.stderr and "domains.0.impl" in plugin.stderr
+
+
+def test_base_stage_two_ranks_under_torchrun(tmp_path, prefect_harness):
+    """base.train.world_size=2 launches the base SFT under torchrun (ZeRO-2, gloo); rank 0 logs and saves."""
+    from flows.pipeline import pipeline
+
+    report = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}", "base.train.world_size=2",
+                                                      "base.train.zero_stage=2", "base.train.micro_batch_size=32"])
+    check_report(report, 3)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    parent = client.get_run(report["mlflow"]["parent_run_id"])
+    (child,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert child.info.run_name == "base" and "sft/loss" in child.data.metrics
+    assert "2 rank(s)" in (tmp_path / "smoke" / "work" / "logs" / "base.log").read_text()
