@@ -1,0 +1,87 @@
+"""Next-token sampling and log-prob bookkeeping for a batch of rows with per-row sampling parameters (pure tensors).
+
+Semantics follow SGLang's sampler (python/sglang/srt/layers/sampler.py, SamplingParams):
+
+- `temperature < 1e-6` means greedy: argmax of the logits (SGLang rewrites it to top_k=1, temperature=1).
+- Otherwise: p = softmax(logits / T); keep the top-k tokens (`top_k = -1` keeps all) and the smallest prefix of the
+  descending-sorted p whose mass reaches `top_p` (the first token is always kept); renormalise; sample.
+- The reported log-prob of a token is `log softmax(logits / T_eff)` with `T_eff = 1` for greedy rows and `T` otherwise:
+  SGLang reports `log(probs)` taken **after temperature scaling and before the top-k/top-p renormalisation**
+  (greedy rows: raw `log_softmax(logits)`). Setting `SGLANG_RETURN_ORIGINAL_LOGPROB=1` makes SGLang (and us)
+  report the raw `log_softmax(logits)` for every row. Prompt (input) log-probs are always raw `log_softmax`.
+
+Sampling is by inverse CDF with one uniform number per row, so each row can draw from its own seeded generator.
+"""
+from __future__ import annotations
+
+import torch
+
+GREEDY_EPS = 1e-6
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                  uniform: torch.Tensor) -> torch.Tensor:
+    """Pick one token per row.
+
+    logits (B, V) float; temperature (B,) float (< 1e-6 → greedy); top_p (B,) in (0, 1]; top_k (B,) long, ≤ 0 or
+    ≥ V means all; uniform (B,) in [0, 1), used only by non-greedy rows. Returns ids (B,) long.
+
+    Non-greedy row: with p = softmax(logits / T) sorted descending (p_(1) ≥ p_(2) ≥ …), token rank r is kept iff
+    r < top_k and sum_{j<r} p_(j) ≤ top_p; the kept masses are renormalised and the token is the first rank whose
+    cumulative kept mass exceeds `uniform · total`.
+    """
+    ids = logits.argmax(dim=-1)
+    sampled = temperature >= GREEDY_EPS
+    if not bool(sampled.any()):
+        return ids
+    rows = sampled.nonzero().squeeze(1)
+    probs = torch.softmax(logits[rows].float() / temperature[rows, None], dim=-1)  # (S, V)
+    vocab = probs.shape[-1]
+    k = top_k[rows]
+    k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)
+    if bool((top_p[rows] < 1.0).any()) or bool((k < vocab).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        rank = torch.arange(vocab, device=probs.device)
+        drop = (mass_before > top_p[rows, None]) | (rank[None, :] >= k[:, None])
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+    else:
+        sorted_p, order = probs, None
+    cdf = sorted_p.cumsum(dim=-1)
+    target = uniform[rows].to(cdf.dtype) * cdf[:, -1]
+    choice = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
+    picked = choice.squeeze(1) if order is None else order.gather(1, choice).squeeze(1)
+    ids[rows] = picked
+    return ids
+
+
+def report_logprobs(logits: torch.Tensor, temperature: torch.Tensor, original: bool = False) -> torch.Tensor:
+    """Log-probs reported for sampled tokens: log_softmax(logits / T_eff), (B, V) → (B, V).
+
+    T_eff = 1 for greedy rows (T < 1e-6) or when `original` (SGLANG_RETURN_ORIGINAL_LOGPROB); else T.
+    Clamped to the dtype's finite minimum like SGLang, so JSON never carries -inf.
+    """
+    t = temperature.to(logits.dtype)
+    if original:
+        t = torch.ones_like(t)
+    else:
+        t = torch.where(t < GREEDY_EPS, torch.ones_like(t), t)
+    logp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
+    return logp.clamp_(min=torch.finfo(logp.dtype).min)
+
+
+def top_logprobs(logp: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Top-k (value, id) per row of `logp` (N, V), sorted descending; k is clipped to V. Returns python lists."""
+    if k <= 0 or logp.shape[0] == 0:
+        return [[] for _ in range(logp.shape[0])], [[] for _ in range(logp.shape[0])]
+    vals, idx = torch.topk(logp, min(k, logp.shape[-1]), dim=-1, sorted=True)
+    return vals.tolist(), idx.tolist()
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Prompt (input) log-probs: raw log_softmax(logits) with no temperature, (N, V) → (N, V), clamped finite.
+
+    Row p of a prompt's logits is log P(· | ids[:p+1]), i.e. it scores token p+1.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.clamp_(min=torch.finfo(logp.dtype).min)

@@ -1,0 +1,472 @@
+"""The engine: one scheduler thread owns the model and runs continuous batching over all requests.
+
+Loop (one iteration, `Engine._step`):
+  1. take new sequences, aborts and weight-update jobs from thread-safe inboxes;
+  2. **scoring** (max_new_tokens = 0): every waiting scoring sequence (up to a padded-token budget) in ONE padded
+     forward, no KV cache; prompt log-probs read off the logits; done;
+  3. **prefill**: waiting generation sequences (up to `max_batch` running and `max_total_tokens` reserved) in one
+     left-padded forward that fills a fresh KV cache; their first token is sampled; survivors are merged into the
+     running batch (`BatchKVCache.merge`);
+  4. **decode**: ONE forward of one token for every running sequence, sharing the batch KV cache; sample; sequences
+     that hit a stop condition leave the batch (`select_rows`), and padding columns no row needs are trimmed.
+
+The HTTP side never touches the model: it submits `Seq`s and is called back (`Seq.on_done`, `Seq.on_token`) from
+this thread, so /health and /abort_request stay responsive while a forward runs (torch releases the GIL in ops).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from infra.engine.kv_cache import BatchKVCache, leading_pad_columns, merge_masks
+from infra.engine.protocol import ProtocolError, SeqResult, SeqSpec
+from infra.engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
+
+log = logging.getLogger("alloy.engine")
+
+
+@dataclass(eq=False)
+class Seq:
+    """A sequence in flight: its spec, its growing result, and callbacks into the HTTP side (called from the
+    engine thread; they must be thread-safe, e.g. `loop.call_soon_threadsafe`)."""
+
+    spec: SeqSpec
+    result: SeqResult = field(default_factory=SeqResult)
+    on_done: Callable[["Seq"], None] | None = None
+    on_token: Callable[["Seq", int], None] | None = None
+    created: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    serial: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.created
+
+
+@dataclass
+class _UpdateJob:
+    model_path: str
+    weight_version: str | None
+    abort_all: bool
+    future: concurrent.futures.Future
+    cutoff: int = 0  # sequences submitted before the job (serial < cutoff) still run on the old weights
+    aborted: bool = False
+
+
+class Engine:
+    """Owns the model and the scheduler thread. Thread-safe API: `start`, `stop`, `submit`, `abort`,
+    `update_weights`; read-only properties once `ready` is set."""
+
+    def __init__(self, model_dir: str, *, max_batch: int = 64, max_total_tokens: int = 65536,
+                 max_prefill_tokens: int = 16384, threads: int | None = None, weight_version: str = "default",
+                 seed: int = 0):
+        self.model_path = self.tokenizer_path = str(model_dir)
+        self.max_batch, self.max_total_tokens, self.max_prefill_tokens = max_batch, max_total_tokens, max_prefill_tokens
+        self.threads = threads
+        self.weight_version = weight_version
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes")
+        self._seed = seed
+        self._inbox: collections.deque[Seq] = collections.deque()
+        self._aborts: collections.deque[tuple[str | None, bool, str]] = collections.deque()
+        self._updates: collections.deque[_UpdateJob] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._lock = threading.Lock()  # guards _active_rids and _serial (touched by both threads)
+        self._active_rids: set[str] = set()
+        self._serial = 0
+        self._thread = threading.Thread(target=self._main, name="alloy-engine", daemon=True)
+        # engine-thread state
+        self._wait_score: collections.deque[Seq] = collections.deque()
+        self._wait_gen: collections.deque[Seq] = collections.deque()
+        self._run: list[Seq] = []
+        self._cache: BatchKVCache | None = None
+        self._mask = self._pos = self._last = None
+        self._reserved = 0
+        self.steps = 0
+
+    # -- thread-safe API --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, seqs: list[Seq]) -> None:
+        """Queue sequences. Raises ProtocolError (409-free: HTTP 400) if a rid is already in flight."""
+        with self._lock:
+            clash = [s.spec.rid for s in seqs if s.spec.rid in self._active_rids]
+            if clash:
+                raise ProtocolError(f"request id {clash[0]!r} is already in flight")
+            for s in seqs:
+                self._active_rids.add(s.spec.rid)
+                s.serial = self._serial
+                self._serial += 1
+        self._inbox.extend(seqs)
+        self._wake.set()
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Aborted by AbortReq.") -> None:
+        """Abort every in-flight sequence whose rid (or batch/prompt rid) is `rid`, or all of them."""
+        self._aborts.append((rid, abort_all, message))
+        self._wake.set()
+
+    def abort_seqs(self, seqs: list[Seq], message: str) -> None:
+        for s in seqs:
+            self._aborts.append((s.spec.rid, False, message))
+        self._wake.set()
+
+    def update_weights(self, model_path: str, weight_version: str | None = None,
+                       abort_all: bool = False) -> concurrent.futures.Future:
+        """Load new weights from an HF dir. Sequences submitted earlier finish on the old weights (or are aborted
+        if `abort_all`); later ones wait and run on the new weights. Future → (success, message)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            cutoff = self._serial
+        self._updates.append(_UpdateJob(model_path, weight_version, abort_all, fut, cutoff))
+        self._wake.set()
+        return fut
+
+    # -- engine thread ----------------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self._load_initial()
+        except Exception as e:  # noqa: BLE001 - reported through /health (503) and the log, never raised
+            self.load_error = f"{type(e).__name__}: {e}"
+            log.exception("failed to load model from %s", self.model_path)
+            return
+        self.ready.set()
+        log.info("engine ready: model %s, vocab %d, context %d, max_batch %d, torch threads %d",
+                 self.model_path, self.vocab_size, self.context_len, self.max_batch, torch.get_num_threads())
+        with torch.inference_mode():
+            while not self._stopping:
+                try:
+                    self._step()
+                except Exception:  # noqa: BLE001 - one bad batch must not kill the server
+                    log.exception("engine step failed; aborting the affected requests")
+                    self._fail_all("internal engine error (see server log)")
+            self._fail_all("server shutting down")
+
+    def _load_initial(self) -> None:
+        from infra.models import load_model, load_tokenizer
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self._set_model(load_model(self.model_path))
+        self._gen = torch.Generator().manual_seed(self._seed)
+        with torch.inference_mode():  # warm-up: the first forward pays one-off allocation/dispatch costs
+            self.model(input_ids=torch.tensor([[0, 0]]), use_cache=False)
+
+    def _set_model(self, model) -> None:
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        self.model = model
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.context_len = int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
+        self.num_layers = int(cfg.num_hidden_layers)
+        eos = set()
+        for src in (getattr(model.generation_config, "eos_token_id", None), getattr(cfg, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None)):
+            eos |= set(src) if isinstance(src, (list, tuple)) else ({src} if src is not None else set())
+        self.eos_ids = frozenset(int(e) for e in eos)
+
+    def _step(self) -> None:
+        self._wake.clear()
+        while self._inbox:
+            s = self._inbox.popleft()
+            if s.spec.sampling.seed is not None:
+                s.generator = torch.Generator().manual_seed(s.spec.sampling.seed)
+            (self._wait_score if s.spec.sampling.max_new_tokens == 0 else self._wait_gen).append(s)
+        while self._aborts:
+            self._apply_abort(*self._aborts.popleft())
+        limit = self._admission_limit()
+        worked = self._run_scoring(limit) | self._run_prefill(limit)
+        if self._run:
+            self._decode_step()
+            worked = True
+            time.sleep(0)  # EXPERIMENT
+            if os.environ.get("DBG_ROWS"): print("ROWS", time.perf_counter(), len(self._run), len(self._wait_gen), flush=True)
+        if not worked:
+            self._wake.wait(0.05)
+
+    def _admission_limit(self) -> float:
+        """Serial number below which waiting sequences may start; a pending weight update pauses later arrivals
+        and is applied once everything submitted before it has finished."""
+        if not self._updates:
+            return float("inf")
+        job = self._updates[0]
+        if job.abort_all and not job.aborted:
+            job.aborted = True
+            self._apply_abort(None, True, "Aborted by update_weights_from_disk (abort_all_requests).")
+        pending_old = any(s.serial < job.cutoff for s in self._wait_gen) or any(s.serial < job.cutoff for s in self._wait_score)
+        if not self._run and not pending_old:
+            self._updates.popleft()
+            job.future.set_result(self._load_weights(job))
+            return self._admission_limit()
+        return job.cutoff
+
+    def _load_weights(self, job: _UpdateJob) -> tuple[bool, str]:
+        from infra.models import load_model
+
+        t0 = time.perf_counter()
+        try:
+            model = load_model(job.model_path)
+        except Exception as e:  # noqa: BLE001 - a bad path is the client's error, reported as success=false
+            return False, f"Failed to load weights from {job.model_path}: {type(e).__name__}: {e}"
+        vocab = int(model.get_input_embeddings().weight.shape[0])
+        if vocab != self.vocab_size:
+            return False, f"Failed to update weights: {job.model_path} has vocab {vocab}, the server's tokenizer {self.vocab_size}"
+        self._set_model(model)
+        self.model_path = job.model_path
+        if job.weight_version is not None:
+            self.weight_version = job.weight_version
+        msg = f"Succeeded to update model weights from {job.model_path} in {time.perf_counter() - t0:.2f}s."
+        log.info("%s weight_version=%s", msg, self.weight_version)
+        return True, msg
+
+    # -- aborts and finishing ---------------------------------------------------------------------------------------
+    def _apply_abort(self, rid: str | None, abort_all: bool, message: str) -> None:
+        hit = (lambda s: True) if abort_all else (lambda s: rid in s.spec.abort_keys)
+        fr = {"type": "abort", "message": message}
+        for q in (self._wait_score, self._wait_gen):
+            for s in [s for s in q if hit(s)]:
+                q.remove(s)
+                self._finish(s, fr)
+        for s in list(self._inbox):
+            if hit(s):  # not yet drained: drain happens first in each step, so this is rare
+                self._inbox.remove(s)
+                self._finish(s, fr)
+        rows = [i for i, s in enumerate(self._run) if hit(s)]
+        if rows:
+            for i in rows:
+                self._finish(self._run[i], fr)
+            self._drop_rows(set(rows))
+
+    def _finish(self, s: Seq, finish_reason: dict) -> None:
+        s.result.finish_reason = finish_reason
+        s.finished_at = time.time()
+        with self._lock:
+            self._active_rids.discard(s.spec.rid)
+        log.debug("request %s finished: %s, %d prompt + %d output tokens, %.3fs", s.spec.rid, finish_reason["type"],
+                  len(s.spec.input_ids), len(s.result.output_ids), s.finished_at - s.created)
+        if s.on_done is not None:
+            s.on_done(s)
+
+    def _fail_all(self, message: str) -> None:
+        while self._inbox:
+            self._wait_gen.append(self._inbox.popleft())
+        self._apply_abort(None, True, message)
+        self._run, self._cache, self._reserved = [], None, 0
+        while self._updates:
+            self._updates.popleft().future.set_result((False, message))
+
+    # -- forward passes ---------------------------------------------------------------------------------------------
+    def _forward_prompts(self, seqs: list[Seq], keep: int, cache: BatchKVCache | None):
+        """Left-padded forward of prompts. Returns (logits of the last `keep` columns (G, keep, V), mask (G, L))."""
+        L = max(len(s.spec.input_ids) for s in seqs)
+        ids = torch.zeros((len(seqs), L), dtype=torch.long)
+        mask = torch.zeros((len(seqs), L), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            n = len(s.spec.input_ids)
+            ids[i, L - n:] = torch.tensor(s.spec.input_ids)
+            mask[i, L - n:] = 1
+        pos = (mask.cumsum(dim=1) - 1).clamp_(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=cache is not None, logits_to_keep=keep)
+        return out.logits, mask
+
+    def _fill_input_logprobs(self, s: Seq, logits: torch.Tensor) -> None:
+        """Prompt log-probs of tokens start … n-1 from one row's kept logits (K, V) (the last K prompt columns).
+
+        Entry 0 is [null, ids[start]]; entry j ≥ 1 is log P(ids[start+j] | ids[:start+j]) = raw log_softmax of the
+        logits at prompt position start+j-1, i.e. kept row K - n + start + j - 1.
+        """
+        spec, res = s.spec, s.result
+        n, st, K = len(spec.input_ids), spec.logprob_start, logits.shape[0]
+        if not spec.return_logprob or st >= n:
+            return
+        rows = logits[K - n + st: K - 1]  # positions st … n-2 → tokens st+1 … n-1
+        logp = raw_logprobs(rows)
+        targets = torch.tensor(spec.input_ids[st + 1:], dtype=torch.long)
+        res.in_logprobs = [None] + logp.gather(1, targets[:, None]).squeeze(1).tolist()
+        if spec.top_logprobs_num > 0:
+            vals, idx = top_logprobs(logp, spec.top_logprobs_num)
+            res.in_top = [None] + list(zip(vals, idx))
+        if spec.token_ids_logprob is not None:
+            res.in_ids_logprobs = [None] + logp[:, list(spec.token_ids_logprob)].tolist()
+
+    def _run_scoring(self, limit: float) -> bool:
+        """One padded forward (no cache) for waiting prefill-only sequences; finish them."""
+        batch: list[Seq] = []
+        while self._wait_score and self._wait_score[0].serial < limit:
+            s = self._wait_score[0]
+            L = max([len(s.spec.input_ids)] + [len(b.spec.input_ids) for b in batch])
+            if batch and L * (len(batch) + 1) > self.max_prefill_tokens:
+                break
+            batch.append(self._wait_score.popleft())
+        if not batch:
+            return False
+        need = [s for s in batch if s.spec.return_logprob and s.spec.logprob_start < len(s.spec.input_ids)]
+        if need:
+            keep = max(len(s.spec.input_ids) - s.spec.logprob_start for s in need)
+            logits, _ = self._forward_prompts(need, keep, cache=None)
+            for i, s in enumerate(need):
+                self._fill_input_logprobs(s, logits[i])
+        for s in batch:
+            self._finish(s, {"type": "length", "length": 0})
+        return True
+
+    def _run_prefill(self, limit: float) -> bool:
+        """Prefill a group of waiting generation sequences, sample their first token, merge them into the batch."""
+        group: list[Seq] = []
+        reserved = self._reserved
+        while self._wait_gen and self._wait_gen[0].serial < limit and len(self._run) + len(group) < self.max_batch:
+            s = self._wait_gen[0]
+            need = len(s.spec.input_ids) + s.spec.sampling.max_new_tokens
+            L = max([len(s.spec.input_ids)] + [len(g.spec.input_ids) for g in group])
+            if (self._run or group) and reserved + need > self.max_total_tokens:
+                break
+            if group and L * (len(group) + 1) > self.max_prefill_tokens:
+                break
+            group.append(self._wait_gen.popleft())
+            reserved += need
+        if not group:
+            return False
+        keep = max([1] + [len(s.spec.input_ids) - s.spec.logprob_start for s in group if s.spec.return_logprob])
+        cache = BatchKVCache(self.num_layers)
+        logits, mask = self._forward_prompts(group, keep, cache)
+        for i, s in enumerate(group):
+            self._fill_input_logprobs(s, logits[i])
+        alive = self._sample_and_check(group, logits[:, -1])
+        rows = [i for i in range(len(group)) if alive[i]]
+        if not rows:
+            return True
+        pos = torch.tensor([len(group[i].spec.input_ids) for i in rows], dtype=torch.long)
+        last = torch.tensor([group[i].result.output_ids[-1] for i in rows], dtype=torch.long)
+        if len(rows) < len(group):
+            idx = torch.tensor(rows, dtype=torch.long)
+            mask = mask[idx]
+            drop = leading_pad_columns(mask)
+            cache.select_rows(idx, drop)
+            mask = mask[:, drop:]
+        survivors = [group[i] for i in rows]
+        if not self._run:
+            self._cache, self._mask, self._pos, self._last = cache, mask, pos, last
+        else:
+            self._cache.merge(cache)
+            self._mask = merge_masks(self._mask, mask)
+            self._pos = torch.cat([self._pos, pos])
+            self._last = torch.cat([self._last, last])
+        self._run.extend(survivors)
+        self._reserved += sum(len(s.spec.input_ids) + s.spec.sampling.max_new_tokens for s in survivors)
+        self._refresh_params()
+        return True
+
+    def _refresh_params(self) -> None:
+        sp = [s.spec.sampling for s in self._run]
+        self._temp = torch.tensor([p.temperature for p in sp], dtype=torch.float32)
+        self._top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32)
+        self._top_k = torch.tensor([p.top_k for p in sp], dtype=torch.long)
+
+    def _decode_step(self) -> None:
+        B = len(self._run)
+        mask = torch.cat([self._mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+        out = self.model(input_ids=self._last[:, None], attention_mask=mask, position_ids=self._pos[:, None],
+                         past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        self._mask, self._pos = mask, self._pos + 1
+        self.steps += 1
+        alive = self._sample_and_check(self._run, out.logits[:, -1], params=(self._temp, self._top_p, self._top_k))
+        self._last = torch.tensor([s.result.output_ids[-1] for s in self._run], dtype=torch.long)
+        dead = {i for i, a in enumerate(alive) if not a}
+        if dead:
+            self._drop_rows(dead)
+
+    def _drop_rows(self, dead: set[int]) -> None:
+        """Remove finished/aborted rows from the running batch and trim padding columns no remaining row uses."""
+        keep = [i for i in range(len(self._run)) if i not in dead]
+        for i in dead:
+            s = self._run[i]
+            self._reserved -= len(s.spec.input_ids) + s.spec.sampling.max_new_tokens
+        self._run = [self._run[i] for i in keep]
+        if not keep:
+            self._cache = self._mask = self._pos = self._last = None
+            self._reserved = 0
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        self._mask, self._pos, self._last = self._mask[idx], self._pos[idx], self._last[idx]
+        drop = leading_pad_columns(self._mask)
+        self._cache.select_rows(idx, drop)
+        self._mask = self._mask[:, drop:]
+        self._refresh_params()
+
+    # -- sampling and stop conditions -------------------------------------------------------------------------------
+    def _sample_and_check(self, seqs: list[Seq], logits: torch.Tensor, params=None) -> list[bool]:
+        """Sample one token per row of `logits` (B, V), record it (and its log-probs), check stop conditions.
+        Finished sequences are finished here; returns alive flags."""
+        if params is None:
+            sp = [s.spec.sampling for s in seqs]
+            params = (torch.tensor([p.temperature for p in sp], dtype=torch.float32),
+                      torch.tensor([p.top_p for p in sp], dtype=torch.float32),
+                      torch.tensor([p.top_k for p in sp], dtype=torch.long))
+        temp, top_p, top_k = params
+        uniform = torch.zeros(len(seqs))
+        if bool((temp >= 1e-6).any()):  # all-greedy batches draw no random numbers
+            uniform = torch.rand(len(seqs), generator=self._gen)
+            for i, s in enumerate(seqs):
+                if s.generator is not None and s.spec.sampling.temperature >= 1e-6:
+                    uniform[i] = torch.rand(1, generator=s.generator)
+        ids = sample_tokens(logits, temp, top_p, top_k, uniform).tolist()
+        lp_rows = [i for i, s in enumerate(seqs) if s.spec.return_logprob]
+        lp_row_of = {i: r for r, i in enumerate(lp_rows)}
+        logp = None
+        if lp_rows:
+            idx = torch.tensor(lp_rows, dtype=torch.long)
+            logp = report_logprobs(logits[idx], temp[idx], self.original_logprob)
+            chosen = logp.gather(1, torch.tensor([ids[i] for i in lp_rows])[:, None]).squeeze(1).tolist()
+        alive = []
+        for i, s in enumerate(seqs):
+            tok, res = ids[i], s.result
+            res.output_ids.append(tok)
+            if logp is not None and s.spec.return_logprob:
+                r = lp_row_of[i]
+                res.out_logprobs.append(chosen[r])
+                if s.spec.top_logprobs_num > 0:
+                    vals, tix = top_logprobs(logp[r:r + 1], s.spec.top_logprobs_num)
+                    res.out_top.append((vals[0], tix[0]))
+                if s.spec.token_ids_logprob is not None:
+                    res.out_ids_logprobs.append(logp[r, list(s.spec.token_ids_logprob)].tolist())
+            fr = self._check_stop(s, tok)
+            if s.on_token is not None:
+                s.on_token(s, len(res.output_ids))
+            if fr is not None:
+                self._finish(s, fr)
+            alive.append(fr is None)
+        return alive
+
+    def _check_stop(self, s: Seq, tok: int) -> dict | None:
+        """SGLang `Req.check_finished` order: length first, then stop/EOS token (unless ignore_eos), then strings."""
+        sp, out = s.spec.sampling, s.result.output_ids
+        if len(out) >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
+        if not sp.ignore_eos and (tok in sp.stop_token_ids or tok in self.eos_ids):
+            return {"type": "stop", "matched": tok}
+        if sp.stop_strs:
+            # only the tail can contain a new match: decode enough tokens to cover the longest stop string
+            tail_tokens = max(len(x) for x in sp.stop_strs) + 8
+            tail = self.tokenizer.decode(out[-tail_tokens:], skip_special_tokens=sp.skip_special_tokens)
+            for stop in sp.stop_strs:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        return None

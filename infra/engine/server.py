@@ -1,0 +1,366 @@
+"""Alloy's embedded engine server: the SGLang native HTTP API (subset) over a HF causal LM on CPU.
+
+    python -m infra.engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-batch 64]
+        [--max-total-tokens N] [--log-level info] [--weight-version V] [--threads T]
+
+Endpoints (DESIGN.md, "The engine protocol"): POST /generate, GET /health, GET /health_generate,
+GET /get_model_info, GET /get_server_info, POST /update_weights_from_disk, POST /abort_request, POST /flush_cache.
+The port is bound at once; /health and /health_generate answer 503 until the model is loaded (then 200), and
+/generate answers 503 meanwhile (clients retry 503).
+
+Auth as in SGLang (`srt/utils/auth.py`): with `--api-key`, every path requires `Authorization: Bearer KEY`
+(or `x-api-key: KEY`) except paths starting with /health, /ready, /metrics (probes carry no secrets); a miss is
+HTTP 401 with SGLang's body `{"error": "Unauthorized"}`. Every other error is `{"error": {"message": ...}}` with a
+4xx status that names the bad field; a body over `--max-body-mb` is 413. Continuous batching lives in
+`infra.engine.scheduler`; request validation and response shapes in `infra.engine.protocol`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from infra.engine.protocol import Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output, parse_generate
+from infra.engine.scheduler import Engine, Seq
+
+log = logging.getLogger("alloy.engine.server")
+
+ENGINE = web.AppKey("engine", Engine)
+TOKEN_TEXT = web.AppKey("token_text", dict)
+LIMITS = web.AppKey("limits", dict)
+HEALTH_CHECK_TIMEOUT_S = 20.0
+DEFAULTS = dict(max_batch=64, max_total_tokens=65536, max_prefill_tokens=16384, threads=None,
+                weight_version="default", seed=0, max_body_mb=64.0, max_seqs=4096)
+
+
+def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status, headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Every failure becomes a JSON error; the server never answers a malformed request with a crash."""
+    try:
+        return await handler(request)
+    except ProtocolError as e:
+        log.debug("%s %s -> %d: %s", request.method, request.path, e.status, e.message)
+        return _error(e.status, e.message)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return _error(e.status, e.reason if e.status != 413 else f"request body too large: {e.text}", allow)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - logged with traceback; the client gets a 500, the server lives on
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error(500, "internal server error (see the server log)")
+
+
+def _auth_middleware(api_key: str):
+    key = api_key.encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if request.method == "OPTIONS" or request.path.startswith(("/health", "/ready", "/metrics")):
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        ok = scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key)
+        x_key = request.headers.get("x-api-key")
+        ok = ok or (x_key is not None and secrets.compare_digest(x_key.encode(), key))
+        if not ok:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return auth
+
+
+async def _json_body(request: web.Request, allow_empty: bool = False) -> Any:
+    raw = await request.read()  # raises 413 over client_max_size
+    if not raw.strip() and allow_empty:
+        return {}
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(f"invalid JSON body: {str(e)[:200]}") from None
+
+
+def _engine_ready(request: web.Request) -> Engine:
+    engine = request.app[ENGINE]
+    if not engine.ready.is_set():
+        if engine.load_error:
+            raise ProtocolError(f"the model failed to load: {engine.load_error}", status=503)
+        raise ProtocolError("the server is still loading the model", status=503)
+    return engine
+
+
+def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
+    """A thread-safe `Seq.on_done`: resolve `fut` on `loop` (called from the engine thread)."""
+    def done(_seq: Seq) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        except RuntimeError:  # loop already closed: nobody is waiting any more
+            pass
+    return done
+
+
+def _limits(engine: Engine, app: web.Application) -> Limits:
+    return Limits(vocab_size=engine.vocab_size, context_len=engine.context_len,
+                  max_total_tokens=engine.max_total_tokens, max_seqs=app[LIMITS]["max_seqs"])
+
+
+def _token_text(app: web.Application, engine: Engine) -> TokenText:
+    cache = app[TOKEN_TEXT]
+    if "tt" not in cache:
+        cache["tt"] = TokenText(engine.tokenizer)
+    return cache["tt"]
+
+
+# -- handlers -------------------------------------------------------------------------------------------------------
+async def generate(request: web.Request) -> web.StreamResponse:
+    engine = _engine_ready(request)
+    t0 = time.perf_counter()
+    req = parse_generate(await _json_body(request), engine.tokenizer, _limits(engine, request.app))
+    seqs = [Seq(spec) for spec in req.seqs]
+    if req.stream:
+        return await _stream(request, engine, req.is_single, seqs)
+    loop = asyncio.get_running_loop()
+    futs = [loop.create_future() for _ in seqs]
+    for s, f in zip(seqs, futs):
+        s.on_done = _resolver(loop, f)
+    engine.submit(seqs)
+    try:
+        await asyncio.gather(*futs)
+    except asyncio.CancelledError:  # client went away: free the batch slots
+        engine.abort_seqs(seqs, "client disconnected")
+        raise
+    tt = _token_text(request.app, engine)
+    outs = [build_output(engine.tokenizer, s.spec, s.result, engine.weight_version, s.e2e_latency, tt) for s in seqs]
+    log.debug("POST /generate %s: %d seq(s), %d prompt / %d output tokens, %.3fs", seqs[0].spec.rid, len(seqs),
+              sum(len(s.spec.input_ids) for s in seqs), sum(len(s.result.output_ids) for s in seqs),
+              time.perf_counter() - t0)
+    return web.json_response(outs[0] if req.is_single else outs)
+
+
+async def _stream(request: web.Request, engine: Engine, is_single: bool, seqs: list[Seq]) -> web.StreamResponse:
+    """SSE like SGLang: `data: {...}\\n\\n` chunks with the cumulative text/output_ids/meta_info of one sequence
+    (with "index" for a batch), finish_reason null until its last chunk, then `data: [DONE]`."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def post(item):
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:
+            pass
+
+    for i, s in enumerate(seqs):
+        s.on_token = lambda _s, n, i=i: post((i, n))
+        s.on_done = lambda _s, i=i: post((i, None))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    engine.submit(seqs)
+    tt = _token_text(request.app, engine)
+    remaining = len(seqs)
+    try:
+        while remaining:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            latest: dict[int, int | None] = {}
+            for i, n in items:  # coalesce: only the newest state of each sequence is worth sending
+                latest[i] = None if (n is None or latest.get(i, 0) is None) else n
+            for i, n in latest.items():
+                s = seqs[i]
+                obj = build_output(engine.tokenizer, s.spec, s.result, engine.weight_version,
+                                   s.e2e_latency if n is None else None, tt, upto=n)
+                if not is_single:
+                    obj["index"] = i
+                await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                remaining -= n is None
+        await resp.write(b"data: [DONE]\n\n")
+    except (asyncio.CancelledError, ConnectionResetError):
+        engine.abort_seqs(seqs, "client disconnected")
+        raise
+    return resp
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[ENGINE].ready.is_set() else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """200 once a one-token greedy generation goes through the scheduler (as SGLang), 503 while loading/stuck."""
+    engine = request.app[ENGINE]
+    if not engine.ready.is_set():
+        return web.Response(status=503)
+    spec = SeqSpec(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=(0,),
+                   sampling=SamplingSpec(max_new_tokens=1, temperature=0.0), logprob_start=0)
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    seq = Seq(spec, on_done=_resolver(loop, fut))
+    engine.submit([seq])
+    try:
+        await asyncio.wait_for(fut, HEALTH_CHECK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        engine.abort_seqs([seq], "health check timed out")
+        return web.Response(status=503)
+    ok = (seq.result.finish_reason or {}).get("type") != "abort"
+    return web.Response(status=200 if ok else 503)
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    return web.json_response({"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
+                              "is_generation": True, "weight_version": engine.weight_version})
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    engine = _engine_ready(request)
+    return web.json_response({
+        "model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path, "weight_version": engine.weight_version,
+        "max_running_requests": engine.max_batch, "max_total_tokens": engine.max_total_tokens,
+        "context_length": engine.context_len, "vocab_size": engine.vocab_size, "version": "alloy-embedded",
+        "decode_steps": engine.steps,
+    })
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = _engine_ready(request)
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise ProtocolError("model_path must be a non-empty string")
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str):
+        raise ProtocolError("weight_version must be a string or null")
+    for key in ("flush_cache", "abort_all_requests"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise ProtocolError(f"{key} must be true or false")
+    fut = engine.update_weights(path, version, abort_all=bool(body.get("abort_all_requests", False)))
+    success, message = await asyncio.wrap_future(fut)
+    log.info("update_weights_from_disk %s: success=%s %s", path, success, message)
+    return web.json_response({"success": success, "message": message, "num_paused_requests": 0},
+                             status=200 if success else 400)
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    engine = _engine_ready(request)
+    body = await _json_body(request, allow_empty=True)
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+    if rid is not None and not isinstance(rid, str):
+        raise ProtocolError("rid must be a string")
+    if not isinstance(abort_all, bool):
+        raise ProtocolError("abort_all must be true or false")
+    if abort_all or rid:
+        engine.abort(rid or None, abort_all=abort_all)
+    log.debug("abort_request rid=%r abort_all=%s", rid, abort_all)
+    return web.Response(status=200)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    # The embedded engine keeps no prefix cache across requests, so there is nothing to flush.
+    return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
+                             "(When there are running or waiting requests, the operation will not be performed.)\n")
+
+
+# -- app ------------------------------------------------------------------------------------------------------------
+def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Application:
+    """The aiohttp app. `limits`: max_batch, max_total_tokens, max_prefill_tokens, threads, weight_version, seed,
+    max_body_mb, max_seqs (defaults in DEFAULTS). The engine thread starts (and loads the model) on app startup."""
+    unknown = set(limits) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"build_app got unknown limits {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    cfg = {**DEFAULTS, **{k: v for k, v in limits.items() if v is not None}}
+    engine = Engine(str(model_dir), max_batch=cfg["max_batch"], max_total_tokens=cfg["max_total_tokens"],
+                    max_prefill_tokens=cfg["max_prefill_tokens"], threads=cfg["threads"],
+                    weight_version=cfg["weight_version"], seed=cfg["seed"])
+    middlewares = [_errors] + ([_auth_middleware(api_key)] if api_key else [])
+    app = web.Application(client_max_size=int(cfg["max_body_mb"] * 2**20), middlewares=middlewares)
+    app[ENGINE] = engine
+    app[TOKEN_TEXT] = {}
+    app[LIMITS] = cfg
+    for method in ("POST", "PUT"):
+        app.router.add_route(method, "/generate", generate)
+        app.router.add_route(method, "/abort_request", abort_request)
+    for method in ("GET", "POST"):
+        app.router.add_route(method, "/flush_cache", flush_cache)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+
+    async def on_startup(_app):
+        engine.start()
+
+    async def on_shutdown(_app):
+        log.info("shutting down: aborting in-flight requests")
+        engine.abort(None, abort_all=True, message="server shutting down")
+
+    async def on_cleanup(_app):
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        log.info("engine stopped")
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def _default_threads() -> int:
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    # One intra-op thread per spare core, keeping one core for the HTTP loop and tokenization: with every core in
+    # the OpenMP pool, each forward waits at barriers for a thread the OS has descheduled (measured: 10x slower
+    # steps on a busy 2-core box).
+    return int(env) if env.isdigit() and int(env) > 0 else max(1, min(4, (os.cpu_count() or 2) - 1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m infra.engine.server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="local HF causal LM dir (weights + tokenizer)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (except /health*)")
+    p.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"], help="max running sequences")
+    p.add_argument("--max-total-tokens", type=int, default=DEFAULTS["max_total_tokens"],
+                   help="token budget (prompt + max_new_tokens) of the running batch; also the per-request cap")
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULTS["max_prefill_tokens"],
+                   help="padded tokens per prefill/scoring forward")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default $OMP_NUM_THREADS, else cores - 1, at most 4)")
+    p.add_argument("--weight-version", default=DEFAULTS["weight_version"])
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_mb"], help="larger bodies get HTTP 413")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_batch < 1 or args.max_total_tokens < 2 or args.max_prefill_tokens < 1:
+        p.error("--max-batch, --max-total-tokens and --max-prefill-tokens must be positive")
+    app = build_app(args.model, api_key=args.api_key, max_batch=args.max_batch,
+                    max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
+                    threads=args.threads or _default_threads(), weight_version=args.weight_version, seed=args.seed,
+                    max_body_mb=args.max_body_mb)
+    log.info("alloy engine server on http://%s:%d (model %s, api key %s)", args.host, args.port, args.model,
+             "on" if args.api_key else "off")
+    # run_app turns SIGTERM/SIGINT into a graceful shutdown: on_shutdown aborts in-flight requests (they return
+    # their partial output), on_cleanup joins the engine thread.
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=5.0,
+                handle_signals=True)
+    log.info("server stopped")
+
+
+if __name__ == "__main__":
+    main()
