@@ -121,12 +121,6 @@ def cmd_report(args) -> int:
     return EXIT_OK
 
 
-def cmd_serve(args) -> int:
-    from infra.engine.server import main as serve_main
-
-    return serve_main(args.server_args) or EXIT_OK
-
-
 # ------------------------------------------------------------------------------------------ parser
 
 
@@ -166,15 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("path")
     rp.set_defaults(fn=cmd_report)
 
-    s = sub.add_parser("serve", help="serve a checkpoint with the embedded SGLang-protocol engine (see --help of the server)",
-                       add_help=False)
-    s.add_argument("server_args", nargs=argparse.REMAINDER)
-    s.set_defaults(fn=cmd_serve)
+    # `alloy serve …` is dispatched in main() straight to the server's own parser; listed here for --help
+    sub.add_parser("serve", help="serve an HF checkpoint with the embedded SGLang-protocol engine (alloy serve --help)",
+                   add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     _env_defaults()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # the server owns its flags (argparse REMAINDER would swallow none of them)
+        _setup_logging(False)
+        from infra.engine.server import main as serve_main
+
+        serve_main(argv[1:] or ["--help"])
+        return EXIT_OK
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)

@@ -101,3 +101,9 @@ def test_cli_model_init(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "alloy.cli", "model", "init", "--preset", "huge", "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown preset" in bad.stderr
+
+
+def test_text_encoding_adds_bos_like_llama():
+    tok = build_char_tokenizer()
+    assert tok("ab").input_ids == [1] + tok("ab", add_special_tokens=False).input_ids
+    assert tok.decode(tok("ab").input_ids, skip_special_tokens=True) == "ab"
