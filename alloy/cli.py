@@ -18,8 +18,8 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _env_defaults() -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+def env_defaults() -> None:
+    """Offline, CPU-safe, quiet defaults for every Alloy process (the user's environment wins)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _env_defaults()
+    env_defaults()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # the server owns its flags (argparse REMAINDER would swallow none of them)
         _setup_logging(False)

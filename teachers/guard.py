@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from infra.http import SessionPerLoop
+
 log = logging.getLogger(__name__)
 
 NET_PROGRAMS = {"curl", "wget", "nc", "ncat", "netcat", "telnet", "ssh", "scp", "sftp", "ftp", "socat", "rsync",
@@ -156,27 +158,17 @@ class LLMJudge:
         self._api_key = api_key
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.max_tokens = max_tokens
-        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._http = SessionPerLoop({"Authorization": f"Bearer {api_key}"} if api_key else {}, timeout_s)
 
     def __repr__(self) -> str:  # never print the key
         key = "set" if self._api_key else None
         return f"LLMJudge({self.url!r}, kind={self.kind!r}, model={self.model!r}, api_key={key})"
 
     def _session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        for other in [lp for lp in self._sessions if lp.is_closed()]:
-            del self._sessions[other]
-        sess = self._sessions.get(loop)
-        if sess is None or sess.closed:
-            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-            sess = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-            self._sessions[loop] = sess
-        return sess
+        return self._http.get()
 
     async def aclose(self) -> None:
-        sess = self._sessions.pop(asyncio.get_running_loop(), None)
-        if sess is not None and not sess.closed:
-            await sess.close()
+        await self._http.aclose()
 
     def _request(self, command: str, context: str, rules: list[str]) -> tuple[str, dict]:
         question = (f"Task context:\n{context}\n\nTool call:\n{command}\n\n"

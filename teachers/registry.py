@@ -11,7 +11,8 @@ import asyncio
 from pathlib import Path
 from typing import Any, Mapping
 
-from infra.engine.client import EngineClient, EngineUnavailable, run_sync
+from infra.engine.client import EngineClient, EngineUnavailable
+from infra.http import run_sync
 from infra.engine.launcher import ServerSpec, Supervisor
 
 
@@ -104,13 +105,7 @@ class TeacherRegistry:
             await c.aclose()
 
     def _run(self, coro):
-        async def runner():
-            try:
-                return await coro
-            finally:
-                await self.aclose()
-
-        return run_sync(runner())
+        return run_sync(coro, cleanup=self.aclose)
 
     # -- checks (sync: run once at the flow boundary, before distillation) ----------------------------------------
     def check_all_healthy(self, timeout: float = 0.0) -> None:

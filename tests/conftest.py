@@ -3,13 +3,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+from alloy.cli import env_defaults  # noqa: E402  (the CLI's offline/quiet defaults, before torch is imported)
+
+env_defaults()
 os.environ.pop("MLFLOW_TRACKING_URI", None)  # tests use their own SQLite stores
 
 import pytest

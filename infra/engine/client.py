@@ -20,7 +20,6 @@ both conventions give the same tail. This is what slime does.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import math
 import os
@@ -30,6 +29,8 @@ from typing import Any, Sequence
 
 import aiohttp
 import numpy as np
+
+from infra.http import SessionPerLoop, run_sync  # noqa: F401  (run_sync is re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -194,17 +195,6 @@ def expand_rids(rid: str | list[str] | None, n_prompts: int, n: int) -> list[str
     return [r if n == 1 else f"{r}-{j}" for r in base for j in range(n)]
 
 
-def run_sync(coro):
-    """Run a coroutine to completion from sync code. Inside a running event loop (an async Prefect task calling
-    a sync helper) `asyncio.run` is not allowed, so the coroutine then runs on a fresh loop in a helper thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alloy-run-sync") as ex:
-        return ex.submit(asyncio.run, coro).result()
-
-
 def _error_message(body: Any, text: str) -> str:
     if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
         return str(body["error"]["message"])
@@ -229,7 +219,8 @@ class EngineClient:
         self.timeout, self.max_retries = float(timeout), int(max_retries)
         self.backoff_base, self.backoff_max = float(backoff_base), float(backoff_max)
         self.max_connections = int(max_connections)
-        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        self._http = SessionPerLoop(headers, self.timeout, self.max_connections)
         self._counts = {"requests": 0, "retries": 0, "errors": 0}
 
     def __repr__(self) -> str:  # never print the key
@@ -242,24 +233,11 @@ class EngineClient:
 
     # -- session per loop ---------------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        for other in [lp for lp in self._sessions if lp.is_closed()]:
-            del self._sessions[other]  # its loop is gone; the session cannot be used or closed any more
-        sess = self._sessions.get(loop)
-        if sess is None or sess.closed:
-            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-            sess = aiohttp.ClientSession(
-                headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
-                connector=aiohttp.TCPConnector(limit=self.max_connections),
-            )
-            self._sessions[loop] = sess
-        return sess
+        return self._http.get()
 
     async def aclose(self) -> None:
         """Close this loop's session (other loops' sessions must be closed on their own loop)."""
-        sess = self._sessions.pop(asyncio.get_running_loop(), None)
-        if sess is not None and not sess.closed:
-            await sess.close()
+        await self._http.aclose()
 
     async def __aenter__(self) -> "EngineClient":
         return self
@@ -269,14 +247,7 @@ class EngineClient:
 
     def run_sync(self, coro):
         """Run a coroutine of this client from sync code (scripts, tests, Prefect tasks) and close its session."""
-
-        async def runner():
-            try:
-                return await coro
-            finally:
-                await self.aclose()
-
-        return run_sync(runner())
+        return run_sync(coro, cleanup=self.aclose)
 
     # -- transport ----------------------------------------------------------------------------------------------
     async def request(self, method: str, path: str, payload: dict | None = None, *, retries: int | None = None,
