@@ -196,8 +196,6 @@ class Engine:
         if self._run:
             self._decode_step()
             worked = True
-            time.sleep(0)  # EXPERIMENT
-            if os.environ.get("DBG_ROWS"): print("ROWS", time.perf_counter(), len(self._run), len(self._wait_gen), flush=True)
         if not worked:
             self._wake.wait(0.05)
 

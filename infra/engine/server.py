@@ -6,7 +6,8 @@
 Endpoints (DESIGN.md, "The engine protocol"): POST /generate, GET /health, GET /health_generate,
 GET /get_model_info, GET /get_server_info, POST /update_weights_from_disk, POST /abort_request, POST /flush_cache.
 The port is bound at once; /health and /health_generate answer 503 until the model is loaded (then 200), and
-/generate answers 503 meanwhile (clients retry 503).
+/generate answers 503 meanwhile (clients retry 503). If the model fails to load, the process exits with status 1
+(as SGLang does), so a launcher sees the failure instead of a server that answers 503 forever.
 
 Auth as in SGLang (`srt/utils/auth.py`): with `--api-key`, every path requires `Authorization: Bearer KEY`
 (or `x-api-key: KEY`) except paths starting with /health, /ready, /metrics (probes carry no secrets); a miss is
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 import uuid
 from typing import Any
@@ -353,12 +355,34 @@ def main(argv: list[str] | None = None) -> None:
                     max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
                     threads=args.threads or _default_threads(), weight_version=args.weight_version, seed=args.seed,
                     max_body_mb=args.max_body_mb)
+    engine = app[ENGINE]
+    watchers: list[asyncio.Task] = []
+
+    async def exit_on_load_failure(_app):
+        # Like SGLang: a model that cannot load is fatal (exit non-zero) so launchers fail fast instead of polling
+        # a server that answers 503 forever. GracefulExit (a SystemExit) raised from a loop callback stops `run_app`
+        # cleanly, exactly as aiohttp's own SIGTERM handler does (raised in a task it would also log a traceback).
+        def graceful_exit():
+            raise web.GracefulExit()
+
+        async def watch():
+            while not engine.ready.is_set():
+                if engine.load_error is not None:
+                    log.error("model failed to load, exiting: %s", engine.load_error)
+                    asyncio.get_running_loop().call_soon(graceful_exit)
+                    return
+                await asyncio.sleep(0.05)
+        watchers.append(asyncio.create_task(watch()))  # keep a reference: the loop holds tasks only weakly
+
+    app.on_startup.append(exit_on_load_failure)
     log.info("alloy engine server on http://%s:%d (model %s, api key %s)", args.host, args.port, args.model,
              "on" if args.api_key else "off")
     # run_app turns SIGTERM/SIGINT into a graceful shutdown: on_shutdown aborts in-flight requests (they return
     # their partial output), on_cleanup joins the engine thread.
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=5.0,
                 handle_signals=True)
+    if engine.load_error is not None:
+        sys.exit(1)
     log.info("server stopped")
 
 
