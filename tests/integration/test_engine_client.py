@@ -3,10 +3,6 @@ in-process forward pass, retries across a server restart on the same port, 4xx w
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,51 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from infra.engine.client import EngineClient, EngineRequestError, EngineUnavailable
-from infra.engine.launcher import free_port, log_tail
+from infra.engine.client import EngineClient, EngineRequestError
+from engine_proc import EngineProc, forward_logprobs
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "s3cret-test-key"
-
-
-class ServerProc:
-    """One embedded server on a fixed port; can be killed and started again on the same port."""
-
-    def __init__(self, model_dir: Path, log_path: Path, api_key: str | None = None):
-        self.model_dir, self.log_path, self.api_key = model_dir, log_path, api_key
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "infra.engine.server", "--model", str(self.model_dir), "--port", str(self.port),
-               "--host", "127.0.0.1", "--weight-version", "w0"]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                         start_new_session=True)
-
-    def wait_healthy(self, timeout: float = 60.0) -> None:
-        client = EngineClient(self.url, api_key=self.api_key)
-        try:
-            client.run_sync(client.wait_healthy(timeout=timeout))
-        except EngineUnavailable:
-            raise AssertionError(f"server did not start; log:\n{log_tail(self.log_path)}") from None
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    srv = ServerProc(tiny_model_dir, tmp_path_factory.mktemp("engine") / "server.log", api_key=KEY)
-    srv.start()
+    srv = EngineProc(tiny_model_dir, tmp_path_factory.mktemp("engine") / "server.log", api_key=KEY).start()
     try:
         srv.wait_healthy()
         yield srv
@@ -71,13 +33,6 @@ def model(tiny_model_dir):
     from infra.models import load_model
 
     return load_model(tiny_model_dir)
-
-
-def forward_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """(T, V) log_softmax of the logits predicting ids[1:] … : row t = log P(· | ids[:t+1])."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
 
 
 def client_for(server, **kw) -> EngineClient:

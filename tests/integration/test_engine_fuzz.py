@@ -7,64 +7,35 @@ The server runs with a small token budget (--max-total-tokens) so a body that ha
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from infra.engine.launcher import free_port, log_tail
+from engine_proc import EngineProc, http
+from infra.engine.launcher import log_tail
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 FUZZ = settings(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                            HealthCheck.too_slow])
 
 
 def request(base: str, path: str, data: bytes | None, method: str = "POST") -> tuple[int, bytes]:
-    req = urllib.request.Request(base + path, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    return http(base, path, data, method=method)
 
 
 @pytest.fixture(scope="module")
 def url(tiny_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("engine-fuzz") / "server.log"
-    port = free_port()
-    cmd = [sys.executable, "-m", "infra.engine.server", "--model", str(tiny_model_dir), "--port", str(port),
-           "--max-total-tokens", "1024", "--max-body-mb", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    srv = EngineProc(tiny_model_dir, log_path, "--max-total-tokens", "1024", "--max-body-mb", "1").start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, log_tail(log_path)
-            try:
-                if request(base, "/health", None, "GET")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        yield base
-        assert proc.poll() is None, f"server died; log:\n{log_tail(log_path)}"
+        srv.wait_healthy()
+        yield srv.url
+        assert srv.alive(), f"server died; log:\n{log_tail(log_path)}"
         assert "Traceback" not in log_path.read_text(errors="replace"), log_tail(log_path, 60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        srv.kill()
 
 
 def check(base: str, status: int, payload: bytes) -> None:

@@ -4,77 +4,33 @@ weight update, flush, health), auth, and 4xx errors for malformed requests."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from infra.engine.launcher import free_port, log_tail
+from engine_proc import EngineProc, forward_logprobs, http, json_body
+from infra.engine.launcher import log_tail
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
 VOCAB = 100  # infra.tokenizer: char-level, 100 ids, eos = 2
 
 
-class Server:
-    """`python -m infra.engine.server` on a free loopback port; stopped with SIGKILL of its process group."""
-
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [sys.executable, "-m", "infra.engine.server", "--model", str(model_dir), "--port", str(self.port),
-               "--weight-version", "w0", "--max-body-mb", "0.5", *extra]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        with open(log_path, "ab") as logf:
-            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                         start_new_session=True)
-
-    def wait_healthy(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if call(self.url, "/health", method="GET")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.kill()
-        raise AssertionError(f"server did not become healthy; log:\n{log_tail(self.log_path)}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+def Server(model_dir: Path, log_path: Path, *extra: str) -> EngineProc:
+    """`python -m infra.engine.server` on a free loopback port (started; call wait_healthy)."""
+    return EngineProc(model_dir, log_path, "--max-body-mb", "0.5", *extra).start()
 
 
 def call(base: str, path: str, body=None, *, method: str = "POST", raw: bytes | None = None,
          headers: dict | None = None, timeout: float = 60.0):
     """One HTTP request → (status, parsed JSON body or raw text or None)."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(base + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, payload = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, payload = e.code, e.read()
-    try:
-        return status, json.loads(payload) if payload else None
-    except ValueError:
-        return status, payload.decode(errors="replace")
+    status, payload = http(base, path, data, method=method, headers=headers, timeout=timeout)
+    return status, json_body(payload)
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +54,6 @@ def gen(server, body, expect: int = 200):
     status, out = call(server.url, "/generate", body)
     assert status == expect, out
     return out
-
-
-def forward_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """(T, V): row t = log_softmax(logits at position t) = log P(· | ids[:t+1]) from an unpadded forward."""
-    with torch.no_grad():
-        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
 def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
