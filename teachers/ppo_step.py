@@ -1,0 +1,195 @@
+"""One critic-based PPO update on a batch of finished samples (DESIGN "Critic-based PPO"). No HTTP, no config objects:
+the rollout side hands over `teachers.april.Sample`s and one terminal reward per sample.
+
+Alignment (every per-token tensor here is (B, T), T = longest prompt+output of the batch, rows right-padded):
+
+    input_ids[b]   = prompt_ids + output_ids + [pad] * k            (length P_b + O_b, then padding)
+    position t     = the state "prefix input_ids[b, :t+1]"; its logits predict input_ids[b, t+1]
+    mask[b, t]     = 1  iff  input_ids[b, t+1] is a trained response token, i.e. P_b − 1 ≤ t ≤ P_b + O_b − 2 and
+                     the sample's loss_mask (1 per output token; empty = all ones) is 1 for output token t + 1 − P_b
+    logp[b, t]     = log π(input_ids[b, t+1] | input_ids[b, :t+1])     (0 where t = T − 1)
+    values[b, t]   = V(input_ids[b, :t+1])                             (value of the state that chooses token t+1)
+    rollout_logprobs[b, t] = output_logprobs[t + 1 − P_b] on response positions, 0 elsewhere
+
+So the last column is never valid, and the terminal reward sits on the position that predicts the last output token.
+
+The update (`ppo_update`) is the textbook recipe:
+    old_logp, old_values  = forward(policy), forward(critic)                 no grad, before any update
+    r_t  = −kl_coef·KL_t (+ R on the last response token)                     ppo_math.token_rewards (KL: k1 vs ref)
+    A, G = GAE(r, old_values; γ, λ);  A ← whiten(A)                           ppo_math.compute_gae / masked_whiten
+    per epoch: policy  ℓ = clipped surrogate · TIS(old_logp vs rollout) − entropy_coef·H   → policy.step
+               critic  ℓ = ½·max((clip(v) − G)², (v − G)²)                                 → critic.step
+Each epoch is one optimizer step on the whole local batch. Losses are summed over tokens and divided by
+`backend.loss_normalizer(N)`, N = valid tokens over all ranks, so every token weighs the same on any world size.
+Advantage whitening uses this rank's batch statistics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from teachers import ppo_math
+from teachers.april import Sample
+
+
+@dataclass
+class PPOBatch:
+    """A padded batch (see the module docstring for the alignment). Shapes: (B, T) unless noted."""
+
+    input_ids: torch.Tensor          # long
+    attention_mask: torch.Tensor     # long, 1 on prompt+output tokens
+    mask: torch.Tensor               # float, 1 where position t predicts a trained response token
+    rollout_logprobs: torch.Tensor   # float, the engine's log-prob of the predicted token; 0 off-mask
+    rewards: torch.Tensor | None     # (B,) float terminal task rewards, or None (pass them to ppo_update)
+    sample_ids: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum().item())
+
+
+def build_batch(samples: Sequence[Sample], pad_id: int, rewards: Sequence[float] | None = None) -> PPOBatch:
+    """Right-pad prompt+output of each sample into a `PPOBatch` (alignment in the module docstring)."""
+    if not samples:
+        raise ValueError("build_batch: no samples")
+    if rewards is not None and len(rewards) != len(samples):
+        raise ValueError(f"build_batch: {len(rewards)} rewards for {len(samples)} samples")
+    for i, s in enumerate(samples):
+        if not s.prompt_ids:
+            raise ValueError(f"build_batch: sample {i} ({s.sample_id}) has no prompt_ids (need at least BOS)")
+        if not s.output_ids:
+            raise ValueError(f"build_batch: sample {i} ({s.sample_id}) has no output_ids")
+        if len(s.output_logprobs) != len(s.output_ids):
+            raise ValueError(f"build_batch: sample {i} ({s.sample_id}) has {len(s.output_logprobs)} output_logprobs "
+                             f"for {len(s.output_ids)} output_ids")
+        if s.loss_mask and len(s.loss_mask) != len(s.output_ids):
+            raise ValueError(f"build_batch: sample {i} ({s.sample_id}) has {len(s.loss_mask)} loss_mask entries "
+                             f"for {len(s.output_ids)} output_ids")
+    B = len(samples)
+    T = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    rollout = torch.zeros((B, T), dtype=torch.float32)
+    for b, s in enumerate(samples):
+        P, O = len(s.prompt_ids), len(s.output_ids)
+        input_ids[b, :P + O] = torch.tensor(list(s.prompt_ids) + list(s.output_ids), dtype=torch.long)
+        attention_mask[b, :P + O] = 1
+        # output token j sits at P + j and is predicted from position P + j − 1
+        loss_mask = s.loss_mask if s.loss_mask else [1] * O
+        mask[b, P - 1:P + O - 1] = torch.tensor(loss_mask, dtype=torch.float32)
+        rollout[b, P - 1:P + O - 1] = torch.tensor(s.output_logprobs, dtype=torch.float32)
+    rollout = torch.where(mask != 0, rollout, torch.zeros(()))
+    reward_t = None if rewards is None else torch.tensor([float(r) for r in rewards], dtype=torch.float32)
+    return PPOBatch(input_ids, attention_mask, mask, rollout, reward_t, [s.sample_id for s in samples])
+
+
+def _logits(model, batch: PPOBatch) -> torch.Tensor:
+    out = model(input_ids=batch.input_ids.to(_device(model)), attention_mask=batch.attention_mask.to(_device(model)))
+    return (out.logits if hasattr(out, "logits") else out).float()
+
+
+def _device(model) -> torch.device:
+    if hasattr(model, "device") and isinstance(model.device, torch.device):
+        return model.device
+    return next(model.parameters()).device
+
+
+def _logp_and_entropy(model, batch: PPOBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) log-probs of input_ids[:, t+1] from logits[:, t] (last column 0), and optionally the entropy (B, T)."""
+    logits = _logits(model, batch)                                       # (B, T, V)
+    targets = batch.input_ids.to(logits.device)[:, 1:].unsqueeze(-1)    # (B, T-1, 1)
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, targets).squeeze(-1)
+    logp = torch.cat([logp, torch.zeros_like(logp[:, :1])], dim=1)      # (B, T): last position predicts nothing
+    entropy = ppo_math.entropy_from_logits(logits) if with_entropy else None
+    return logp, entropy
+
+
+def token_logprobs(backend_or_model, batch: PPOBatch) -> torch.Tensor:
+    """(B, T) log π(input_ids[:, t+1] | prefix) for a `DeepSpeedBackend` or a plain HF causal LM. Grad flows if
+    enabled; read it with `batch.mask` (off-mask entries are log-probs of prompt/padding tokens; last column 0)."""
+    return _logp_and_entropy(backend_or_model, batch, with_entropy=False)[0]
+
+
+def _values(critic, batch: PPOBatch) -> torch.Tensor:
+    dev = _device(critic)
+    return critic(input_ids=batch.input_ids.to(dev), attention_mask=batch.attention_mask.to(dev)).float()
+
+
+def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence[float] | None = None, *,
+               ppo_epochs: int = 1, eps_clip: float = 0.2, eps_clip_high: float | None = None,
+               eps_clip_c: float | None = None, value_clip: float | None = 0.2, gamma: float = 1.0, lam: float = 0.95,
+               entropy_coef: float = 0.0, kl_coef: float = 0.0, ref_logprobs: torch.Tensor | None = None,
+               tis_clip: float = 2.0, use_tis: bool = True, critic_only: bool = False) -> dict[str, float]:
+    """One PPO update of `policy` and `critic` (both `infra.deepspeed_backend.DeepSpeedBackend`) on `batch`.
+
+    rewards: (B,) terminal task rewards (None → `batch.rewards`). ref_logprobs: (B, T) reference-policy log-probs in
+    the batch alignment, required when kl_coef ≠ 0. critic_only: critic warm-up, the policy is neither stepped nor
+    given gradients (the policy metrics pg_loss, clip_frac*, ratio_mean_first, approx_kl, entropy are then
+    absent). Metrics (floats; per-epoch losses averaged over epochs, `*_first` from epoch 1): reward_mean,
+    pg_loss, vf_loss, clip_frac, clip_frac_first, ratio_mean_first, approx_kl, entropy, explained_variance
+    (old values vs returns, before the update; nan if the returns are constant), tis_weight_mean, num_tokens.
+    """
+    if ppo_epochs < 1:
+        raise ValueError(f"ppo_update: ppo_epochs must be >= 1, got {ppo_epochs}")
+    for name, backend in (("policy", policy), ("critic", critic)):
+        if backend.settings.grad_accum != 1:
+            raise ValueError(f"ppo_update: {name} TrainSettings.grad_accum={backend.settings.grad_accum}; each PPO "
+                             f"epoch is one optimizer step on the whole batch, so grad_accum must be 1")
+    rewards = batch.rewards if rewards is None else torch.as_tensor(rewards, dtype=torch.float32)
+    if rewards is None:
+        raise ValueError("ppo_update: no rewards (pass rewards= or build_batch(..., rewards=...))")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"ppo_update: kl_coef={kl_coef} needs ref_logprobs")
+    mask = batch.mask
+    global_tokens = policy.all_reduce_sum(float(mask.sum()))
+    if global_tokens <= 0:
+        raise ValueError("ppo_update: the batch has no trained token on any rank (all masks are 0)")
+    norm_pi, norm_v = policy.loss_normalizer(global_tokens), critic.loss_normalizer(global_tokens)
+
+    # ---- rollout-time quantities, frozen for all epochs ----------------------------------------------------------
+    with torch.no_grad():
+        policy.eval_mode()
+        critic.eval_mode()
+        old_logp = token_logprobs(policy, batch).cpu()
+        old_values = _values(critic, batch).cpu()
+        kl = None if ref_logprobs is None else ppo_math.kl_estimator(old_logp, ref_logprobs.float(), "k1")
+        r = ppo_math.token_rewards(rewards, mask, kl, kl_coef)
+        advantages, returns = ppo_math.compute_gae(r, old_values, mask, gamma, lam)
+        advantages = ppo_math.masked_whiten(advantages, mask)
+        # TIS: the rollout engine sampled the tokens; re-weight them towards the trainer's π_old
+        tis = ppo_math.tis_weights(old_logp, batch.rollout_logprobs, tis_clip) if use_tis else None
+        explained_var = ppo_math.explained_variance(old_values, returns, mask).item()
+
+    metrics: dict[str, float] = {
+        "reward_mean": float(rewards.float().mean()), "num_tokens": float(mask.sum()),
+        "explained_variance": explained_var,
+        "tis_weight_mean": ppo_math.masked_mean(tis, mask).item() if tis is not None else 1.0,
+    }
+    sums: dict[str, float] = {}
+    policy.train_mode()
+    critic.train_mode()
+    for epoch in range(ppo_epochs):
+        if not critic_only:
+            logp, entropy = _logp_and_entropy(policy, batch, with_entropy=True)
+            dev = logp.device
+            pg, pg_m = ppo_math.policy_loss(logp, old_logp.to(dev), advantages.to(dev), mask.to(dev), eps_clip,
+                                            eps_clip_high, eps_clip_c, None if tis is None else tis.to(dev),
+                                            global_token_count=norm_pi)
+            ent = ppo_math.agg_loss(entropy, mask.to(dev), global_token_count=norm_pi)
+            policy.step(pg - entropy_coef * ent)
+            for k in ("pg_loss", "clip_frac", "approx_kl"):
+                sums[k] = sums.get(k, 0.0) + pg_m[k]
+            sums["entropy"] = sums.get("entropy", 0.0) + ppo_math.masked_mean(entropy.detach(), mask.to(dev)).item()
+            if epoch == 0:
+                metrics["clip_frac_first"], metrics["ratio_mean_first"] = pg_m["clip_frac"], pg_m["ratio_mean"]
+        values = _values(critic, batch)
+        dev = values.device
+        vf, vf_m = ppo_math.value_loss(values, old_values.to(dev), returns.to(dev), mask.to(dev), value_clip,
+                                       global_token_count=norm_v)
+        critic.step(vf)
+        sums["vf_loss"] = sums.get("vf_loss", 0.0) + vf_m["vf_loss"]
+    metrics.update({k: v / ppo_epochs for k, v in sums.items()})
+    return metrics
