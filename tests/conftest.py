@@ -22,6 +22,14 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def model(tiny_model_dir):
+    """The `tiny_model_dir` model loaded in-process (eval mode): the reference for engine outputs."""
+    from infra.models import load_model
+
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
 def prefect_harness():
     """One Prefect test harness (a temporary API + SQLite) for the whole session: it takes ~15 s to start."""
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"

@@ -28,13 +28,6 @@ def server(tiny_model_dir, tmp_path_factory):
         srv.kill()
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    from infra.models import load_model
-
-    return load_model(tiny_model_dir)
-
-
 def client_for(server, **kw) -> EngineClient:
     return EngineClient(server.url, api_key=KEY, **kw)
 

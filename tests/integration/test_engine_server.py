@@ -43,13 +43,6 @@ def server(tiny_model_dir, tmp_path_factory):
         srv.kill()
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
-    from infra.models import load_model
-
-    return load_model(tiny_model_dir)
-
-
 def gen(server, body, expect: int = 200):
     status, out = call(server.url, "/generate", body)
     assert status == expect, out
