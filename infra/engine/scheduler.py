@@ -93,7 +93,10 @@ class Engine:
         self._cache: BatchKVCache | None = None
         self._mask = self._pos = self._last = None
         self._reserved = 0
-        self.steps = 0
+        self.steps = 0  # decode steps run; with decode_rows / decode_seconds: batch occupancy and step time
+        self.decode_rows = 0
+        self.decode_seconds = 0.0
+        self.engine_cpu_seconds = 0.0  # CPU time of the engine thread in _step (vs wall: GIL/CPU contention)
 
     # -- thread-safe API --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -183,6 +186,13 @@ class Engine:
         self.eos_ids = frozenset(int(e) for e in eos)
 
     def _step(self) -> None:
+        c0 = time.thread_time()
+        try:
+            self._step_inner()
+        finally:
+            self.engine_cpu_seconds += time.thread_time() - c0
+
+    def _step_inner(self) -> None:
         self._wake.clear()
         while self._inbox:
             s = self._inbox.popleft()
@@ -197,7 +207,7 @@ class Engine:
             self._decode_step()
             worked = True
         if not worked:
-            self._wake.wait(0.05)
+            self._wake.wait(1.0)  # every inbox sets _wake; the timeout is only a safety net
 
     def _admission_limit(self) -> float:
         """Serial number below which waiting sequences may start; a pending weight update pauses later arrivals
@@ -329,17 +339,17 @@ class Engine:
     def _run_prefill(self, limit: float) -> bool:
         """Prefill a group of waiting generation sequences, sample their first token, merge them into the batch."""
         group: list[Seq] = []
-        reserved = self._reserved
+        reserved, width = self._reserved, 0
         while self._wait_gen and self._wait_gen[0].serial < limit and len(self._run) + len(group) < self.max_batch:
             s = self._wait_gen[0]
             need = len(s.spec.input_ids) + s.spec.sampling.max_new_tokens
-            L = max([len(s.spec.input_ids)] + [len(g.spec.input_ids) for g in group])
+            L = max(width, len(s.spec.input_ids))  # padded prompt width if s joins the group
             if (self._run or group) and reserved + need > self.max_total_tokens:
                 break
             if group and L * (len(group) + 1) > self.max_prefill_tokens:
                 break
             group.append(self._wait_gen.popleft())
-            reserved += need
+            reserved, width = reserved + need, L
         if not group:
             return False
         keep = max([1] + [len(s.spec.input_ids) - s.spec.logprob_start for s in group if s.spec.return_logprob])
@@ -347,7 +357,7 @@ class Engine:
         logits, mask = self._forward_prompts(group, keep, cache)
         for i, s in enumerate(group):
             self._fill_input_logprobs(s, logits[i])
-        alive = self._sample_and_check(group, logits[:, -1])
+        alive, _ = self._sample_and_check(group, logits[:, -1])
         rows = [i for i in range(len(group)) if alive[i]]
         if not rows:
             return True
@@ -363,8 +373,8 @@ class Engine:
         if not self._run:
             self._cache, self._mask, self._pos, self._last = cache, mask, pos, last
         else:
+            self._mask = merge_masks(self._full_mask(), mask)  # before the cache merge changes seq_len
             self._cache.merge(cache)
-            self._mask = merge_masks(self._mask, mask)
             self._pos = torch.cat([self._pos, pos])
             self._last = torch.cat([self._last, last])
         self._run.extend(survivors)
@@ -372,24 +382,38 @@ class Engine:
         self._refresh_params()
         return True
 
+    def _full_mask(self) -> torch.Tensor:
+        """The running batch's attention mask (B, T); `_mask is None` stands for "no padding" (all ones)."""
+        if self._mask is None:
+            return torch.ones((self._pos.shape[0], self._cache.seq_len), dtype=torch.long)
+        return self._mask
+
     def _refresh_params(self) -> None:
+        """Per-row sampling tensors and the padding flag; recomputed only when the batch membership changes."""
+        if self._mask is not None and bool(self._mask.all()):
+            self._mask = None  # no padding: decode steps pass no mask (attention's unmasked path, no mask build)
         sp = [s.spec.sampling for s in self._run]
         self._temp = torch.tensor([p.temperature for p in sp], dtype=torch.float32)
         self._top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32)
         self._top_k = torch.tensor([p.top_k for p in sp], dtype=torch.long)
+        self._any_sampled = any(p.temperature >= 1e-6 for p in sp)
 
     def _decode_step(self) -> None:
+        t0 = time.perf_counter()
         B = len(self._run)
-        mask = torch.cat([self._mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
-        out = self.model(input_ids=self._last[:, None], attention_mask=mask, position_ids=self._pos[:, None],
+        if self._mask is not None:
+            self._mask = torch.cat([self._mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
+        out = self.model(input_ids=self._last[:, None], attention_mask=self._mask, position_ids=self._pos[:, None],
                          past_key_values=self._cache, use_cache=True, logits_to_keep=1)
-        self._mask, self._pos = mask, self._pos + 1
+        self._pos = self._pos + 1
         self.steps += 1
-        alive = self._sample_and_check(self._run, out.logits[:, -1], params=(self._temp, self._top_p, self._top_k))
-        self._last = torch.tensor([s.result.output_ids[-1] for s in self._run], dtype=torch.long)
+        alive, self._last = self._sample_and_check(self._run, out.logits[:, -1],
+                                                   params=(self._temp, self._top_p, self._top_k, self._any_sampled))
         dead = {i for i, a in enumerate(alive) if not a}
         if dead:
             self._drop_rows(dead)
+        self.decode_rows += B
+        self.decode_seconds += time.perf_counter() - t0
 
     def _drop_rows(self, dead: set[int]) -> None:
         """Remove finished/aborted rows from the running batch and trim padding columns no remaining row uses."""
@@ -403,29 +427,31 @@ class Engine:
             self._reserved = 0
             return
         idx = torch.tensor(keep, dtype=torch.long)
-        self._mask, self._pos, self._last = self._mask[idx], self._pos[idx], self._last[idx]
+        self._mask, self._pos, self._last = self._full_mask()[idx], self._pos[idx], self._last[idx]
         drop = leading_pad_columns(self._mask)
         self._cache.select_rows(idx, drop)
         self._mask = self._mask[:, drop:]
         self._refresh_params()
 
     # -- sampling and stop conditions -------------------------------------------------------------------------------
-    def _sample_and_check(self, seqs: list[Seq], logits: torch.Tensor, params=None) -> list[bool]:
+    def _sample_and_check(self, seqs: list[Seq], logits: torch.Tensor, params=None) -> tuple[list[bool], torch.Tensor]:
         """Sample one token per row of `logits` (B, V), record it (and its log-probs), check stop conditions.
-        Finished sequences are finished here; returns alive flags."""
+        Finished sequences are finished here; returns (alive flags, sampled ids (B,))."""
         if params is None:
             sp = [s.spec.sampling for s in seqs]
             params = (torch.tensor([p.temperature for p in sp], dtype=torch.float32),
                       torch.tensor([p.top_p for p in sp], dtype=torch.float32),
-                      torch.tensor([p.top_k for p in sp], dtype=torch.long))
-        temp, top_p, top_k = params
+                      torch.tensor([p.top_k for p in sp], dtype=torch.long),
+                      any(p.temperature >= 1e-6 for p in sp))
+        temp, top_p, top_k, any_sampled = params
         uniform = torch.zeros(len(seqs))
-        if bool((temp >= 1e-6).any()):  # all-greedy batches draw no random numbers
+        if any_sampled:  # all-greedy batches draw no random numbers
             uniform = torch.rand(len(seqs), generator=self._gen)
             for i, s in enumerate(seqs):
                 if s.generator is not None and s.spec.sampling.temperature >= 1e-6:
                     uniform[i] = torch.rand(1, generator=s.generator)
-        ids = sample_tokens(logits, temp, top_p, top_k, uniform).tolist()
+        ids_t = sample_tokens(logits, temp, top_p, top_k, uniform)
+        ids = ids_t.tolist()
         lp_rows = [i for i, s in enumerate(seqs) if s.spec.return_logprob]
         lp_row_of = {i: r for r, i in enumerate(lp_rows)}
         logp = None
@@ -434,9 +460,11 @@ class Engine:
             logp = report_logprobs(logits[idx], temp[idx], self.original_logprob)
             chosen = logp.gather(1, torch.tensor([ids[i] for i in lp_rows])[:, None]).squeeze(1).tolist()
         alive = []
+        check_stop, eos = self._check_stop, self.eos_ids
         for i, s in enumerate(seqs):
-            tok, res = ids[i], s.result
-            res.output_ids.append(tok)
+            tok, res, sp = ids[i], s.result, s.spec.sampling
+            out = res.output_ids
+            out.append(tok)
             if logp is not None and s.spec.return_logprob:
                 r = lp_row_of[i]
                 res.out_logprobs.append(chosen[r])
@@ -445,13 +473,18 @@ class Engine:
                     res.out_top.append((vals[0], tix[0]))
                 if s.spec.token_ids_logprob is not None:
                     res.out_ids_logprobs.append(logp[r, list(s.spec.token_ids_logprob)].tolist())
-            fr = self._check_stop(s, tok)
+            # fast path: most steps of most sequences hit no stop condition at all
+            if len(out) < sp.max_new_tokens and (sp.ignore_eos or tok not in eos and tok not in sp.stop_token_ids) \
+                    and not sp.stop_strs:
+                fr = None
+            else:
+                fr = check_stop(s, tok)
             if s.on_token is not None:
-                s.on_token(s, len(res.output_ids))
+                s.on_token(s, len(out))
             if fr is not None:
                 self._finish(s, fr)
             alive.append(fr is None)
-        return alive
+        return alive, ids_t
 
     def _check_stop(self, s: Seq, tok: int) -> dict | None:
         """SGLang `Req.check_finished` order: length first, then stop/EOS token (unless ignore_eos), then strings."""
