@@ -103,6 +103,9 @@ class EngineConfig(_Strict):
 
 class TeachersConfig(_Strict):
     external: dict[str, str] = Field(default_factory=dict, description="domain → URL of a teacher already served elsewhere.")
+    health_timeout_s: float = Field(300.0, gt=0, description="Seconds launched teacher servers get to become healthy.")
+    max_restarts: int = Field(3, ge=0, description="Restarts of a dead teacher server (per 10 min) before giving up on it.")
+    check_tokenizers: bool = Field(True, description="Refuse to distill when a teacher's tokenizer differs from the student's.")
 
     @field_validator("external")
     @classmethod
@@ -111,6 +114,48 @@ class TeachersConfig(_Strict):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"teacher URL for {dom!r} must start with http:// or https://, got {url!r}")
         return v
+
+
+class DistillConfig(_Strict):
+    """The OPD student (DESIGN.md "OPD (the merge)"): it samples on-policy, each sample's domain teacher scores it."""
+    steps: int = Field(150, ge=0, description="Optimizer steps of the student (one batch of samples per step).")
+    batch_size: int = Field(128, ge=1, description="Prompts sampled (one response each) per step, all domains mixed.")
+    n_prompts_per_domain: int = Field(1000, ge=1, description="Train-split prompts per domain; the cursor cycles them.")
+    max_new_tokens: int = Field(16, ge=1, le=512, description="Response budget per sample (the eval budget by default).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; 1.0 keeps rollout log-probs on-policy.")
+    loss: Literal["sampled_rkl", "topk_kl"] = Field("topk_kl", description="OPD loss (student/losses.py).")
+    direction: Literal["forward", "reverse", "jsd"] = Field("forward", description="topk_kl divergence direction.")
+    beta: float = Field(0.5, ge=0, le=1, description="Generalized-JSD mixing weight (direction: jsd).")
+    top_k: int = Field(16, ge=1, description="Teacher top-k log-probs per position (topk_kl; plus one tail bucket).")
+    reward_coef: float = Field(0.0, ge=0, description="Weight of the task-reward advantage (verifier reward minus "
+                                                      "its per-domain batch mean) mixed into the loss; 0 = off.")
+    domain_weighting: Literal["uniform", "rkl"] = Field("uniform", description="How a batch's prompts split over "
+                                                        "domains: evenly, or more to teachers the student is furthest "
+                                                        "from (recent reverse KL; see rkl_mix).")
+    rkl_mix: float = Field(0.5, ge=0, le=1, description="domain_weighting rkl: weight = (1 − mix)/D + mix · rkl_d/Σ rkl.")
+    max_staleness: int = Field(1, ge=0, description="Max policy-version lag of a trained sample; also how far "
+                                                    "sampling+scoring runs ahead of training (0 = synchronous).")
+    is_clip: float | None = Field(2.0, gt=0, description="Truncation of the per-token importance ratio "
+                                                         "π_now/π_rollout (None = untruncated).")
+    score_batch_size: int = Field(32, ge=1, description="Sequences per teacher /generate (scoring) call.")
+    teacher_timeout_s: float = Field(60.0, gt=0, description="Per-request timeout of teacher calls.")
+    teacher_retries: int = Field(8, ge=0, description="Client retries (exponential backoff, ≤ 4 s apart) of a "
+                                                      "teacher call: covers a supervisor restart.")
+    score_attempts: int = Field(3, ge=1, description="Whole scoring attempts of a batch before its samples are "
+                                                     "dropped and counted (teacher unreachable).")
+    eval_every: int = Field(50, ge=0, description="Per-domain greedy eval of the student every N steps (0 = off).")
+    eval_n: int = Field(50, ge=1, description="Eval-split examples per domain for the in-training evals.")
+    checkpoint_every: int = Field(50, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
+    log_every: int = Field(25, ge=1, description="Log train and per-teacher metrics every N steps.")
+    threads: int = Field(1, ge=1, description="Torch threads of the student trainer process.")
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=128))
+
+    @model_validator(mode="after")
+    def _single_rank(self) -> "DistillConfig":
+        if self.train.world_size != 1:
+            raise ValueError("distill.train.world_size: the student trains on one rank (it samples through its own "
+                             "engine server); got " + str(self.train.world_size))
+        return self
 
 
 class AlloyConfig(_Strict):
@@ -122,6 +167,7 @@ class AlloyConfig(_Strict):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     teachers: TeachersConfig = Field(default_factory=TeachersConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
     @model_validator(mode="after")
     def _unique_domains(self) -> "AlloyConfig":

@@ -1,0 +1,126 @@
+"""Scored student samples → padded training tensors, and the OPD loss of one micro-batch (composing student.losses).
+
+Alignment (next-token convention): row b holds `prompt + response` right-padded to T; position t predicts token t+1,
+so the model's outputs are taken at positions 0 … T−2 and every per-token tensor is (B, T−1). The response token
+`output_ids[j]` sits at input position `P + j` (P = len(prompt)) and is predicted at position `P + j − 1`; that is
+where its teacher log-prob, rollout log-prob and teacher top-k go, and where `mask` is 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from student.losses import sampled_rkl_loss, topk_kl_loss
+from student.sampler import StudentSample
+
+
+@dataclass
+class OPDBatch:
+    input_ids: torch.Tensor  # (B, T) long, right-padded
+    attention_mask: torch.Tensor  # (B, T) long
+    mask: torch.Tensor  # (B, T-1) float: 1 where position t predicts a response token
+    teacher_logp: torch.Tensor  # (B, T-1) teacher log π_T(y_t), 0 off the mask
+    rollout_logp: torch.Tensor  # (B, T-1) behaviour (sampling) log π_old(y_t), 0 off the mask
+    topk_ids: torch.Tensor | None  # (B, T-1, K) long, or None when not scored with top-k
+    topk_logp: torch.Tensor | None  # (B, T-1, K)
+    reward_adv: torch.Tensor  # (B,) task-reward advantage (0 when rewards are off)
+    lag: torch.Tensor  # (B,) policy versions between sampling and this update
+    sample_ids: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum().item())
+
+
+def reward_advantage(rewards: Sequence[float], groups: Sequence[str]) -> list[float]:
+    """A_i = r_i − mean{r_j : group_j = group_i}: the per-domain batch mean is the baseline (domains differ in how
+    hard they are, so one global baseline would push easy domains up and hard ones down regardless of the sample)."""
+    sums: dict[str, list[float]] = {}
+    for r, g in zip(rewards, groups):
+        sums.setdefault(g, []).append(float(r))
+    means = {g: sum(v) / len(v) for g, v in sums.items()}
+    return [float(r) - means[g] for r, g in zip(rewards, groups)]
+
+
+def collate(samples: Sequence[StudentSample], pad_id: int, version: int, with_topk: bool) -> OPDBatch:
+    """Pad scored samples into an `OPDBatch` (see the module docstring for the alignment)."""
+    if not samples:
+        raise ValueError("collate: no samples")
+    B, T = len(samples), max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+    K = int(samples[0].teacher_topk_ids.shape[1]) if with_topk else 0
+    ids = np.full((B, T), pad_id, dtype=np.int64)
+    attn = np.zeros((B, T), dtype=np.int64)
+    mask = np.zeros((B, T - 1), dtype=np.float32)
+    t_lp = np.zeros((B, T - 1), dtype=np.float32)
+    r_lp = np.zeros((B, T - 1), dtype=np.float32)
+    k_ids = np.tile(np.arange(K, dtype=np.int64), (B, T - 1, 1)) if with_topk else None
+    k_lp = np.zeros((B, T - 1, K), dtype=np.float32) if with_topk else None
+    for b, s in enumerate(samples):
+        P, L = len(s.prompt_ids), len(s.output_ids)
+        where = f"collate: sample {b} ({s.sample_id})"
+        if s.teacher_logprobs is None or len(s.teacher_logprobs) != L or len(s.rollout_logprobs) != L:
+            raise ValueError(f"{where}: needs {L} teacher and rollout log-probs (scored?)")
+        ids[b, :P + L] = s.prompt_ids + s.output_ids
+        attn[b, :P + L] = 1
+        if L == 0:
+            continue
+        mask[b, P - 1:P - 1 + L] = 1.0
+        t_lp[b, P - 1:P - 1 + L] = s.teacher_logprobs
+        r_lp[b, P - 1:P - 1 + L] = s.rollout_logprobs
+        if with_topk:
+            if tuple(s.teacher_topk_ids.shape) != (L, K):
+                raise ValueError(f"{where}: teacher top-k has shape {tuple(s.teacher_topk_ids.shape)}, want ({L}, {K})")
+            k_ids[b, P - 1:P - 1 + L] = s.teacher_topk_ids
+            k_lp[b, P - 1:P - 1 + L] = s.teacher_topk_logprobs
+    rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
+    adv = reward_advantage(rewards, [s.domain for s in samples])
+    return OPDBatch(
+        torch.from_numpy(ids), torch.from_numpy(attn), torch.from_numpy(mask), torch.from_numpy(t_lp),
+        torch.from_numpy(r_lp), torch.from_numpy(k_ids) if with_topk else None,
+        torch.from_numpy(k_lp) if with_topk else None, torch.tensor(adv, dtype=torch.float32),
+        torch.tensor([version - s.version for s in samples], dtype=torch.float32), [s.sample_id for s in samples])
+
+
+def opd_loss(logits: torch.Tensor, batch: OPDBatch, *, loss: str, direction: str, beta: float, reward_coef: float,
+             is_clip: float | None, global_token_count: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The selected OPD loss of one micro-batch. logits (B, T, V) from the student's forward over `input_ids`.
+
+    sampled_rkl: ℓ_t = −w_t·A_t·ρ_t with A_t = −(log π_s − log π_T)(y_t) + reward_coef·A^reward, w_t the truncated
+                 importance ratio π_now/π_rollout (exact correction for samples from an older student).
+    topk_kl:     the teacher-top-k + tail-bucket divergence (direction, beta) at every response position, plus, if
+                 reward_coef > 0, the importance-weighted policy-gradient term of the task reward alone (the same
+                 sampled_rkl_loss with π_T := π_s, so its KL advantage is exactly 0).
+    Both normalise by `global_token_count` (N/(W·G), see DeepSpeedBackend.loss_normalizer). Metrics add the
+    current student's sampled-token reverse KL to the teacher (`reverse_kl`) for either loss, and
+    `logp_abs_diff` = token-mean |log π_now − log π_rollout| (train/inference mismatch plus staleness).
+    """
+    logits = logits[:, :-1].float()  # (B, T-1, V): position t predicts token t+1
+    targets = batch.input_ids[:, 1:].unsqueeze(-1)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)  # (B, T-1)
+    mask = batch.mask
+    reward = batch.reward_adv if reward_coef else None
+    # train/inference log-prob gap |log π_now − log π_rollout| per token: ~1e-6 on-policy, grows with staleness
+    gap = {"logp_abs_diff": float(((logp.detach() - batch.rollout_logp).abs() * mask).sum() / mask.sum().clamp_min(1))}
+    if loss == "sampled_rkl":
+        total, metrics = sampled_rkl_loss(logp, batch.teacher_logp, mask, rollout_logp=batch.rollout_logp,
+                                          reward_adv=reward, reward_coef=reward_coef, is_clip=is_clip,
+                                          global_token_count=global_token_count)
+        return total, {**metrics, **gap}
+    if loss != "topk_kl":
+        raise ValueError(f"opd_loss: unknown loss {loss!r}; valid: 'sampled_rkl', 'topk_kl'")
+    if batch.topk_ids is None:
+        raise ValueError("opd_loss: topk_kl needs the teacher's top-k (score with top_k > 0)")
+    total, metrics = topk_kl_loss(logits, batch.topk_ids, batch.topk_logp, mask, direction=direction, beta=beta,
+                                  global_token_count=global_token_count)
+    _, rkl_m = sampled_rkl_loss(logp.detach(), batch.teacher_logp, mask, rollout_logp=batch.rollout_logp,
+                                is_clip=is_clip)
+    metrics.update(reverse_kl=rkl_m["reverse_kl"], is_weight_mean=rkl_m["is_weight_mean"], **gap)
+    if reward_coef:
+        pg, pg_m = sampled_rkl_loss(logp, logp.detach(), mask, rollout_logp=batch.rollout_logp, reward_adv=reward,
+                                    reward_coef=reward_coef, is_clip=is_clip, global_token_count=global_token_count)
+        total = total + pg
+        metrics.update(reward_pg_loss=pg_m["loss"], loss=float(total.detach()))
+    return total, metrics

@@ -1,0 +1,297 @@
+"""The OPD student trainer: sampling + teacher scoring overlap with DeepSpeed training, bounded staleness, resume.
+
+    producer (async)                                 consumer (async; the update runs in a worker thread)
+    ─────────────────                                ─────────────────────────────────────────────────────
+    wait until version ≥ k − max_staleness           batch = queue.get()
+    prompts = stream.take(batch_size)                drop samples with lag > max_staleness ("stale")
+    samples = sample_batch(student engine)           drop ids already in the ledger
+    scored, dropped = scorer.score(samples)          update (G micro-batches, token-level loss)
+    queue.put(batch k)                               push weights → student engine (version k + 1)
+                                                     ledger += trained ids; cursor = batch's cursor; checkpoint
+
+Batch k is trained at version k (the number of steps applied so far), so the gate bounds every sample's lag by
+`max_staleness`; the importance ratio π_now/π_rollout (truncated at `is_clip`) corrects the sampled-token losses of
+samples from an older student. With max_staleness = 0 the loop is synchronous and on-policy (ratio ≡ 1).
+
+Exactly-once: ids are `s{cursor}-{domain}`. A checkpoint commits together (one manifest): HF weights, DeepSpeed
+state (weights, optimizer, scheduler, RNG), and `trainer.json` with step, the cursor of the last committed batch, the
+ledger of trained ids and every dropped id with its reason. Batches sampled ahead of the last commit are simply
+re-issued after a resume (same ids), so `trained + dropped == cursor` always holds, with no id in both.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from domains.evaluate import evaluate_model
+from infra.storage import checkpoint_name, join, latest_complete, load_checkpoint, prune, save_checkpoint
+from student.batch import collate, opd_loss
+from student.sampler import PromptStream, StudentSample, decode_response, domain_weights, sample_batch
+from student.scoring import TeacherScorer
+from teachers.april import AprilBuffer  # the exactly-once ledger (filter_untrained / mark_trained / state_dict)
+
+log = logging.getLogger("alloy.student")
+STATE_FILE = "trainer.json"
+DROP_STALE = "stale"
+
+
+@dataclass
+class ScoredBatch:
+    index: int
+    stream_state: dict  # the prompt stream's state right after this batch was taken
+    samples: list[StudentSample]
+    dropped: list[tuple[str, str]]
+    sampled_tokens: int
+    sample_s: float
+    score_s: float
+
+
+@dataclass
+class TrainerState:
+    """Everything besides the DeepSpeed state that a resume needs (saved as trainer.json)."""
+
+    step: int = 0  # batches consumed = the policy version of the weights after them
+    cursor: int = 0  # prompt-stream cursor after the last committed batch
+    stream: dict = field(default_factory=dict)  # the prompt stream's state after the last committed batch
+    dropped: dict[str, str] = field(default_factory=dict)  # sample_id → reason
+    updates: int = 0  # optimizer updates (a step whose samples were all dropped makes none)
+    sampled_tokens: int = 0
+    scored_tokens: int = 0
+    evals: list[dict] = field(default_factory=list)
+
+
+class DistillTrainer:
+    """Wires the pieces; `await run()` trains to `dc.steps`. `backend` is a DeepSpeedBackend over the student,
+    `policy` its PolicyServer, `scorer` a TeacherScorer, `dc` an `infra.config.DistillConfig`."""
+
+    def __init__(self, dc, backend, tokenizer, policy, scorer: TeacherScorer, domains: dict, *, out_url: str,
+                 work_dir: str | Path, tracker, seed: int = 0, eval_max_new_tokens: int = 16,
+                 eval_batch_size: int = 128, on_step=None):
+        self.dc, self.backend, self.tok, self.policy, self.scorer = dc, backend, tokenizer, policy, scorer
+        self.domains, self.out_url, self.work_dir, self.tracker = domains, out_url, Path(work_dir), tracker
+        self.seed, self.eval_max_new_tokens, self.eval_batch_size = seed, eval_max_new_tokens, eval_batch_size
+        self.on_step = on_step  # called as on_step(trainer, metrics) after every committed step (tests, progress)
+        self.eos, self.pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.state = TrainerState()
+        self.ledger = AprilBuffer(max_staleness=dc.max_staleness)
+        self.stream = PromptStream(domains, tokenizer, dc.n_prompts_per_domain, seed)
+        self.timing = {"sample_s": 0.0, "score_s": 0.0, "train_s": 0.0, "push_s": 0.0, "eval_s": 0.0, "ckpt_s": 0.0}
+        self._version_changed = asyncio.Condition()
+        self._last_metrics: dict = {}
+
+    # -- resume ---------------------------------------------------------------------------------------------------
+    def resume(self) -> str | None:
+        """Restore the newest complete checkpoint under out_url, if any (DeepSpeed state, ledger, stream, counters).
+        Returns the local HF dir of its weights, which the caller serves as version `state.step`; None if none."""
+        url = latest_complete(self.out_url)
+        if url is None:
+            return None
+        local = self.work_dir / "resume"
+        shutil.rmtree(local, ignore_errors=True)
+        load_checkpoint(url, local)
+        self.backend.load_state(local / "state")
+        data = json.loads((local / STATE_FILE).read_text())
+        self.ledger.load_state_dict(data.pop("ledger"))
+        self.state = TrainerState(**data)
+        if self.state.stream:
+            self.stream.load_state_dict(self.state.stream)
+        log.info("student: resumed %s at step %d (cursor %d, %d trained ids)", url, self.state.step,
+                 self.state.cursor, len(self.ledger.state_dict()["ledger"]))
+        return str(local / "hf")
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    async def run(self) -> dict:
+        """Train until `dc.steps`; returns the summary (see `summary`)."""
+        self.scorer.require(self.stream.names)
+        t0 = self._t_start = time.perf_counter()
+        self._tokens_at_start = (self.state.sampled_tokens, self.state.scored_tokens)
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.dc.max_staleness + 1)
+        producer = asyncio.create_task(self._produce(queue))
+        try:
+            if self.state.step == 0 and self.dc.eval_every and not self.state.evals:
+                await self._evaluate()  # the start of the per-domain curves (overlaps the first sampling)
+            while self.state.step < self.dc.steps:
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait({get, producer}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    producer.result()  # re-raises the producer's error
+                    raise RuntimeError("student: the sampler stopped before the last step")
+                await self._consume(get.result())
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+        self.wall_s = time.perf_counter() - t0
+        if self.dc.eval_every and (not self.state.evals or self.state.evals[-1]["step"] != self.state.step):
+            await self._evaluate()
+        await asyncio.to_thread(self.checkpoint)
+        return self.summary()
+
+    async def _produce(self, queue: asyncio.Queue) -> None:
+        k = self.state.step
+        while k < self.dc.steps:
+            async with self._version_changed:  # bounded staleness: batch k trains at version k
+                await self._version_changed.wait_for(lambda: self.state.step >= k - self.dc.max_staleness)
+            weights = None
+            if self.dc.domain_weighting == "rkl":  # more prompts for the teachers the student is furthest from
+                weights = domain_weights(self.stream.names, self.scorer.recent_rkl(), self.dc.rkl_mix)
+            items = self.stream.take(self.dc.batch_size, weights)
+            t = time.perf_counter()
+            samples = await sample_batch(self.policy.client, items, max_new_tokens=self.dc.max_new_tokens,
+                                         temperature=self.dc.temperature, eos_id=self.eos,
+                                         expected_version=self.state.step)
+            t_sample = time.perf_counter() - t
+            for s in samples:
+                s.reward = self.domains[s.domain].verify(s.example, decode_response(self.tok, s.output_ids, self.eos))
+            t = time.perf_counter()
+            scored, dropped = await self.scorer.score(samples)
+            await queue.put(ScoredBatch(k, self.stream.state_dict(), scored, dropped,
+                                        sum(len(s.output_ids) for s in samples), t_sample, time.perf_counter() - t))
+            k += 1
+
+    async def _consume(self, batch: ScoredBatch) -> None:
+        st, version = self.state, self.state.step
+        fresh = [s for s in batch.samples if version - s.version <= self.dc.max_staleness]
+        dropped = list(batch.dropped) + [(s.sample_id, DROP_STALE) for s in batch.samples
+                                         if version - s.version > self.dc.max_staleness]
+        fresh = self.ledger.filter_untrained(fresh)
+        metrics: dict = {}
+        if fresh:
+            t = time.perf_counter()
+            metrics = await asyncio.to_thread(self._update, fresh, version)
+            self.timing["train_s"] += time.perf_counter() - t
+            st.updates += 1
+        t = time.perf_counter()
+        await self.policy.push(self.backend, self.tok, version + 1)
+        self.timing["push_s"] += time.perf_counter() - t
+        # commit point of this batch (in memory; durable at the next checkpoint, together with the weights)
+        self.ledger.mark_trained(s.sample_id for s in fresh)
+        st.dropped.update(dropped)
+        st.stream, st.cursor, st.step = batch.stream_state, batch.stream_state["cursor"], version + 1
+        st.sampled_tokens += batch.sampled_tokens
+        st.scored_tokens += sum(len(s.output_ids) for s in batch.samples)
+        self.timing["sample_s"] += batch.sample_s
+        self.timing["score_s"] += batch.score_s
+        async with self._version_changed:
+            self._version_changed.notify_all()
+        metrics.update(self._step_metrics(batch, fresh, dropped, version))
+        self._last_metrics = metrics
+        if st.step % self.dc.log_every == 0 or st.step == self.dc.steps:
+            # a thread: a slow tracking server must not stall the producer's HTTP on this loop
+            await asyncio.to_thread(self.tracker.log_metrics, {**metrics, **self.scorer.metrics()}, st.step)
+            log.info("student step %d/%d: loss %.4f rkl %.4f reward %.3f lag %.2f dropped %d", st.step, self.dc.steps,
+                     metrics.get("train/loss", float("nan")), metrics.get("train/reverse_kl", float("nan")),
+                     metrics["train/reward"], metrics["train/lag_mean"], len(dropped))
+        if self.dc.eval_every and st.step % self.dc.eval_every == 0 and st.step < self.dc.steps:
+            await self._evaluate()
+        if st.step % self.dc.checkpoint_every == 0 and st.step < self.dc.steps:
+            await asyncio.to_thread(self.checkpoint)
+        if self.on_step is not None:
+            self.on_step(self, metrics)
+
+    def _step_metrics(self, batch: ScoredBatch, fresh: list, dropped: list, version: int) -> dict:
+        rewards = [s.reward for s in batch.samples] or [0.0]
+        lags = [version - s.version for s in batch.samples] or [0]
+        return {"train/reward": float(np.mean(rewards)), "train/lag_mean": float(np.mean(lags)),
+                "train/lag_max": float(max(lags)), "train/samples": float(len(fresh)),
+                "train/dropped": float(len(dropped)), "train/cursor": float(self.state.cursor),
+                **{f"throughput/{k}": v for k, v in self.throughput().items()}}
+
+    # -- one update (worker thread) ---------------------------------------------------------------------------------
+    def _update(self, samples: list[StudentSample], version: int) -> dict:
+        """One optimizer step over `samples` in exactly G = grad_accum micro-batches (DeepSpeed's boundary count)."""
+        dc, backend = self.dc, self.backend
+        G = dc.train.grad_accum
+        norm = backend.loss_normalizer(sum(len(s.output_ids) for s in samples))
+        # fewer samples than micro-batches: zero-loss micro-steps (first) keep DeepSpeed's boundary count
+        chunks = sorted(np.array_split(np.arange(len(samples)), G), key=len)
+        sums: dict[str, float] = {}
+        tokens = 0
+        backend.train_mode()
+        for idx in chunks:
+            if len(idx) == 0:
+                one = collate(samples[:1], self.pad, version, with_topk=False)
+                out = backend(input_ids=one.input_ids.to(backend.device),
+                              attention_mask=one.attention_mask.to(backend.device))
+                backend.step(out.logits.sum() * 0.0)
+                continue
+            mb = collate([samples[i] for i in idx], self.pad, version, with_topk=dc.loss == "topk_kl")
+            out = backend(input_ids=mb.input_ids.to(backend.device), attention_mask=mb.attention_mask.to(backend.device))
+            loss, m = opd_loss(out.logits, mb, loss=dc.loss, direction=dc.direction, beta=dc.beta,
+                               reward_coef=dc.reward_coef, is_clip=dc.is_clip, global_token_count=norm)
+            m.update(backend.step(loss))
+            n = mb.num_tokens
+            tokens += n
+            for k, v in m.items():  # token-weighted means; `loss` is already a share of the global mean
+                sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "reward_pg_loss") else v * n)
+        out_m = {f"train/{k}": (v / G if k in ("loss", "reward_pg_loss") else v / max(tokens, 1))
+                 for k, v in sums.items() if k not in ("stepped", "lr", "grad_norm")}
+        out_m.update({"train/lr": sums.get("lr", 0.0) / max(tokens, 1), "train/grad_norm": m.get("grad_norm", 0.0),
+                      "train/tokens": float(tokens)})
+        return out_m
+
+    # -- eval, checkpoint, summary ----------------------------------------------------------------------------------
+    async def _evaluate(self) -> dict:
+        t = time.perf_counter()
+
+        def run() -> dict:
+            self.backend.eval_mode()
+            try:
+                df = evaluate_model(self.backend.module, self.tok, self.domains, self.dc.eval_n, self.seed, "student",
+                                    max_new_tokens=self.eval_max_new_tokens, batch_size=self.eval_batch_size)
+            finally:
+                self.backend.train_mode()
+            return {r.domain: float(r.score) for r in df.itertuples()}
+
+        scores = await asyncio.to_thread(run)
+        self.timing["eval_s"] += time.perf_counter() - t
+        mean = float(np.mean(list(scores.values())))
+        self.state.evals.append({"step": self.state.step, "scores": scores, "mean": mean})
+        self.tracker.log_metrics({**{f"eval/{d}": v for d, v in scores.items()}, "eval/mean": mean},
+                                 step=self.state.step)
+        log.info("student eval at step %d: mean %.3f", self.state.step, mean)
+        return scores
+
+    def checkpoint(self) -> str:
+        """Commit weights (HF + DeepSpeed state), cursor, ledger and drops as one checkpoint; keep the last two."""
+        t = time.perf_counter()
+        local = self.work_dir / "ckpt-staging"
+        shutil.rmtree(local, ignore_errors=True)
+        self.backend.save_hf(local / "hf", tokenizer=self.tok)
+        self.backend.save_state(local / "state")
+        data = dict(vars(self.state), ledger=self.ledger.state_dict())
+        (local / STATE_FILE).write_text(json.dumps(data))
+        url = save_checkpoint(str(local), join(self.out_url, checkpoint_name(self.state.step)), self.state.step,
+                              meta={"stage": "student", "cursor": self.state.cursor})
+        prune(self.out_url, keep_last=2)
+        shutil.rmtree(local, ignore_errors=True)
+        self.timing["ckpt_s"] += time.perf_counter() - t
+        self.last_checkpoint = url
+        return url
+
+    def throughput(self) -> dict[str, float]:
+        """Tokens per second of this run's producer/consumer loop (wall clock: the overlap is the point)."""
+        if not hasattr(self, "_t_start"):
+            return {"sampled_tokens_per_s": 0.0, "teacher_scored_tokens_per_s": 0.0}
+        wall = getattr(self, "wall_s", None) or time.perf_counter() - self._t_start
+        s0, c0 = self._tokens_at_start
+        return {"sampled_tokens_per_s": (self.state.sampled_tokens - s0) / wall if wall else 0.0,
+                "teacher_scored_tokens_per_s": (self.state.scored_tokens - c0) / wall if wall else 0.0}
+
+    def summary(self) -> dict:
+        trained = self.ledger.state_dict()["ledger"]
+        return {
+            "steps": self.state.step, "updates": self.state.updates, "cursor": self.state.cursor,
+            "trained_samples": len(trained), "dropped": dict(self.state.dropped),
+            "duplicates_skipped": self.ledger.duplicates_skipped, "wall_s": self.wall_s, "timing_s": dict(self.timing),
+            "sampled_tokens": self.state.sampled_tokens, "scored_tokens": self.state.scored_tokens,
+            "throughput": self.throughput(), "teachers": self.scorer.totals(), "evals": list(self.state.evals),
+            "checkpoint": getattr(self, "last_checkpoint", None), "last_metrics": self._last_metrics,
+        }

@@ -1,0 +1,110 @@
+"""Distillation stage: run the OPD student in its own process, then register it in the MLflow Model Registry.
+
+The student trains in `python -m student.distill_main` (its own torch.distributed group, engine server and event
+loop), logging to the nested MLflow run `student`. Its checkpoints go under `<storage>/student-<fingerprint>/`; a
+rerun of the same config reuses a complete `final/` (and a crashed run resumes from its newest `step-*`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from infra.progress import progress
+from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
+from tasks.context import RunContext, stage_timer
+
+log = logging.getLogger("alloy")
+
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_STEP_LINE = re.compile(rb"student step (\d+)/(\d+)")
+REGISTERED_NAME = "alloy-student"
+
+
+def student_prefix(ctx: RunContext) -> str:
+    """Storage prefix of this config's student: the fingerprint covers everything the student depends on."""
+    sections = [s for s in ("run", "model", "domains", "base", "specialists", "distill") if s in type(ctx.cfg).model_fields]
+    return join(ctx.storage_url, f"student-{ctx.cfg.fingerprint(*sections)[:10]}")
+
+
+def distill_command(ctx: RunContext, student_init: str, endpoints: dict[str, str], out_url: str, result: Path,
+                    run_id: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", "student.distill_main", "--config", ctx.config_path,
+           *sum((["--set", s] for s in ctx.overrides), []), "--student-init", str(student_init),
+           "--teachers", json.dumps(endpoints), "--out", out_url, "--work-dir", str(ctx.work_dir / "distill"),
+           "--result", str(result)]
+    return cmd + (["--mlflow-run-id", run_id] if run_id else [])
+
+
+def run_student_process(cmd: list[str], log_path: Path, steps: int) -> None:
+    """Run the distillation process (a fresh process group: none of our rendezvous env), showing its progress
+    from the log; raise with the log tail if it fails."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("distill: student process log %s", log_path)
+    with open(log_path, "ab") as fh, progress("distill", steps) as bar:
+        start = fh.tell()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        while proc.poll() is None:
+            time.sleep(1.0)
+            with open(log_path, "rb") as r:
+                r.seek(start)
+                hits = _STEP_LINE.findall(r.read())
+            if hits:
+                bar(int(hits[-1][0]))
+    if proc.returncode != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-40:]
+        raise RuntimeError(f"student.distill_main failed with exit code {proc.returncode}; last log lines "
+                           f"({log_path}):\n" + "\n".join(tail))
+
+
+@task(name="distill-student", cache_policy=NO_CACHE)
+def train_student(ctx: RunContext, student_init: str, endpoints: dict[str, str]) -> dict:
+    """OPD from `endpoints` ({domain: teacher url}) into a student initialised from `student_init` (HF dir).
+
+    Returns the distillation summary with `student_dir` (local HF dir), `student_checkpoint` (committed URL),
+    `throughput` ({distill_sampled_tokens_per_s, teacher_scored_tokens_per_s}) and `student_run_id`.
+    """
+    cfg, prefix = ctx.cfg, student_prefix(ctx)
+    local = ctx.work_dir / "student"
+    result_path = ctx.work_dir / "distill" / "result.json"
+    with stage_timer(ctx, "distill"), ctx.tracker.child("student", tags={"stage": "student"}) as run:
+        final = join(prefix, "final")
+        if cfg.run.resume and verify_checkpoint(final)[0]:
+            log.info("distill: reusing complete student %s", final)
+            summary = read_json(join(prefix, "result.json"))
+        else:
+            cmd = distill_command(ctx, student_init, endpoints, prefix, result_path, getattr(run, "run_id", None))
+            run_student_process(cmd, ctx.work_dir / "logs" / "distill.log", cfg.distill.steps)
+            summary = json.loads(result_path.read_text())
+            write_json(join(prefix, "result.json"), summary)
+        load_checkpoint(final, local)
+        tp = summary["throughput"]
+        summary.update(student_dir=str(local), student_checkpoint=final, student_run_id=getattr(run, "run_id", None),
+                       throughput={"distill_sampled_tokens_per_s": tp["sampled_tokens_per_s"],
+                                   "teacher_scored_tokens_per_s": tp["teacher_scored_tokens_per_s"]})
+        run.log_metrics({f"summary/{k}": v for k, v in summary["throughput"].items()})
+    return summary
+
+
+@task(name="register-student", cache_policy=NO_CACHE)
+def register_student(ctx: RunContext, student: dict) -> str | None:
+    """Register the student as a new version of `alloy-student` with alias `candidate`; returns "alloy-student/<v>"
+    (None when tracking is off). Registered from the `student` run, so the version links to its metrics."""
+    with ctx.tracker.child("student", tags={"stage": "student"}) as run:
+        version = run.register_model(
+            student["student_dir"], REGISTERED_NAME, alias="candidate",
+            description=f"OPD student of {len(ctx.domains)} domains ({ctx.cfg.distill.loss}, "
+                        f"{student['steps']} steps) from config {ctx.config_path}",
+            tags={"alloy.config": ctx.config_path, "alloy.fingerprint": ctx.cfg.fingerprint(),
+                  "alloy.checkpoint": student["student_checkpoint"], "alloy.domains": ",".join(ctx.domains),
+                  "alloy.loss": ctx.cfg.distill.loss})
+    return f"{REGISTERED_NAME}/{version}" if version is not None else None

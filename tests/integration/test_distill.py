@@ -1,0 +1,119 @@
+"""OPD smoke on real servers: three teacher servers (a weak base SFT-ed further on one domain each), the `distill`
+flow (teachers up → student process → register), MLflow metrics, and the on-policy importance ratio.
+
+What must show: the student's reverse KL to every teacher goes down, and its eval score on every domain goes up.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from distill_fixtures import build_base_and_teachers
+from infra.config import config_from_dict
+from infra.storage import read_json, verify_checkpoint
+from infra.tracking import NoopTracker, Tracker
+from tasks.context import RunContext, load_domains
+
+pytestmark = pytest.mark.integration
+
+DOMAINS = ["reverse", "sort_digits", "max_list"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_base_and_teachers(tmp_path_factory.mktemp("opd-models"), DOMAINS)
+
+
+def make_cfg(root, **distill):
+    return config_from_dict({
+        "run": {"name": "opd", "root": str(root)}, "model": {"preset": "tiny"},
+        "domains": [{"name": d} for d in DOMAINS], "eval": {"n_eval": 40, "max_new_tokens": 8},
+        "distill": {"steps": 120, "batch_size": 48, "max_new_tokens": 8, "eval_every": 60, "eval_n": 40,
+                    "log_every": 20, "checkpoint_every": 60, "train": {"lr": 3e-3, "micro_batch_size": 48},
+                    **distill}})
+
+
+def make_ctx(cfg, tmp_path, tracker, parent) -> RunContext:
+    cfg_path = tmp_path / "cfg.json"  # JSON is YAML: the student process loads the very same config
+    cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
+    work = tmp_path / "work"
+    work.mkdir()
+    return RunContext(cfg=cfg, config_path=str(cfg_path), overrides=[], work_dir=work, storage_url=cfg.storage_url,
+                      tracker=tracker, parent_run_id=parent, domains=load_domains(cfg))
+
+
+def test_distill_flow_three_teachers_kl_down_scores_up(models, tmp_path, prefect_harness):
+    from flows.distill import distill
+
+    base, teachers = models
+    cfg = make_cfg(tmp_path / "runs")
+    tracker = Tracker(runs_root=tmp_path / "runs", experiment="opd-test")
+    parent = tracker.start_parent("opd-test")
+    ctx = make_ctx(cfg, tmp_path, tracker, parent)
+
+    out = distill(ctx, str(base), {d: str(p) for d, p in teachers.items()})
+
+    assert out["n_teachers"] == 3 and out["steps"] == 120 and out["registered_model"] == "alloy-student/1"
+    assert set(ctx.timings) >= {"teachers_up", "distill"}
+    # exactly-once bookkeeping: every issued id is trained or dropped (with a reason), none twice
+    assert out["trained_samples"] + len(out["dropped"]) == out["cursor"] == 120 * 48
+    assert out["duplicates_skipped"] == 0
+    assert out["throughput"]["distill_sampled_tokens_per_s"] > 0 and out["throughput"]["teacher_scored_tokens_per_s"] > 0
+    assert verify_checkpoint(out["student_checkpoint"])[0]
+    assert read_json(out["student_checkpoint"].rsplit("/", 1)[0] + "/result.json")["steps"] == 120
+
+    # per-domain eval score up (step 0 → 120), on every domain
+    first, last = out["evals"][0], out["evals"][-1]
+    assert (first["step"], last["step"]) == (0, 120)
+    for d in DOMAINS:
+        assert last["scores"][d] > first["scores"][d] + 0.05, (d, first, last)
+
+    # MLflow: one nested `student` run with the per-teacher series; reverse KL down for every teacher
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracker.tracking_uri)
+    child = tracker.find_child(parent, "student")
+    assert child == out["student_run_id"]
+    for d in DOMAINS:
+        rkl = [m.value for m in sorted(client.get_metric_history(child, f"teacher/{d}/rkl"), key=lambda m: m.step)]
+        assert len(rkl) == 6 and rkl[-1] < rkl[0] - 0.2, (d, rkl)
+        for name in ("tokens", "latency_p50_s", "latency_p95_s", "errors", "retries"):
+            assert client.get_metric_history(child, f"teacher/{d}/{name}"), name
+        assert len(client.get_metric_history(child, f"eval/{d}")) == 3  # steps 0, 60, 120
+    assert client.get_metric_history(child, "summary/teacher_scored_tokens_per_s")[0].value > 0
+    mv = client.get_model_version_by_alias("alloy-student", "candidate")
+    assert str(mv.version) == "1" and mv.run_id == child and mv.tags["alloy.loss"] == "topk_kl"
+
+
+def test_sampled_rkl_on_policy_importance_ratio_is_one(models, tmp_path):
+    """Synchronous (max_staleness 0) sampled_rkl: the trainer's log-probs of the engine's samples equal the
+    engine's rollout log-probs, so the importance ratio is 1 up to float noise; with staleness 1 it is not."""
+    from student.distill_main import run_distillation
+    from tasks.teachers import start_teachers
+
+    base, teachers = models
+    cfg = make_cfg(tmp_path / "runs", steps=4, loss="sampled_rkl", max_staleness=0, eval_every=0, log_every=1,
+                   is_clip=None)
+    fleet = start_teachers(DOMAINS, {d: str(p) for d, p in teachers.items()}, str(base), log_dir=tmp_path / "logs",
+                           engine_cfg=cfg.engine, teachers_cfg=cfg.teachers)
+    seen: list[dict] = []
+    try:
+        out = run_distillation(cfg, load_domains(cfg), str(base), fleet.endpoints(), f"file://{tmp_path}/s0",
+                               tmp_path / "w0", NoopTracker(), on_step=lambda tr, m: seen.append(dict(m)))
+        assert out["steps"] == 4 and [m["train/lag_max"] for m in seen] == [0.0] * 4
+        for m in seen:
+            assert m["train/logp_abs_diff"] < 1e-4  # engine and trainer agree on every sampled token's log-prob
+            assert m["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+            assert math.isfinite(m["train/loss"]) and m["train/reverse_kl"] > 0
+        cfg1 = make_cfg(tmp_path / "runs", steps=4, loss="sampled_rkl", max_staleness=1, eval_every=0, log_every=1)
+        seen.clear()
+        run_distillation(cfg1, load_domains(cfg1), str(base), fleet.endpoints(), f"file://{tmp_path}/s1",
+                         tmp_path / "w1", NoopTracker(), on_step=lambda tr, m: seen.append(dict(m)))
+        lags = [m["train/lag_max"] for m in seen]
+        assert lags[0] == 0.0 and max(lags) == 1.0  # batch 1 was sampled before update 0 landed
+        stale = [m for m in seen[1:] if m["train/lag_mean"] > 0]
+        assert stale and all(m["train/logp_abs_diff"] > 1e-3 for m in stale)  # the ratio has work to do
+    finally:
+        fleet.stop()
