@@ -1,48 +1,57 @@
-"""The Alloy pipeline as a Prefect flow: base → (specialists → teachers → distill, in later stages) → eval → report."""
+"""The Alloy pipeline as a Prefect flow: base → specialists (parallel) → teacher servers → distill → eval → report."""
 from __future__ import annotations
 
 import logging
-import uuid
-from pathlib import Path
 
 import pandas as pd
 from prefect import flow
 
-from infra.config import load_config
-from infra.tracking import NoopTracker, Tracker
+from flows.distill import distill
+from flows.specialists import run_specialists
 from tasks.base import train_base
-from tasks.context import RunContext, load_domains
+from tasks.context import RunContext, open_context
 from tasks.evaluate import evaluate_stage
 from tasks.report import publish_report
 
 log = logging.getLogger("alloy")
 
 
-def open_run(config_path: str, overrides: list[str]) -> RunContext:
-    cfg = load_config(config_path, overrides)
-    domains = load_domains(cfg)
-    work_dir = Path(cfg.run.root).resolve() / cfg.run.name / "work"  # local scratch; storage holds what is committed
-    work_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.tracking.enabled:
-        tracker = Tracker(runs_root=cfg.run.root, experiment=cfg.tracking.experiment, uri=cfg.tracking.uri)
-        parent = tracker.start_parent(f"{cfg.run.name}-{uuid.uuid4().hex[:6]}",
-                                      tags={"alloy.config": config_path, "alloy.fingerprint": cfg.fingerprint()})
-        tracker.log_config(cfg.model_dump(mode="json"))
-    else:
-        tracker, parent = NoopTracker(), None
-    return RunContext(cfg=cfg, config_path=config_path, overrides=list(overrides), work_dir=work_dir, storage_url=cfg.storage_url,
-                      tracker=tracker, parent_run_id=parent or uuid.uuid4().hex, domains=domains)
+def specialist_scores(ctx: RunContext, specs: dict[str, dict]) -> pd.DataFrame:
+    """Each specialist's own-domain score (evaluated by its trainer on the same eval split) as report rows."""
+    n = ctx.cfg.specialists.eval_n or ctx.cfg.eval.n_eval
+    return pd.DataFrame([{"domain": d, "stage": "specialist", "score": s["score"], "n_eval": n,
+                          "checkpoint": s["checkpoint"]} for d, s in specs.items()])
+
+
+def guard_totals(specs: dict[str, dict]) -> dict[str, int]:
+    out = {"tool_calls": 0, "flagged": 0, "blocked": 0}
+    for s in specs.values():
+        for k in out:
+            out[k] += int(s.get("guard", {}).get(k, 0))
+    return out
 
 
 @flow(name="alloy-pipeline", log_prints=True)
 def pipeline(config: str, overrides: list[str] | None = None, report_path: str | None = None) -> dict:
     """Run the whole pipeline for CONFIG (a YAML path) with `a.b=c` overrides; returns the report dict."""
-    ctx = open_run(config, overrides or [])
+    ctx = open_context(config, overrides or [])
     status = "FAILED"
     try:
-        base_ckpt = train_base(ctx)
-        scores = evaluate_stage(ctx, base_ckpt, stage="base")
-        report = publish_report(ctx, pd.concat([scores], ignore_index=True), report_path=report_path)
+        base_dir = train_base(ctx)
+        frames = [evaluate_stage(ctx, base_dir, stage="base")]
+        specs: dict[str, dict] = {}
+        if ctx.cfg.specialists.enabled:
+            specs = run_specialists(ctx, base_dir)
+            frames.append(specialist_scores(ctx, specs))
+        teachers = {d: specs[d]["specialist_dir"] if d in specs else base_dir for d in ctx.domains}
+        student = distill(ctx, base_dir, teachers)
+        frames.append(evaluate_stage(ctx, student["student_dir"], stage="student"))
+        report = publish_report(
+            ctx, pd.concat(frames, ignore_index=True), report_path=report_path, n_teachers=student["n_teachers"],
+            throughput=student["throughput"], guard=guard_totals(specs),
+            artifacts={"student_checkpoint": student["student_checkpoint"],
+                       "registered_model": student["registered_model"],
+                       "specialists": {d: s["checkpoint"] for d, s in specs.items()}})
         status = "FINISHED"
         return report
     finally:

@@ -158,6 +158,61 @@ class DistillConfig(_Strict):
         return self
 
 
+class GuardConfig(_Strict):
+    """Anti-hack guard of tool-use domains (DESIGN.md): rule filter, then an LLM judge on flagged calls."""
+    judge_url: str | None = Field(None, description="Chat endpoint of the LLM judge (OpenAI-compatible or SGLang "
+                                                    "/generate); None = rule-only (said so in the log).")
+    judge_kind: Literal["openai", "sglang"] = Field("openai", description="Protocol of judge_url.")
+    judge_model: str | None = Field(None, description="Model name sent to an OpenAI-compatible judge.")
+    judge_api_key: str | None = Field(None, description="Bearer key of the judge (or ALLOY_JUDGE_API_KEY); never logged.")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Hosts a fetch may reach without a flag.")
+
+
+class SpecialistsConfig(_Strict):
+    """Critic-based PPO per domain with APRIL partial rollouts (DESIGN.md "Critic-based PPO", "APRIL")."""
+    enabled: bool = Field(True, description="Train specialists; false = the base model is every domain's teacher.")
+    steps: int = Field(200, ge=0, description="PPO steps per specialist (one rollout batch each).")
+    batch_size: int = Field(64, ge=1, description="Finished samples per step (APRIL batch target).")
+    over_sampling: float = Field(1.25, ge=1.0, description="Requests per step = ceil(batch_size · over_sampling).")
+    max_staleness: int = Field(2, ge=0, description="Partials with tokens older than this many versions are dropped.")
+    mask_offpolicy: bool = Field(False, description="Mask resumed tokens older than max_staleness instead of TIS only.")
+    max_new_tokens: int | None = Field(None, ge=1, le=512, description="Response budget (None: eval.max_new_tokens).")
+    temperature: float = Field(1.0, gt=0)
+    n_prompts: int = Field(2000, ge=1, description="Train-split prompts per specialist; the cursor cycles them.")
+    ppo_epochs: int = Field(4, ge=1, description="Optimizer steps per rollout batch (clipping bounds the drift).")
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_high: float | None = Field(None, gt=0)
+    eps_clip_c: float | None = Field(None, gt=1, description="Dual-clip constant (> 1) or None.")
+    value_clip: float | None = Field(0.2, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="Per-token KL penalty to the base (reference) policy.")
+    tis_clip: float = Field(2.0, gt=0, description="Truncated importance sampling cap (rollout/trainer mismatch).")
+    critic_warmup_steps: int = Field(0, ge=0, description="First steps train the critic only.")
+    policy_train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=64))
+    critic_train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=64))
+    eval_n: int | None = Field(None, ge=1, description="Eval examples for the specialist's own score (None: eval.n_eval).")
+    checkpoint_every: int = Field(20, ge=1)
+    log_every: int = Field(5, ge=1)
+    max_parallel: int = Field(2, ge=1, description="Specialists trained at once (local mode).")
+    mode: Literal["local", "deployment"] = Field("local", description="local: concurrent subprocesses; deployment: "
+                                                 "run_deployment of alloy-specialist/default per domain (work pool, "
+                                                 "global concurrency limit `gpu`).")
+    deployment: str = Field("alloy-specialist/default", description="Deployment run per domain in deployment mode.")
+    retries: int = Field(2, ge=0, description="Task retries of a failed specialist (each resumes its checkpoint).")
+    threads: int = Field(1, ge=1, description="Torch threads of each specialist trainer process.")
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+
+    @model_validator(mode="after")
+    def _single_rank(self) -> "SpecialistsConfig":
+        for name in ("policy_train", "critic_train"):
+            t = getattr(self, name)
+            if t.grad_accum != 1:
+                raise ValueError(f"specialists.{name}.grad_accum: each PPO epoch is one optimizer step; must be 1")
+        return self
+
+
 class AlloyConfig(_Strict):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -166,6 +221,7 @@ class AlloyConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    specialists: SpecialistsConfig = Field(default_factory=SpecialistsConfig)
     teachers: TeachersConfig = Field(default_factory=TeachersConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
 

@@ -53,3 +53,31 @@ class stage_timer:
     def __exit__(self, *exc):
         self.ctx.timings[self.name] = self.ctx.timings.get(self.name, 0.0) + time.monotonic() - self.t0
         return False
+
+
+def open_context(config_path: str, overrides: list[str], parent_run_id: str | None = None) -> RunContext:
+    """Load the config and domains, make the run's scratch dir, and open tracking: a new MLflow parent run, or
+    (`parent_run_id`, e.g. a deployment run working for a pipeline run elsewhere) that existing run."""
+    import uuid
+
+    from infra.config import load_config
+    from infra.tracking import NoopTracker, Tracker
+
+    cfg = load_config(config_path, overrides)
+    domains = load_domains(cfg)
+    work_dir = Path(cfg.run.root).resolve() / cfg.run.name / "work"  # local scratch; storage holds what is committed
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.tracking.enabled:
+        tracker = Tracker(runs_root=cfg.run.root, experiment=cfg.tracking.experiment, uri=cfg.tracking.uri)
+        if parent_run_id:
+            tracker = tracker.resume(parent_run_id)
+            parent = parent_run_id
+        else:
+            parent = tracker.start_parent(f"{cfg.run.name}-{uuid.uuid4().hex[:6]}",
+                                          tags={"alloy.config": config_path, "alloy.fingerprint": cfg.fingerprint()})
+            tracker.log_config(cfg.model_dump(mode="json"))
+    else:
+        tracker, parent = NoopTracker(), None
+    return RunContext(cfg=cfg, config_path=config_path, overrides=list(overrides), work_dir=work_dir,
+                      storage_url=cfg.storage_url, tracker=tracker, parent_run_id=parent or uuid.uuid4().hex,
+                      domains=domains)

@@ -8,24 +8,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.progress import progress
 from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
 from tasks.context import RunContext, stage_timer
+from tasks.worker_process import overrides_args, run_worker
 
 log = logging.getLogger("alloy")
 
-RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_STEP_LINE = re.compile(rb"student step (\d+)/(\d+)")
 REGISTERED_NAME = "alloy-student"
 
 
@@ -38,32 +32,10 @@ def student_prefix(ctx: RunContext) -> str:
 def distill_command(ctx: RunContext, student_init: str, endpoints: dict[str, str], out_url: str, result: Path,
                     run_id: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "student.distill_main", "--config", ctx.config_path,
-           *sum((["--set", s] for s in ctx.overrides), []), "--student-init", str(student_init),
+           *overrides_args(ctx.overrides), "--student-init", str(student_init),
            "--teachers", json.dumps(endpoints), "--out", out_url, "--work-dir", str(ctx.work_dir / "distill"),
            "--result", str(result)]
     return cmd + (["--mlflow-run-id", run_id] if run_id else [])
-
-
-def run_student_process(cmd: list[str], log_path: Path, steps: int) -> None:
-    """Run the distillation process (a fresh process group: none of our rendezvous env), showing its progress
-    from the log; raise with the log tail if it fails."""
-    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log.info("distill: student process log %s", log_path)
-    with open(log_path, "ab") as fh, progress("distill", steps) as bar:
-        start = fh.tell()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-        while proc.poll() is None:
-            time.sleep(1.0)
-            with open(log_path, "rb") as r:
-                r.seek(start)
-                hits = _STEP_LINE.findall(r.read())
-            if hits:
-                bar(int(hits[-1][0]))
-    if proc.returncode != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-40:]
-        raise RuntimeError(f"student.distill_main failed with exit code {proc.returncode}; last log lines "
-                           f"({log_path}):\n" + "\n".join(tail))
 
 
 @task(name="distill-student", cache_policy=NO_CACHE)
@@ -83,7 +55,8 @@ def train_student(ctx: RunContext, student_init: str, endpoints: dict[str, str])
             summary = read_json(join(prefix, "result.json"))
         else:
             cmd = distill_command(ctx, student_init, endpoints, prefix, result_path, getattr(run, "run_id", None))
-            run_student_process(cmd, ctx.work_dir / "logs" / "distill.log", cfg.distill.steps)
+            run_worker(cmd, ctx.work_dir / "logs" / "distill.log", cfg.distill.steps, "distill",
+                       rb"student step (\d+)/\d+")
             summary = json.loads(result_path.read_text())
             write_json(join(prefix, "result.json"), summary)
         load_checkpoint(final, local)

@@ -97,9 +97,13 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _logp_and_entropy(model, batch: PPOBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, T) log-probs of input_ids[:, t+1] from logits[:, t] (last column 0), and optionally the entropy (B, T)."""
+def _logp_and_entropy(model, batch: PPOBatch, with_entropy: bool,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) log-probs of input_ids[:, t+1] from logits[:, t] / temperature (last column 0), and optionally the
+    entropy (B, T). The temperature is the sampling one: the engine reports log-probs of the tempered policy."""
     logits = _logits(model, batch)                                       # (B, T, V)
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = batch.input_ids.to(logits.device)[:, 1:].unsqueeze(-1)    # (B, T-1, 1)
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, targets).squeeze(-1)
     logp = torch.cat([logp, torch.zeros_like(logp[:, :1])], dim=1)      # (B, T): last position predicts nothing
@@ -107,10 +111,10 @@ def _logp_and_entropy(model, batch: PPOBatch, with_entropy: bool) -> tuple[torch
     return logp, entropy
 
 
-def token_logprobs(backend_or_model, batch: PPOBatch) -> torch.Tensor:
+def token_logprobs(backend_or_model, batch: PPOBatch, temperature: float = 1.0) -> torch.Tensor:
     """(B, T) log π(input_ids[:, t+1] | prefix) for a `DeepSpeedBackend` or a plain HF causal LM. Grad flows if
     enabled; read it with `batch.mask` (off-mask entries are log-probs of prompt/padding tokens; last column 0)."""
-    return _logp_and_entropy(backend_or_model, batch, with_entropy=False)[0]
+    return _logp_and_entropy(backend_or_model, batch, with_entropy=False, temperature=temperature)[0]
 
 
 def _values(critic, batch: PPOBatch) -> torch.Tensor:
@@ -122,7 +126,8 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
                ppo_epochs: int = 1, eps_clip: float = 0.2, eps_clip_high: float | None = None,
                eps_clip_c: float | None = None, value_clip: float | None = 0.2, gamma: float = 1.0, lam: float = 0.95,
                entropy_coef: float = 0.0, kl_coef: float = 0.0, ref_logprobs: torch.Tensor | None = None,
-               tis_clip: float = 2.0, use_tis: bool = True, critic_only: bool = False) -> dict[str, float]:
+               tis_clip: float = 2.0, use_tis: bool = True, critic_only: bool = False,
+               temperature: float = 1.0) -> dict[str, float]:
     """One PPO update of `policy` and `critic` (both `infra.deepspeed_backend.DeepSpeedBackend`) on `batch`.
 
     rewards: (B,) terminal task rewards (None → `batch.rewards`). ref_logprobs: (B, T) reference-policy log-probs in
@@ -153,7 +158,7 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
     with torch.no_grad():
         policy.eval_mode()
         critic.eval_mode()
-        old_logp = token_logprobs(policy, batch).cpu()
+        old_logp = token_logprobs(policy, batch, temperature).cpu()
         old_values = _values(critic, batch).cpu()
         kl = None if ref_logprobs is None else ppo_math.kl_estimator(old_logp, ref_logprobs.float(), "k1")
         r = ppo_math.token_rewards(rewards, mask, kl, kl_coef)
@@ -173,7 +178,7 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
     critic.train_mode()
     for epoch in range(ppo_epochs):
         if not critic_only:
-            logp, entropy = _logp_and_entropy(policy, batch, with_entropy=True)
+            logp, entropy = _logp_and_entropy(policy, batch, with_entropy=True, temperature=temperature)
             dev = logp.device
             pg, pg_m = ppo_math.policy_loss(logp, old_logp.to(dev), advantages.to(dev), mask.to(dev), eps_clip,
                                             eps_clip_high, eps_clip_c, None if tis is None else tis.to(dev),

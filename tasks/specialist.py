@@ -1,0 +1,80 @@
+"""Specialist stage task: one domain's PPO specialist in its own process, resumable, with a progress artifact.
+
+The specialist trains in `python -m teachers.specialist_main`, logging to the nested MLflow run
+`specialist/<domain>`. Its checkpoints go under `<storage>/specialist-<domain>-<fingerprint>/`: a retried task (or a
+rerun of the same config) resumes from the newest complete `step-*`, and a complete `final/` is reused as is.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sys
+
+from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
+from tasks.context import RunContext
+from tasks.worker_process import overrides_args, run_worker
+
+log = logging.getLogger("alloy")
+
+
+def specialist_prefix(ctx: RunContext, domain: str) -> str:
+    """Storage prefix of `domain`'s specialist; the fingerprint covers everything the specialist depends on."""
+    fp = ctx.cfg.fingerprint("run", "model", "domains", "base", "specialists")[:10]
+    return join(ctx.storage_url, f"specialist-{domain}-{fp}")
+
+
+def specialist_command(ctx: RunContext, domain: str, base_dir: str, out_url: str, result, run_id) -> list[str]:
+    cmd = [sys.executable, "-m", "teachers.specialist_main", "--config", ctx.config_path, *overrides_args(ctx.overrides),
+           "--domain", domain, "--init", str(base_dir), "--out", out_url,
+           "--work-dir", str(ctx.work_dir / "specialists" / domain), "--result", str(result)]
+    return cmd + (["--mlflow-run-id", run_id] if run_id else [])
+
+
+def _progress_artifact(domain: str):
+    """A Prefect progress artifact (0–100 %) for this specialist, or None outside a flow run."""
+    try:
+        return create_progress_artifact(progress=0.0, key=f"specialist-{domain.replace('_', '-')}",
+                                        description=f"PPO specialist for {domain}")
+    except Exception as exc:  # no flow run context (library use): progress goes to the log only
+        log.debug("no progress artifact for %s: %s", domain, exc)
+        return None
+
+
+@task(name="train-specialist", cache_policy=NO_CACHE, task_run_name="specialist-{domain}")
+def train_specialist(ctx: RunContext, domain: str, base_dir: str) -> dict:
+    """Train (or resume, or reuse) `domain`'s specialist from `base_dir`. Returns its summary with `specialist_dir`
+    (local HF dir), `checkpoint` (committed final/ URL), `score` (own-domain eval), `guard` and `april` totals."""
+    cfg, prefix = ctx.cfg, specialist_prefix(ctx, domain)
+    local = ctx.work_dir / "specialists" / domain / "final-local"
+    result = ctx.work_dir / "specialists" / domain / "result.json"
+    with ctx.tracker.child(f"specialist/{domain}", tags={"stage": "specialist", "domain": domain}) as run:
+        final = join(prefix, "final")
+        if cfg.run.resume and verify_checkpoint(final)[0]:
+            log.info("specialist %s: reusing complete %s", domain, final)
+            summary = read_json(join(prefix, "result.json"))
+        else:
+            art = _progress_artifact(domain)
+            steps = cfg.specialists.steps
+
+            def on_step(step: int) -> None:
+                if art is not None:
+                    update_progress_artifact(art, progress=100.0 * step / max(steps, 1))
+
+            cmd = specialist_command(ctx, domain, base_dir, prefix, result, getattr(run, "run_id", None))
+            run_worker(cmd, ctx.work_dir / "logs" / f"specialist-{domain}.log", steps, f"specialist {domain}",
+                       rb"specialist \S+ step (\d+)/\d+", on_step)
+            summary = json.loads(result.read_text())
+            write_json(join(prefix, "result.json"), summary)
+            if art is not None:
+                update_progress_artifact(art, progress=100.0)
+        shutil.rmtree(local, ignore_errors=True)
+        load_checkpoint(final, local)
+        summary.update(specialist_dir=str(local), checkpoint=final, domain=domain)
+        run.log_metrics({"summary/score": summary["score"], **{f"summary/guard_{k}": float(v)
+                                                                for k, v in summary.get("guard", {}).items()}})
+    return summary

@@ -1,0 +1,154 @@
+"""One APRIL rollout step of a specialist through its engine server (plain and tool-use domains).
+
+    buffer.drop_stale(version)
+    n_resume, n_fresh = plan_requests(batch_size, over_sampling, len(buffer))
+    requests = buffer.take_resumable(version, n_resume) + fresh prompts from the stream
+    finished, aborted = collect_batch(submit, abort_all, batch_size, len(requests))
+    each result → merge_continuation → Sample (train) or Partial (back into the buffer)
+
+A request is one *episode*: for a plain domain, one `/generate` call; for a tool domain (`domain.env(...)`), a loop
+of turns — generate until EOS or a newline, run the tool call (guard first) in the sandboxed env, append its output
+line as environment tokens (loss mask 0, log-prob 0), continue with the remaining budget. An abort stops the
+episode after its current call; what it produced so far comes back as a partial and resumes next step (the env is
+rebuilt from the example payload with the number of calls already made).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from domains.base import Example
+from domains.tools import count_tool_calls, parse_tool_call
+from infra.engine.client import EngineClient
+from teachers.april import AprilBuffer, Partial, Sample, collect_batch, merge_continuation, plan_requests
+
+log = logging.getLogger("alloy.specialist")
+
+
+@dataclass
+class Episode:
+    """New tokens of one request (model and env tokens), their log-probs (0 on env tokens) and loss mask."""
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    finish_reason: str = "abort"
+
+
+class PromptCursor:
+    """The specialist's train prompts, shuffled once by the pool's seed and cycled; ids are `<domain>-<cursor>`
+    so that a restored cursor re-issues the same ids (the ledger then says what was already trained)."""
+
+    def __init__(self, domain, tokenizer, n: int, seed: int):
+        self.domain, self.pool = domain, domain.split("train", n, seed)
+        self.bos, self.tok, self.cursor = tokenizer.bos_token_id, tokenizer, 0
+
+    def take(self, k: int, max_new_tokens: int, version: int) -> list[Partial]:
+        out = []
+        for _ in range(k):
+            ex = self.pool[self.cursor % len(self.pool)]
+            ids = [self.bos] + self.tok(ex.prompt, add_special_tokens=False).input_ids
+            out.append(Partial.fresh(f"{self.domain.name}-{self.cursor:08d}", ids, self.domain.name, asdict(ex),
+                                     max_new_tokens, version))
+            self.cursor += 1
+        return out
+
+
+class Roller:
+    """Runs episodes against the policy's engine server. `guard`: a `teachers.guard.Guard` for tool domains."""
+
+    def __init__(self, client: EngineClient, domain, tokenizer, *, temperature: float, guard=None,
+                 env_kwargs: dict | None = None):
+        self.client, self.domain, self.tok, self.temperature, self.guard = client, domain, tokenizer, temperature, guard
+        self.eos = tokenizer.eos_token_id
+        self.newline = tokenizer("\n", add_special_tokens=False).input_ids[0]
+        self.uses_tools = hasattr(domain, "env")
+        self.env_kwargs = dict(env_kwargs or {})
+        self._aborting = False
+
+    def text(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        if self.eos in ids:
+            ids = ids[: ids.index(self.eos)]
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    async def abort_all(self) -> None:
+        self._aborting = True
+        await self.client.abort(abort_all=True)
+
+    async def episode(self, p: Partial, version: int, rid: str) -> Episode:
+        ep = Episode()
+        budget = p.remaining_budget
+        stops = [self.eos, self.newline] if self.uses_tools else [self.eos]
+        env = None
+        if self.uses_tools:
+            ex = Example(**p.example)
+            env = self.domain.env(ex, guard=self.guard, prior_calls=count_tool_calls(self.text(p.output_ids)),
+                                  **self.env_kwargs)
+        try:
+            turn = 0
+            while budget > 0 and not self._aborting:
+                g = (await self.client.generate([p.input_ids + ep.output_ids], max_new_tokens=budget,
+                                                temperature=self.temperature, stop_token_ids=stops,
+                                                return_logprob=True, rid=f"{rid}-{turn}"))[0]
+                turn += 1
+                ep.output_ids += g.output_ids
+                ep.output_logprobs += g.output_logprobs
+                ep.loss_mask += [1] * len(g.output_ids)
+                budget -= len(g.output_ids)
+                if g.finish_reason == "abort":
+                    return ep  # partial: resumes next step
+                if env is None or not g.output_ids or g.output_ids[-1] != self.newline or budget <= 0:
+                    ep.finish_reason = g.finish_reason
+                    return ep
+                line = await env.step(self.text(p.output_ids + ep.output_ids))
+                if line is None:  # a newline-terminated final answer
+                    ep.finish_reason = "stop"
+                    return ep
+                env_ids = self.tok(line, add_special_tokens=False).input_ids[:budget]
+                ep.output_ids += env_ids
+                ep.output_logprobs += [0.0] * len(env_ids)
+                ep.loss_mask += [0] * len(env_ids)
+                budget -= len(env_ids)
+            ep.finish_reason = "length" if budget <= 0 else "abort"
+            return ep
+        finally:
+            if env is not None:
+                env.close()
+
+
+async def rollout_step(roller: Roller, buffer: AprilBuffer, cursor: PromptCursor, *, batch_size: int,
+                       over_sampling: float, max_new_tokens: int, version: int) -> tuple[list[Sample], dict]:
+    """One APRIL step: returns (finished samples, counters {requests, resumed, fresh, finished, partials,
+    dropped_stale}). Partials go back into `buffer`; finished samples are not yet checked against the ledger."""
+    stale = buffer.drop_stale(version)
+    n_resume, n_fresh = plan_requests(batch_size, over_sampling, len(buffer))
+    requests = buffer.take_resumable(version, n_resume) + cursor.take(n_fresh, max_new_tokens, version)
+    roller._aborting = False
+
+    async def submit(i: int) -> Episode:
+        return await roller.episode(requests[i], version, f"{requests[i].sample_id}-v{version}")
+
+    try:
+        finished, aborted = await collect_batch(submit, roller.abort_all, batch_size, len(requests))
+    except BaseException:
+        for p in requests:  # nothing lost: the unchanged requests go back (fresh ones too, cursor already moved)
+            if p.sample_id not in buffer and not buffer.was_trained(p.sample_id):
+                buffer.add_partial(p)
+        raise
+    samples: list[Sample] = []
+    n_partial = 0
+    for i, ep in finished + aborted:
+        out = merge_continuation(requests[i], ep.output_ids, ep.output_logprobs, version,
+                                 finished=ep.finish_reason != "abort",
+                                 finish_reason=ep.finish_reason if ep.finish_reason != "abort" else None,
+                                 loss_mask=ep.loss_mask)
+        if isinstance(out, Sample):
+            samples.append(out)
+        else:
+            buffer.add_partial(out)
+            n_partial += 1
+    return samples, {"requests": len(requests), "resumed": n_resume, "fresh": n_fresh, "finished": len(samples),
+                     "partials": n_partial, "dropped_stale": len(stale), "buffer": len(buffer)}

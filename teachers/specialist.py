@@ -1,0 +1,184 @@
+"""The specialist trainer: critic-based PPO on one domain, rollouts through its own engine server with APRIL.
+
+    per step k (policy version k):
+        samples = rollout_step(...)                       teachers/rollout.py (APRIL, tools + guard)
+        samples = ledger.filter_untrained(samples)        exactly once
+        rewards = domain.verify(example, response)        a raising verifier gives 0 and is counted
+        ppo_update(policy, critic, batch, rewards)        teachers/ppo_step.py (critic only during warm-up)
+        push weights → engine (version k + 1); ledger += ids
+        every `checkpoint_every`: policy HF + both DeepSpeed states + trainer.json (APRIL buffer with the
+        ledger, prompt cursor, step, metric history) as ONE checkpoint (infra.storage COMPLETE manifest)
+
+Resume: the newest complete `step-*` under `out_url` restores all of it; the partial rollouts in the buffer resume
+first. Off-policy tokens of resumed partials are corrected by TIS (trainer log-prob vs rollout log-prob, in
+`ppo_update`) and, with `mask_offpolicy`, masked when older than `max_staleness` versions.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from teachers import ppo_math
+from teachers.april import AprilBuffer, Sample
+from teachers.ppo_step import build_batch, ppo_update, token_logprobs
+from teachers.rollout import PromptCursor, Roller, rollout_step
+
+log = logging.getLogger("alloy.specialist")
+STATE_FILE = "trainer.json"
+
+
+@dataclass
+class SpecialistState:
+    step: int = 0
+    cursor: int = 0
+    history: list[dict] = field(default_factory=list)  # per-step metrics (the progress artifact / report)
+    guard_totals: dict[str, int] = field(default_factory=dict)
+    verifier_errors: int = 0
+
+
+def offpolicy_mask(samples: list[Sample], mask: torch.Tensor, version: int, max_lag: int) -> torch.Tensor:
+    """`mask` with the tokens of `samples` older than `max_lag` versions zeroed (batch alignment of build_batch:
+    output token j of row b is predicted at position P_b + j − 1)."""
+    versions = torch.full_like(mask, float(version))
+    for b, s in enumerate(samples):
+        P = len(s.prompt_ids)
+        versions[b, P - 1:P - 1 + len(s.token_versions)] = torch.tensor(s.token_versions, dtype=versions.dtype)
+    return ppo_math.mask_offpolicy(mask, versions, version, max_lag)
+
+
+class SpecialistTrainer:
+    """`sc`: infra.config.SpecialistsConfig; `policy`/`critic`: DeepSpeedBackends; `server`: a PolicyServer."""
+
+    def __init__(self, sc, domain, tokenizer, policy, critic, server, *, out_url: str, work_dir, tracker, seed: int,
+                 max_new_tokens: int, guard=None, ref_model=None, on_step=None):
+        self.sc, self.domain, self.tok, self.policy, self.critic = sc, domain, tokenizer, policy, critic
+        self.server, self.out_url, self.work_dir, self.tracker = server, out_url, Path(work_dir), tracker
+        self.max_new_tokens, self.guard, self.on_step = max_new_tokens, guard, on_step
+        self.ref_model = ref_model  # frozen base policy for the KL penalty (kl_coef > 0), else None
+        self.buffer = AprilBuffer(max_staleness=sc.max_staleness)
+        self.cursor = PromptCursor(domain, tokenizer, sc.n_prompts, seed)
+        self.state = SpecialistState()
+        self.last_checkpoint: str | None = None
+
+    # -- resume / checkpoint -----------------------------------------------------------------------------------
+    def resume(self) -> str | None:
+        """Restore the newest complete checkpoint; returns its local HF dir (to serve), or None."""
+        from infra.storage import latest_complete, load_checkpoint
+
+        url = latest_complete(self.out_url)
+        if url is None:
+            return None
+        local = self.work_dir / "resume"
+        shutil.rmtree(local, ignore_errors=True)
+        load_checkpoint(url, local)
+        self.policy.load_state(local / "policy-state")
+        self.critic.load_state(local / "critic-state")
+        data = json.loads((local / STATE_FILE).read_text())
+        self.buffer.load_state_dict(data.pop("april"))
+        self.state = SpecialistState(**data)
+        self.cursor.cursor = self.state.cursor
+        log.info("specialist %s: resumed %s at step %d (%d partials, %d trained ids)", self.domain.name, url,
+                 self.state.step, len(self.buffer), len(self.buffer.state_dict()["ledger"]))
+        return str(local / "hf")
+
+    def checkpoint(self) -> str:
+        from infra.storage import checkpoint_name, join, prune, save_checkpoint
+
+        local = self.work_dir / "ckpt-staging"
+        shutil.rmtree(local, ignore_errors=True)
+        self.policy.save_hf(local / "hf", tokenizer=self.tok)
+        self.policy.save_state(local / "policy-state")
+        self.critic.save_state(local / "critic-state")
+        self.state.cursor = self.cursor.cursor
+        (local / STATE_FILE).write_text(json.dumps(dict(vars(self.state), april=self.buffer.state_dict())))
+        url = save_checkpoint(str(local), join(self.out_url, checkpoint_name(self.state.step)), self.state.step,
+                              meta={"stage": "specialist", "domain": self.domain.name})
+        prune(self.out_url, keep_last=2)
+        shutil.rmtree(local, ignore_errors=True)
+        self.last_checkpoint = url
+        return url
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    async def run(self) -> dict:
+        sc = self.sc
+        while self.state.step < sc.steps:
+            metrics = await self.train_step()
+            if self.on_step is not None:
+                self.on_step(self, metrics)
+            if self.state.step % sc.checkpoint_every == 0 and self.state.step < sc.steps:
+                self.checkpoint()
+        self.checkpoint()
+        return {"steps": self.state.step, "history": self.state.history, "guard": dict(self.state.guard_totals),
+                "april": self.buffer.counters, "verifier_errors": self.state.verifier_errors,
+                "checkpoint": self.last_checkpoint}
+
+    async def train_step(self) -> dict:
+        sc, version = self.sc, self.state.step
+        t0 = time.perf_counter()
+        roller = Roller(self.server.client, self.domain, self.tok, temperature=sc.temperature, guard=self.guard)
+        samples, april = await rollout_step(roller, self.buffer, self.cursor, batch_size=sc.batch_size,
+                                            over_sampling=sc.over_sampling, max_new_tokens=self.max_new_tokens,
+                                            version=version)
+        rollout_s = time.perf_counter() - t0
+        samples = self.buffer.filter_untrained(samples)
+        errors0 = self.domain.verifier_errors
+        rewards = [self.domain.verify(_example(s), roller.text(s.output_ids)) for s in samples]
+        self.state.verifier_errors += self.domain.verifier_errors - errors0
+        t1 = time.perf_counter()
+        m: dict[str, float] = {}
+        if samples:
+            m = self._update(samples, rewards, version)
+        train_s = time.perf_counter() - t1
+        await self.server.push(self.policy, self.tok, version + 1)
+        self.buffer.mark_trained(s.sample_id for s in samples)
+        self.state.step = version + 1
+        self.state.cursor = self.cursor.cursor
+        guard = self.guard.snapshot_and_reset() if self.guard is not None else {}
+        for k, v in guard.items():
+            self.state.guard_totals[k] = self.state.guard_totals.get(k, 0) + v
+        out = {"reward": float(np.mean(rewards)) if rewards else float("nan"), "policy_loss": m.get("pg_loss"),
+               "value_loss": m.get("vf_loss"), "clip_frac": m.get("clip_frac"), "kl": m.get("approx_kl"),
+               "entropy": m.get("entropy"), "explained_variance": m.get("explained_variance"),
+               "tis_weight_mean": m.get("tis_weight_mean"), "rollout_s": rollout_s, "train_s": train_s,
+               "samples": float(len(samples)), "response_tokens": float(sum(len(s.output_ids) for s in samples)),
+               **{f"april_{k}": float(v) for k, v in april.items()},
+               **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked")}}
+        out = {k: float(v) for k, v in out.items() if v is not None}
+        self.state.history.append({"step": self.state.step, **out})
+        if self.state.step % sc.log_every == 0 or self.state.step == sc.steps:
+            self.tracker.log_metrics(out, step=self.state.step)
+            log.info("specialist %s step %d/%d: reward %.3f pg %.4f vf %.4f partials %d rollout %.2fs train %.2fs",
+                     self.domain.name, self.state.step, sc.steps, out["reward"], out.get("policy_loss", 0.0),
+                     out.get("value_loss", 0.0), april["partials"], rollout_s, train_s)
+        return out
+
+    def _update(self, samples: list[Sample], rewards: list[float], version: int) -> dict:
+        sc = self.sc
+        batch = build_batch(samples, self.tok.pad_token_id, rewards)
+        if sc.mask_offpolicy:
+            batch.mask = offpolicy_mask(samples, batch.mask, version, sc.max_staleness)
+            if batch.num_tokens == 0:
+                return {}
+        ref = None
+        if sc.kl_coef and self.ref_model is not None:
+            with torch.no_grad():
+                ref = token_logprobs(self.ref_model, batch, sc.temperature)
+        return ppo_update(self.policy, self.critic, batch, ppo_epochs=sc.ppo_epochs, eps_clip=sc.eps_clip,
+                          eps_clip_high=sc.eps_clip_high, eps_clip_c=sc.eps_clip_c, value_clip=sc.value_clip,
+                          gamma=sc.gamma, lam=sc.lam, entropy_coef=sc.entropy_coef,
+                          kl_coef=sc.kl_coef if ref is not None else 0.0, ref_logprobs=ref,
+                          tis_clip=sc.tis_clip, critic_only=version < sc.critic_warmup_steps,
+                          temperature=sc.temperature)
+
+
+def _example(s: Sample):
+    from domains.base import Example
+
+    return Example(**s.example)
