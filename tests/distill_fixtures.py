@@ -40,6 +40,15 @@ def sft_plain(model_dir: Path, out_dir: Path, pairs: list[tuple[str, str]], step
     return out_dir
 
 
+def build_base(root: Path, domains: list[str], steps: int, seed: int = 0) -> Path:
+    """A mixed-domain base (plain-torch SFT of a fresh tiny model), the start of specialists and students."""
+    pairs = [(e.prompt, e.answer) for d in domains for e in load_domain(d).split("train", 400, seed)]
+    init = init_model_dir("tiny", root / "init", seed=seed)
+    base = sft_plain(init, root / "base", pairs, steps, seed=seed)
+    shutil.rmtree(init, ignore_errors=True)
+    return base
+
+
 def build_base_and_teachers(root: Path, domains: list[str], base_steps: int = 60, teacher_steps: int = 200,
                             seed: int = 0) -> tuple[Path, dict[str, Path]]:
     """A weak mixed-domain base and {domain: teacher dir}, each teacher = base + SFT on its domain only."""
