@@ -6,7 +6,7 @@ import logging
 import pandas as pd
 from prefect import flow
 
-from flows.distill import distill
+from flows.distill import distill_stage
 from flows.specialists import run_specialists
 from tasks.base import train_base
 from tasks.context import RunContext, open_context
@@ -44,7 +44,7 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
             specs = run_specialists(ctx, base_dir)
             frames.append(specialist_scores(ctx, specs))
         teachers = {d: specs[d]["specialist_dir"] if d in specs else base_dir for d in ctx.domains}
-        student = distill(ctx, base_dir, teachers)
+        student = distill_stage(ctx, base_dir, teachers)
         frames.append(evaluate_stage(ctx, student["student_dir"], stage="student"))
         report = publish_report(
             ctx, pd.concat(frames, ignore_index=True), report_path=report_path, n_teachers=student["n_teachers"],

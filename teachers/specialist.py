@@ -166,6 +166,9 @@ class SpecialistTrainer:
             batch.mask = offpolicy_mask(samples, batch.mask, version, sc.max_staleness)
             if batch.num_tokens == 0:
                 return {}
+        # every reward equal (all 0 on a hard domain, all 1 on a solved one): the whitened advantages would be pure
+        # critic noise, and following them drifts the policy (seen as collapse to empty answers); train the critic only
+        no_signal = max(rewards) - min(rewards) < 1e-9
         ref = None
         if sc.kl_coef and self.ref_model is not None:
             with torch.no_grad():
@@ -174,7 +177,7 @@ class SpecialistTrainer:
                           eps_clip_high=sc.eps_clip_high, eps_clip_c=sc.eps_clip_c, value_clip=sc.value_clip,
                           gamma=sc.gamma, lam=sc.lam, entropy_coef=sc.entropy_coef,
                           kl_coef=sc.kl_coef if ref is not None else 0.0, ref_logprobs=ref,
-                          tis_clip=sc.tis_clip, critic_only=version < sc.critic_warmup_steps,
+                          tis_clip=sc.tis_clip, critic_only=version < sc.critic_warmup_steps or no_signal,
                           temperature=sc.temperature)
 
 

@@ -45,7 +45,7 @@ def make_ctx(cfg, tmp_path, tracker, parent) -> RunContext:
 
 
 def test_distill_flow_three_teachers_kl_down_scores_up(models, tmp_path, prefect_harness):
-    from flows.distill import distill
+    from flows.distill import distill_stage
 
     base, teachers = models
     cfg = make_cfg(tmp_path / "runs")
@@ -53,7 +53,7 @@ def test_distill_flow_three_teachers_kl_down_scores_up(models, tmp_path, prefect
     parent = tracker.start_parent("opd-test")
     ctx = make_ctx(cfg, tmp_path, tracker, parent)
 
-    out = distill(ctx, str(base), {d: str(p) for d, p in teachers.items()})
+    out = distill_stage(ctx, str(base), {d: str(p) for d, p in teachers.items()})
 
     assert out["n_teachers"] == 3 and out["steps"] == 120 and out["registered_model"] == "alloy-student/1"
     assert set(ctx.timings) >= {"teachers_up", "distill"}

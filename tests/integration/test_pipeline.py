@@ -1,4 +1,5 @@
-"""The pipeline (base → eval → report) as a real Prefect flow with real DeepSpeed, MLflow (SQLite) and storage."""
+"""The pipeline (base → specialists → teachers → distill → eval → report) as a real Prefect flow with real DeepSpeed,
+engine servers, MLflow (SQLite) and storage, shrunk to a few steps per stage (quality is tested elsewhere)."""
 import json
 import os
 import subprocess
@@ -14,20 +15,36 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "configs" / "smoke.yaml")
-FAST = ["base.steps=20", "base.n_train_per_domain=200", "eval.n_eval=10"]
+FAST = ["base.steps=20", "base.n_train_per_domain=200", "eval.n_eval=10", "specialists.steps=3", "specialists.batch_size=8",
+        "specialists.checkpoint_every=2", "distill.steps=3", "distill.batch_size=12", "distill.eval_every=0"]
 
 REPORT_KEYS = {"config", "run_id", "mlflow", "domains", "summary", "timings_s", "throughput", "guard", "artifacts"}
 
 
-def check_report(report: dict, n_domains: int) -> None:
+def check_report(report: dict, n_domains: int, specialists: bool = True) -> None:
     assert REPORT_KEYS <= set(report)
     assert len(report["domains"]) == n_domains
     for dom, row in report["domains"].items():
-        assert 0.0 <= row["base"] <= 1.0 and row["n_eval"] == 10, dom
+        assert row["n_eval"] == 10, dom
+        for stage in ("base", "specialist", "student") if specialists else ("base", "student"):
+            assert 0.0 <= row[stage] <= 1.0, (dom, stage)
+        assert row["recovery"] is None or row["recovery"] == pytest.approx(row["student"] / row["specialist"], abs=1e-5)
     assert report["summary"]["n_domains"] == n_domains
     assert report["summary"]["base_mean"] == pytest.approx(
         sum(r["base"] for r in report["domains"].values()) / n_domains, abs=1e-5)
-    assert report["timings_s"]["base"] > 0 and report["timings_s"]["total"] >= report["timings_s"]["base"]
+    s = report["summary"]
+    assert s["n_teachers"] == n_domains and s["student_mean"] is not None
+    assert (s["specialist_mean"] is not None) == specialists
+    t = report["timings_s"]
+    for stage in ("base", "specialists", "teachers_up", "distill", "eval") if specialists else ("base", "distill"):
+        assert t[stage] > 0, stage
+    assert t["total"] >= t["base"] + (t["specialists"] or 0) + t["distill"]
+    assert report["throughput"]["distill_sampled_tokens_per_s"] > 0
+    assert report["throughput"]["teacher_scored_tokens_per_s"] > 0
+    assert set(report["guard"]) >= {"tool_calls", "flagged", "blocked"}
+    art = report["artifacts"]
+    assert art["student_checkpoint"].endswith("/final") and (art["registered_model"] is None  # tracking off
+                                                                     or art["registered_model"].startswith("alloy-student/"))
 
 
 def test_smoke_pipeline_local(tmp_path, prefect_harness):
@@ -43,18 +60,22 @@ def test_smoke_pipeline_local(tmp_path, prefect_harness):
     parent = client.get_run(report["mlflow"]["parent_run_id"])
     assert parent.info.status == "FINISHED"
     assert parent.data.params["domains.0.name"] == "reverse"
-    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert [c.info.run_name for c in children] == ["base"]
-    assert "sft/loss" in children[0].data.metrics
+    children = {c.info.run_name: c for c in client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
+    assert set(children) == {"base", "student", "specialist/reverse", "specialist/max_list", "specialist/case_swap"}
+    assert "sft/loss" in children["base"].data.metrics
+    assert {"reward", "policy_loss", "value_loss", "eval/score"} <= set(children["specialist/reverse"].data.metrics)
+    mv = client.get_model_version_by_alias("alloy-student", "candidate")
+    assert mv.run_id == children["student"].info.run_id
 
     # storage: the base checkpoint is committed by a valid COMPLETE manifest, the report sits beside it
     ckpt = latest_complete(f"file://{tmp_path}/smoke/{_base_dir(tmp_path)}")
     assert ckpt and verify_checkpoint(ckpt, deep=True)[0]
     assert read_json(f"file://{tmp_path}/smoke/report.json")["run_id"] == report["run_id"]
 
-    # a second run with the same config reuses the committed base checkpoint (no retraining)
+    # a second run with the same config reuses the committed base, specialists and student (no retraining)
     again = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}"])
-    assert again["timings_s"]["base"] < 5.0
+    assert again["timings_s"]["base"] < 5.0 and again["timings_s"]["specialists"] < 10.0
     assert again["domains"] == report["domains"]
 
 
@@ -109,10 +130,12 @@ def test_base_stage_two_ranks_under_torchrun(tmp_path, prefect_harness):
     from flows.pipeline import pipeline
 
     report = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}", "base.train.world_size=2",
+                                                      "specialists.enabled=false",
                                                       "base.train.zero_stage=2", "base.train.micro_batch_size=32"])
-    check_report(report, 3)
+    check_report(report, 3, specialists=False)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     parent = client.get_run(report["mlflow"]["parent_run_id"])
-    (child,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
-    assert child.info.run_name == "base" and "sft/loss" in child.data.metrics
+    children = {c.info.run_name: c for c in client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
+    assert "sft/loss" in children["base"].data.metrics
     assert "2 rank(s)" in (tmp_path / "smoke" / "work" / "logs" / "base.log").read_text()
