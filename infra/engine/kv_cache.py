@@ -11,8 +11,10 @@ Continuous batching needs three things a stock `DynamicCache` does not give chea
 - **Select** the rows that are still running (finished ones leave) and **trim** the leading columns that are
   padding in every remaining row, so a long-gone long prompt does not keep the cache wide.
 
-Shapes: keys/values `(B, H_kv, T, D)`; attention mask `(B, T)` long (1 = real token). Only full-attention caches
+Shapes: keys/values `(B, H_kv, T, D)`; attention mask `(B, T)` (nonzero = real token). Only full-attention caches
 (the Llama/Qwen2 families we serve); sliding-window layers would need per-row windows and are not handled here.
+
+`infra.engine.decode.FusedDecoder` is the decode step that appends to this cache for Llama/Qwen2 models.
 """
 from __future__ import annotations
 
@@ -143,3 +145,4 @@ def leading_pad_columns(mask: torch.Tensor) -> int:
     used = mask.any(dim=0)
     nz = torch.nonzero(used)
     return int(nz[0, 0]) if nz.numel() else mask.shape[1]
+

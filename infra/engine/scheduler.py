@@ -7,8 +7,11 @@ Loop (one iteration, `Engine._step`):
   3. **prefill**: waiting generation sequences (up to `max_batch` running and `max_total_tokens` reserved) in one
      left-padded forward that fills a fresh KV cache; their first token is sampled; survivors are merged into the
      running batch (`BatchKVCache.merge`);
-  4. **decode**: ONE forward of one token for every running sequence, sharing the batch KV cache; sample; sequences
-     that hit a stop condition leave the batch (`select_rows`), and padding columns no row needs are trimmed.
+  4. **decode**: ONE forward of one token for every running sequence, sharing the batch KV cache (for Llama/Qwen2
+     the `FusedDecoder` step: the same arithmetic without transformers' per-module dispatch, which dominates a
+     tiny model's step on CPU); sample; sequences that hit a stop condition leave the batch (`select_rows`), and
+     padding columns no row needs are trimmed. A padded batch keeps its attention mask in a preallocated bool
+     buffer handed to SDPA as a ready 4-D mask, so a step neither concatenates nor rebuilds a mask.
 
 The HTTP side never touches the model: it submits `Seq`s and is called back (`Seq.on_done`, `Seq.on_token`) from
 this thread, so /health and /abort_request stay responsive while a forward runs (torch releases the GIL in ops).
@@ -26,11 +29,13 @@ from typing import Callable
 
 import torch
 
+from infra.engine.decode import FusedDecoder
 from infra.engine.kv_cache import BatchKVCache, leading_pad_columns, merge_masks
 from infra.engine.protocol import ProtocolError, SeqResult, SeqSpec
 from infra.engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
 
 log = logging.getLogger("alloy.engine")
+_MASK_SPARE = 64  # mask columns allocated ahead, so decode steps only slice the mask buffer
 
 
 @dataclass(eq=False)
@@ -176,6 +181,12 @@ class Engine:
     def _set_model(self, model) -> None:
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.model = model
+        # SDPA takes a ready boolean 4-D mask (True = attend); eager/other kernels get the 2-D mask
+        self._sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        # decode steps skip transformers' module dispatch for Llama/Qwen2 (same logits; ALLOY_ENGINE_FUSED_DECODE=0
+        # turns it off); None → the plain HF forward
+        fused_ok = os.environ.get("ALLOY_ENGINE_FUSED_DECODE", "1").lower() not in ("0", "false", "no")
+        self._fused = FusedDecoder.for_model(model) if fused_ok else None
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.context_len = int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
         self.num_layers = int(cfg.num_hidden_layers)
@@ -371,9 +382,10 @@ class Engine:
             mask = mask[:, drop:]
         survivors = [group[i] for i in rows]
         if not self._run:
-            self._cache, self._mask, self._pos, self._last = cache, mask, pos, last
+            self._cache, self._pos, self._last = cache, pos, last
+            self._set_mask(mask)
         else:
-            self._mask = merge_masks(self._full_mask(), mask)  # before the cache merge changes seq_len
+            self._set_mask(merge_masks(self._full_mask(), mask.bool()))  # before the cache merge changes seq_len
             self._cache.merge(cache)
             self._pos = torch.cat([self._pos, pos])
             self._last = torch.cat([self._last, last])
@@ -383,15 +395,43 @@ class Engine:
         return True
 
     def _full_mask(self) -> torch.Tensor:
-        """The running batch's attention mask (B, T); `_mask is None` stands for "no padding" (all ones)."""
+        """The running batch's attention mask (B, T) bool (True = real token); `_mask is None` means no padding."""
         if self._mask is None:
-            return torch.ones((self._pos.shape[0], self._cache.seq_len), dtype=torch.long)
-        return self._mask
+            return torch.ones((self._pos.shape[0], self._cache.seq_len), dtype=torch.bool)
+        return self._mask[:, : self._cache.seq_len]
+
+    def _set_mask(self, mask: torch.Tensor | None) -> None:
+        """Adopt the running batch's mask (B, T) (any dtype, nonzero = real token; T = the cache's seq_len).
+
+        Stored as a bool buffer (B, T + spare) whose columns ≥ T are already True: every decode step appends one
+        real token per row, so a step only slices the buffer (no per-step `cat` of the mask) and passes it to SDPA
+        as a ready 4-D mask (B, 1, 1, T+1), which skips transformers' per-step mask construction. No padding at
+        all → None: decode steps then take attention's unmasked path.
+        """
+        if mask is None or bool(mask.all()):
+            self._mask = None
+            return
+        b, t = mask.shape
+        buf = torch.ones((b, t + _MASK_SPARE), dtype=torch.bool)
+        buf[:, :t] = mask
+        self._mask = buf
+
+    def _step_mask(self) -> torch.Tensor | None:
+        """The attention mask for a decode step over T cached + 1 new column: (B, 1, 1, T+1) bool for SDPA, else
+        the 2-D (B, T+1) long mask that any attention implementation builds its own mask from."""
+        if self._mask is None:
+            return None
+        need = self._cache.seq_len + 1
+        if need > self._mask.shape[1]:
+            self._set_mask(self._mask[:, : need - 1].clone())
+            if self._mask is None:
+                return None
+        if self._sdpa:
+            return self._mask[:, None, None, :need]
+        return self._mask[:, :need].long()
 
     def _refresh_params(self) -> None:
-        """Per-row sampling tensors and the padding flag; recomputed only when the batch membership changes."""
-        if self._mask is not None and bool(self._mask.all()):
-            self._mask = None  # no padding: decode steps pass no mask (attention's unmasked path, no mask build)
+        """Per-row sampling tensors; recomputed only when the batch membership changes."""
         sp = [s.spec.sampling for s in self._run]
         self._temp = torch.tensor([p.temperature for p in sp], dtype=torch.float32)
         self._top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32)
@@ -401,13 +441,15 @@ class Engine:
     def _decode_step(self) -> None:
         t0 = time.perf_counter()
         B = len(self._run)
-        if self._mask is not None:
-            self._mask = torch.cat([self._mask, torch.ones((B, 1), dtype=torch.long)], dim=1)
-        out = self.model(input_ids=self._last[:, None], attention_mask=self._mask, position_ids=self._pos[:, None],
-                         past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        if self._fused is not None:
+            logits = self._fused(self._last, self._pos, self._cache, self._step_mask())
+        else:
+            logits = self.model(input_ids=self._last[:, None], attention_mask=self._step_mask(),
+                                position_ids=self._pos[:, None], past_key_values=self._cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]
         self._pos = self._pos + 1
         self.steps += 1
-        alive, self._last = self._sample_and_check(self._run, out.logits[:, -1],
+        alive, self._last = self._sample_and_check(self._run, logits,
                                                    params=(self._temp, self._top_p, self._top_k, self._any_sampled))
         dead = {i for i, a in enumerate(alive) if not a}
         if dead:
@@ -427,10 +469,10 @@ class Engine:
             self._reserved = 0
             return
         idx = torch.tensor(keep, dtype=torch.long)
-        self._mask, self._pos, self._last = self._full_mask()[idx], self._pos[idx], self._last[idx]
-        drop = leading_pad_columns(self._mask)
+        mask, self._pos, self._last = self._full_mask()[idx], self._pos[idx], self._last[idx]
+        drop = leading_pad_columns(mask)
         self._cache.select_rows(idx, drop)
-        self._mask = self._mask[:, drop:]
+        self._set_mask(mask[:, drop:])
         self._refresh_params()
 
     # -- sampling and stop conditions -------------------------------------------------------------------------------
