@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.engine.client import EngineClient, run_sync
+from infra.engine.client import API_KEY_ENV, EngineClient, run_sync
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
                "--port", str(port), "--host", spec.host]
     else:
         raise ValueError(f"server {spec.name!r}: backend must be 'embedded' or 'sglang', got {spec.backend!r}")
-    if spec.api_key:
+    if spec.api_key and spec.backend == "sglang":  # SGLang reads it from argv only; ours from the env (not in `ps`)
         cmd += ["--api-key", spec.api_key]
     if spec.weight_version is not None:
         cmd += ["--weight-version", str(spec.weight_version)]
@@ -324,6 +324,8 @@ class Supervisor:
                 n = str(self.threads_per_server)
                 env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n)
         env.update({k: str(v) for k, v in spec.env.items()})
+        if spec.backend == "embedded" and spec.api_key:  # the key travels in the environment, not in argv (`ps`)
+            env[API_KEY_ENV] = spec.api_key
         return env
 
     def _launch(self, srv: _Server) -> None:

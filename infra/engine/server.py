@@ -30,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from infra.engine.client import API_KEY_ENV
 from infra.engine.protocol import Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output, parse_generate
 from infra.engine.scheduler import Engine, Seq
 
@@ -337,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True, help="local HF causal LM dir (weights + tokenizer)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (except /health*)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (except /health*); default: "
+                   "the ALLOY_ENGINE_API_KEY environment variable (keeps the key out of `ps`)")
     p.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"], help="max running sequences")
     p.add_argument("--max-total-tokens", type=int, default=DEFAULTS["max_total_tokens"],
                    help="token budget (prompt + max_new_tokens) of the running batch; also the per-request cap")
@@ -352,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_batch < 1 or args.max_total_tokens < 2 or args.max_prefill_tokens < 1:
         p.error("--max-batch, --max-total-tokens and --max-prefill-tokens must be positive")
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     app = build_app(args.model, api_key=args.api_key, max_batch=args.max_batch,
                     max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
                     threads=args.threads or _default_threads(), weight_version=args.weight_version, seed=args.seed,

@@ -49,7 +49,7 @@ def test_build_command_embedded_and_sglang():
     spec = ServerSpec("math", "/ckpt/math", api_key="k", weight_version="3")
     assert build_command(spec, 31000) == [
         sys.executable, "-m", "infra.engine.server", "--model", "/ckpt/math", "--port", "31000", "--host",
-        "127.0.0.1", "--api-key", "k", "--weight-version", "3"]
+        "127.0.0.1", "--weight-version", "3"]  # the key goes in the child's environment, not in argv (`ps`)
     gpu = ServerSpec("code", "/ckpt/code", backend="sglang", host="0.0.0.0", extra_args=["--enable-metrics"],
                      options={"tp_size": 2, "mem_fraction_static": 0.8, "skip_tokenizer_init": True,
                               "trust_remote_code": False, "tokenizer_path": "/tok"})
@@ -216,3 +216,30 @@ def test_twelve_servers_rss(tiny_model_dir, tmp_path):
               "rss_mib_total": round(sum(rss.values()), 1), "pss_mib_total": round(sum(pss.values()), 1)}
     print("\nMANY-SERVERS", json.dumps(report))
     assert len(rss) == n and all(v > 0 for v in rss.values())
+
+
+def test_api_key_reaches_the_server_through_its_environment_not_its_argv(tiny_model_dir, tmp_path):
+    """A launched server enforces the key (401 without it), and the key is not in its command line (`ps`)."""
+    from infra.engine.client import EngineRequestError, run_sync
+
+    key = "sk-alloy-test-7f3a91"
+    with Supervisor(tmp_path, health_timeout=60, install_signal_handlers=False) as sup:
+        url = sup.start([ServerSpec("keyed", tiny_model_dir, api_key=key)])["keyed"]
+        (st,) = sup.status()
+        cmdline = " ".join(psutil.Process(st["pid"]).cmdline())
+        assert "infra.engine.server" in cmdline and key not in cmdline
+        assert key not in Path(st["log"]).read_text()
+
+        async def calls():
+            anon, good = EngineClient(url, api_key="wrong", max_retries=0), EngineClient(url, api_key=key)
+            try:
+                with pytest.raises(EngineRequestError) as err:
+                    await anon.generate([[1, 5, 6]], max_new_tokens=2, temperature=0.0)
+                assert err.value.status == 401
+                (g,) = await good.generate([[1, 5, 6]], max_new_tokens=2, temperature=0.0)
+                assert len(g.output_ids) == 2
+            finally:
+                await anon.aclose()
+                await good.aclose()
+
+        run_sync(calls())
