@@ -187,9 +187,11 @@ class SpecialistsConfig(_Strict):
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     entropy_coef: float = Field(0.0, ge=0)
-    kl_coef: float = Field(0.0, ge=0, description="Per-token KL penalty to the base (reference) policy.")
+    kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty (k1) to the base policy as the reference; "
+                                                 "keeps low-signal domains from drifting.")
     tis_clip: float = Field(2.0, gt=0, description="Truncated importance sampling cap (rollout/trainer mismatch).")
-    critic_warmup_steps: int = Field(0, ge=0, description="First steps train the critic only.")
+    critic_warmup_steps: int = Field(20, ge=0, description="First steps train the critic only (a fresh value head "
+                                                  "would otherwise feed noise into the advantages).")
     policy_train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=64))
     critic_train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=64))
     eval_n: int | None = Field(None, ge=1, description="Eval examples for the specialist's own score (None: eval.n_eval).")
