@@ -163,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     # `alloy serve …` is dispatched in main() straight to the server's own parser; listed here for --help
     sub.add_parser("serve", help="serve an HF checkpoint with the embedded SGLang-protocol engine (alloy serve --help)",
                    add_help=False)
+
+    from alloy.stack import add_parsers as add_stack_parsers
+
+    add_stack_parsers(sub)  # up, down, status (the local Prefect + MLflow stack) and teachers up|down|status
     return p
 
 

@@ -82,6 +82,8 @@ def is_secret(key: str, value: Any) -> bool:
     if _ALWAYS_SECRET.search(k):
         return True
     if _TOKEN.search(k):
+        if value is None or value == "null":  # an unset budget (max_new_tokens: null) holds no credential
+            return False
         numeric = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
             isinstance(value, str) and _NUMBER.fullmatch(value.strip()) is not None)
         return not numeric

@@ -45,12 +45,14 @@ def test_redact_hand_derived():
     flat = {"engine.api_key": "a", "x.SECRET": "b", "db.Password": "c", "hf_token": "d", "apikey": "e",
             "auth.tokens.0": "f", "tokenizer_key": "g", "eval.max_new_tokens": "16", "tokens_per_s": 12.5,
             "max_tokens": "1e3", "model.tokenizer_path": "/t", "keep_last": "3", "n": 1,
-            "uri": "https://user:pw@host/x", "plain": "https://host/x"}
+            "uri": "https://user:pw@host/x", "plain": "https://host/x", "specialists.max_new_tokens": "null",
+            "hf_token_unset": None}
     assert redact(flat) == {"engine.api_key": "***", "x.SECRET": "***", "db.Password": "***", "hf_token": "***",
                             "apikey": "***", "auth.tokens.0": "***", "tokenizer_key": "***",
                             "eval.max_new_tokens": "16", "tokens_per_s": 12.5, "max_tokens": "1e3",
                             "model.tokenizer_path": "/t", "keep_last": "3", "n": 1,
-                            "uri": "https://user:***@host/x", "plain": "https://host/x"}
+                            "uri": "https://user:***@host/x", "plain": "https://host/x",
+                            "specialists.max_new_tokens": "null", "hf_token_unset": None}
     assert mask_url("see postgresql://u:p@h:1/db and s3://b/k") == "see postgresql://u:***@h:1/db and s3://b/k"
     red = redact(flatten_config(CONFIG))
     assert not [v for v in red.values() if any(s in v for s in SECRETS)]

@@ -1,0 +1,209 @@
+"""`alloy teachers up | down | status`: teacher engine servers outside the pipeline, detached.
+
+One embedded engine server (SGLang protocol, `infra.engine.server`, the same argv the pipeline's `Supervisor`
+builds) per domain, on consecutive ports from `--port-start`, state in `<home>/teachers.json`, logs in
+`<home>/logs/teacher-<domain>.log`. A pipeline then uses them instead of launching its own:
+`--set teachers.external.<domain>=http://127.0.0.1:<port>` (printed by `up`).
+
+`--checkpoints` accepts
+  - a report.json of an earlier run (its `artifacts.specialists`),
+  - a JSON file or an inline JSON object `{"domain": "path/to/checkpoint", ...}`,
+  - a run directory holding `specialist-<domain>-<hash>/final/` checkpoints (what the pipeline commits), or a
+    directory whose sub-directories are HF checkpoints named after their domain.
+A checkpoint path may be a `file://` URL or a committed prefix; its `final/` is used when present.
+Unlike the `Supervisor`, nothing here restarts a dead server: this process exits once the servers are up.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from alloy.stack import (HOST, REPO_ROOT, StackError, http_get, is_alive, log_tail, pick_port, read_state, spawn,
+                         stack_env, stop_entries, write_state)
+
+STATE_FILE = "teachers.json"
+
+
+class CheckpointsError(StackError):
+    """A bad `--checkpoints` value (bad input: exit code 2)."""
+_SPECIALIST_DIR = re.compile(r"^specialist-(?P<domain>.+)-[0-9a-f]{6,}$")
+
+
+def _is_checkpoint(p: Path) -> bool:
+    return (p / "config.json").is_file()
+
+
+def _resolve_path(domain: str, raw: str) -> str:
+    p = Path(raw[len("file://"):] if raw.startswith("file://") else raw).expanduser()
+    for cand in (p, p / "final"):
+        if _is_checkpoint(cand):
+            return str(cand.resolve())
+    raise CheckpointsError(f"checkpoint of domain {domain!r}: {raw} is not an HF checkpoint directory (no config.json "
+                     f"in it or in its final/)")
+
+
+def resolve_checkpoints(spec: str) -> dict[str, str]:
+    """`--checkpoints` (see the module docstring) → {domain: absolute local checkpoint dir}."""
+    path = Path(spec).expanduser()
+    if spec.lstrip().startswith("{"):
+        try:
+            mapping = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise CheckpointsError(f"--checkpoints: inline JSON does not parse: {exc}") from exc
+    elif path.is_file():
+        try:
+            mapping = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointsError(f"--checkpoints: {path} is not valid JSON: {exc}") from exc
+        if isinstance(mapping, dict) and "artifacts" in mapping:  # a report.json
+            mapping = (mapping.get("artifacts") or {}).get("specialists") or {}
+            if not mapping:
+                raise CheckpointsError(f"--checkpoints: report {path} lists no specialists (artifacts.specialists)")
+    elif path.is_dir():
+        if _is_checkpoint(path) or _is_checkpoint(path / "final"):
+            raise CheckpointsError(f"--checkpoints: {path} is one checkpoint; name its domain: "
+                             f"--checkpoints '{{\"<domain>\": \"{path}\"}}'")
+        mapping = {}
+        for child in sorted(path.iterdir(), key=lambda c: c.stat().st_mtime):  # newest run of a domain wins
+            m = _SPECIALIST_DIR.match(child.name)
+            if m and _is_checkpoint(child / "final"):
+                mapping[m.group("domain")] = str(child / "final")
+            elif child.is_dir() and _is_checkpoint(child):
+                mapping[child.name] = str(child)
+        if not mapping:
+            raise CheckpointsError(f"--checkpoints: no checkpoints in {path} (expected specialist-<domain>-<hash>/final/ "
+                             f"or <domain>/config.json)")
+    else:
+        raise CheckpointsError(f"--checkpoints: {spec} is neither a directory, a JSON file nor inline JSON")
+    if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+        raise CheckpointsError('--checkpoints: expected an object {"domain": "checkpoint path", ...}')
+    return {d: _resolve_path(d, p) for d, p in mapping.items()}
+
+
+def teachers_up(home: Path, checkpoints: dict[str, str], port_start: int = 30000, threads: int = 1,
+                timeout_s: float = 180.0) -> dict:
+    """Serve each checkpoint on its own port (port_start, +1, …; 0 = free ports) and wait for `/health`.
+    Returns the state; already serving the same domains → that state with "already_up"."""
+    from infra.engine.launcher import ServerSpec, build_command
+
+    home = Path(home).resolve()
+    state_path = home / STATE_FILE
+    old = read_state(state_path)
+    if old and any(is_alive(t) for t in old["teachers"].values()):
+        if set(old["teachers"]) == set(checkpoints) and all(is_alive(t) for t in old["teachers"].values()):
+            return {**old, "already_up": True}
+        raise StackError(f"teachers already running from {state_path} ({', '.join(sorted(old['teachers']))}); "
+                         f"run `alloy teachers down --home {home}` first")
+    state = {"home": str(home), "teachers": {}}
+    env = stack_env(home, "", "", None)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
+    for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
+        env.pop(k, None)
+    try:
+        for i, (domain, ckpt) in enumerate(sorted(checkpoints.items())):
+            port = pick_port(0 if port_start == 0 else port_start + i, f"teacher {domain}, --port-start")
+            cmd = build_command(ServerSpec(name=f"teacher-{domain}", model_path=ckpt, host=HOST), port)
+            entry = spawn(f"teacher-{domain}", cmd, home / "logs" / f"teacher-{domain}.log", env, REPO_ROOT)
+            entry.update(port=port, url=f"http://{HOST}:{port}", model_path=ckpt)
+            state["teachers"][domain] = entry
+            write_state(state_path, state)
+        deadline = time.monotonic() + timeout_s
+        pending = dict(state["teachers"])
+        while pending:
+            for domain, t in list(pending.items()):
+                if http_get(t["url"] + "/health", timeout=2.0)[0] == 200:
+                    del pending[domain]
+                elif not is_alive(t):
+                    raise StackError(f"teacher {domain} exited before it was healthy; last lines of {t['log']}:\n"
+                                     f"{log_tail(t['log'])}")
+            if pending and time.monotonic() > deadline:
+                raise StackError(f"teachers not healthy after {timeout_s:.0f}s: {', '.join(sorted(pending))}")
+            time.sleep(0.3)
+    except BaseException:
+        stop_entries(list(state["teachers"].values()), grace_s=5.0)
+        state_path.unlink(missing_ok=True)
+        raise
+    return state
+
+
+def teachers_down(home: Path) -> list[str]:
+    state_path = Path(home).resolve() / STATE_FILE
+    state = read_state(state_path)
+    if not state:
+        return []
+    running = sorted(d for d, t in state["teachers"].items() if is_alive(t))
+    stop_entries(list(state["teachers"].values()), grace_s=5.0)
+    state_path.unlink(missing_ok=True)
+    return running
+
+
+def teachers_status(home: Path) -> dict[str, dict] | None:
+    """{domain: {"up", "healthy", "url", "pid", "model_path"}}, or None when no teachers were started."""
+    state = read_state(Path(home).resolve() / STATE_FILE)
+    if not state:
+        return None
+    return {d: {"up": is_alive(t), "healthy": http_get(t["url"] + "/health", timeout=2.0)[0] == 200,
+                "url": t["url"], "pid": t["pid"], "model_path": t["model_path"]} for d, t in state["teachers"].items()}
+
+
+def _print_external(teachers: dict[str, dict]) -> None:
+    print("point a run at them (config):\nteachers:\n  external:")
+    for d, t in sorted(teachers.items()):
+        print(f"    {d}: {t['url']}")
+    print("or on the command line:\n  " + " ".join(f"--set teachers.external.{d}={t['url']}"
+                                                 for d, t in sorted(teachers.items())))
+
+
+def cmd_teachers(args) -> int:
+    home = Path(args.home)
+    try:
+        if args.teachers_command == "up":
+            state = teachers_up(home, resolve_checkpoints(args.checkpoints), args.port_start, args.threads,
+                                args.timeout)
+            print(f"teachers {'already up' if state.get('already_up') else 'up'}:")
+            for d, t in sorted(state["teachers"].items()):
+                print(f"  {d:<16}{t['url']:<28}{t['model_path']}")
+            _print_external(state["teachers"])
+            return 0
+        if args.teachers_command == "down":
+            stopped = teachers_down(home)
+            print(f"stopped: {', '.join(stopped)}" if stopped else "no teachers running")
+            return 0
+        st = teachers_status(home)
+        if st is None:
+            print(f"no teachers (no {STATE_FILE} in {home.resolve()})")
+            return 1
+        print(f"{'domain':<16}{'state':<9}{'pid':<9}{'url':<28}checkpoint")
+        for d, r in sorted(st.items()):
+            label = "healthy" if r["healthy"] else ("up" if r["up"] else "down")
+            print(f"{d:<16}{label:<9}{r['pid']:<9}{r['url']:<28}{r['model_path']}")
+        return 0 if all(r["healthy"] for r in st.values()) else 1
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, CheckpointsError) else 1
+
+
+def add_parser(sub, default_home: Path) -> None:
+    t = sub.add_parser("teachers", help="serve teacher engine servers outside the pipeline (up | down | status)",
+                       description="Teacher servers a pipeline can use through teachers.external.")
+    tsub = t.add_subparsers(dest="teachers_command", required=True, metavar="{up,down,status}")
+    home_help = "where teachers.json and the logs live (default $ALLOY_STACK_HOME, else <repo>/runs/stack)"
+    tu = tsub.add_parser("up", help="serve one engine server per domain checkpoint, detached",
+                         description="Exit 0 when every teacher answers /health, 1 when one does not (log tail printed) "
+                                     "or a port is busy, 2 for a bad --checkpoints value.")
+    tu.add_argument("--checkpoints", required=True, metavar="DIR_OR_JSON",
+                    help="a report.json, a JSON file or inline JSON {domain: checkpoint}, or a run directory")
+    tu.add_argument("--port-start", type=int, default=30000, help="first port; one per domain, in domain order "
+                                                                   "(0: any free ports)")
+    tu.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    tu.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for /health")
+    tu.add_argument("--home", default=str(default_home), help=home_help)
+    td = tsub.add_parser("down", help="stop the teacher servers", description="Exit 0.")
+    td.add_argument("--home", default=str(default_home), help=home_help)
+    ts = tsub.add_parser("status", help="each teacher's health, URL and checkpoint",
+                         description="Exit 0 when every teacher is healthy, 1 otherwise.")
+    ts.add_argument("--home", default=str(default_home), help=home_help)
+    t.set_defaults(fn=cmd_teachers)

@@ -1,0 +1,50 @@
+"""The e2e session: one real local stack (`alloy up`: Prefect server + worker + MLflow on free loopback ports, state
+in a temp dir) and one run of the `alloy-pipeline/smoke` deployment, shared by the deploy and browser tests.
+Both are expensive (about 1 min and 2 min on 2 shared cores), so they are session-scoped, never per test."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from e2e_helpers import FAST, ROOT, api_get, run_cli, user_env
+
+
+@pytest.fixture(scope="session")
+def stack():
+    """`alloy up` on free ports with home and runs root in a temp dir; yields the state file's content plus
+    "runs_root" and "env" (a client environment pointing at the stack). `alloy down` at the end.
+    A private mkdtemp rather than tmp_path_factory: pytest prunes old basetemp dirs, and other pytest sessions on
+    this machine must not delete a live server's database."""
+    base = Path(tempfile.mkdtemp(prefix="alloy-e2e-stack-"))
+    home, runs_root = base / "home", base / "runs"
+    proc = run_cli("up", "--home", str(home), "--prefect-port", "0", "--mlflow-port", "0", "--runs-root", str(runs_root),
+                   timeout=420)
+    assert proc.returncode == 0, f"alloy up failed:\n{proc.stdout}\n{proc.stderr}"
+    state = json.loads((home / "stack.json").read_text())
+    env = user_env()
+    env.update(PREFECT_API_URL=state["urls"]["prefect_api"], PREFECT_HOME=str(home / "prefect"))
+    yield {**state, "runs_root": runs_root, "env": env, "up_stdout": proc.stdout}
+    run_cli("down", "--home", str(home), timeout=120)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(stack):
+    """`prefect deployment run 'alloy-pipeline/smoke' --watch` with the FAST overrides; returns the CLI's output,
+    the flow run (from the API) and the report path."""
+    report = Path(stack["runs_root"]) / "smoke-report.json"
+    params = {"overrides": FAST + [f"run.root={stack['runs_root']}"], "report_path": str(report)}
+    cmd = [str(Path(sys.executable).parent / "prefect"), "deployment", "run", "alloy-pipeline/smoke", "--watch",
+           "--params", json.dumps(params)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=stack["env"])
+    m = re.search(r"/runs/flow-run/([0-9a-f-]{36})", proc.stdout)
+    assert m, f"no flow run URL in the output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    flow_run = api_get(f"{stack['urls']['prefect_api']}/flow_runs/{m.group(1)}")
+    return {"proc": proc, "flow_run": flow_run, "report_path": report, "params": params}

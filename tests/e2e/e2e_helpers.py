@@ -1,0 +1,35 @@
+"""Helpers of the e2e tests: the CLI as a user runs it, a user's environment, the Prefect/MLflow REST APIs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ALLOY = [sys.executable, "-m", "alloy.cli"]
+# Shrinks configs/smoke.yaml to two domains (one round of specialists at max_parallel 2) and a few steps per stage
+# (as tests/integration/test_pipeline.py's FAST): the point here is the deployment path, not model quality.
+DOMAINS = ("reverse", "max_list")
+FAST = ["domains=[" + ", ".join("{name: %s}" % d for d in DOMAINS) + "]", "base.steps=20", "base.n_train_per_domain=200", "eval.n_eval=10", "specialists.steps=3", "specialists.batch_size=8",
+        "specialists.checkpoint_every=2", "distill.steps=3", "distill.batch_size=12", "distill.eval_every=0"]
+
+
+def user_env() -> dict[str, str]:
+    """The environment of a user's shell: nothing Prefect/MLflow/rendezvous-related left over by other tests."""
+    drop = ("PREFECT_", "MLFLOW_TRACKING_URI", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def run_cli(*args: str, timeout: float = 300.0, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*ALLOY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env or user_env())
+
+
+def api_get(url: str):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
