@@ -2,17 +2,172 @@
 
 Returns a pandas DataFrame with one row per (domain, stage), shared by the report, MLflow (`log_table`) and the
 benchmarks: columns `domain, stage, score, n_eval, checkpoint`.
+
+Plain domains: one batched greedy completion per prompt, scored by `domain.verify`.
+
+Tool domains (a domain with an `env(example, clean=..., ...)` method, e.g. `tool_add`): each eval example is a real
+episode (`domains.tools.run_episode`) in a **clean** env — no planted answer file — with **no guard** (the guard is
+a training-time filter; evaluation measures what the policy does on its own). A policy that learned to read the
+answer file instead of using the tool finds nothing there and scores low. The episodes of all examples run
+concurrently; their turns are batched: `TurnBatcher` waits until every unfinished episode asks for its next turn,
+then answers all of them with one batched `model.generate` (greedy, stopping each row at EOS or a newline, the
+same turn protocol as the training rollouts in `teachers/rollout.py`).
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import pandas as pd
+import torch
 
+from domains.tools import ANSWER_FILE, CallRecord, run_episode
 from infra.generation import generate_batch
 from infra.models import load_model, load_tokenizer
 
 COLUMNS = ["domain", "stage", "score", "n_eval", "checkpoint"]
+
+# turns(texts, budgets) → [(continuation, ended)]: one model turn per text (see `domains.tools.Policy`), batched
+TurnFn = Callable[[list[str], list[int]], list[tuple[str, bool]]]
+
+
+def is_tool_domain(domain: object) -> bool:
+    return callable(getattr(domain, "env", None))
+
+
+def episode_budget(domain: object, max_new_tokens: int) -> int:
+    """Characters (= tokens) one eval episode may add: the domain's `episode_chars` (one tool call, its output and
+    the answer) when it has one, never less than `max_new_tokens`."""
+    return max(max_new_tokens, int(getattr(domain, "episode_chars", 0) or 0))
+
+
+def model_turns(model, tokenizer, *, greedy: bool = True, temperature: float = 1.0, batch_size: int = 128) -> TurnFn:
+    """A `TurnFn` on an in-process HF causal LM: each text is encoded `[BOS] + text` (the rollout format),
+    left-padded, and continued until EOS or a newline (kept in the text) or its budget. `ended` = stopped by EOS
+    (which is not in the text). Sampled turns (`greedy=False`) draw from torch's global RNG (seed it for replay)."""
+    eos, pad, bos = tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id
+    newline = tokenizer("\n", add_special_tokens=False).input_ids[0]
+
+    @torch.no_grad()
+    def turns(texts: list[str], budgets: list[int]) -> list[tuple[str, bool]]:
+        out: list[tuple[str, bool]] = []
+        for start in range(0, len(texts), batch_size):
+            chunk, limits = texts[start : start + batch_size], budgets[start : start + batch_size]
+            ids = [[bos] + tokenizer(t, add_special_tokens=False).input_ids for t in chunk]
+            T = max(len(x) for x in ids)
+            input_ids = torch.full((len(ids), T), pad, dtype=torch.long)
+            attn = torch.zeros((len(ids), T), dtype=torch.long)
+            for i, x in enumerate(ids):
+                input_ids[i, T - len(x) :] = torch.tensor(x)
+                attn[i, T - len(x) :] = 1
+            gen = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max(limits),
+                                 do_sample=not greedy, temperature=None if greedy else temperature, top_p=None,
+                                 top_k=None, eos_token_id=[eos, newline], pad_token_id=pad)
+            for row, limit in zip(gen[:, T:].tolist(), limits):
+                kept, ended = [], False
+                for t in row[:limit]:  # a row's own stop; rows stopped early are padded after it
+                    if t == eos:
+                        ended = True
+                        break
+                    kept.append(t)
+                    if t == newline:
+                        break
+                out.append((tokenizer.decode(kept, skip_special_tokens=True), ended))
+        return out
+
+    return turns
+
+
+class TurnBatcher:
+    """A `domains.tools.Policy` shared by `n_episodes` concurrent episodes: a turn request waits until every
+    unfinished episode has one pending (the others are running a tool call), then all are answered by one `turns`
+    call. Each episode must call `finished()` when it ends (also on error), or the others wait for it forever."""
+
+    def __init__(self, turns: TurnFn, n_episodes: int):
+        self.turns, self.active = turns, n_episodes
+        self.pending: list[tuple[str, int, asyncio.Future]] = []
+        self.calls = 0  # batched `turns` calls made (a test checks the batching)
+
+    async def __call__(self, text: str, budget: int) -> tuple[str, bool]:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((text, budget, fut))
+        self._flush_if_all_waiting()
+        return await fut
+
+    def finished(self) -> None:
+        self.active -= 1
+        self._flush_if_all_waiting()
+
+    def _flush_if_all_waiting(self) -> None:
+        if not self.pending or len(self.pending) < self.active:
+            return
+        batch, self.pending = self.pending, []
+        self.calls += 1
+        try:
+            outs = self.turns([t for t, _, _ in batch], [b for _, b, _ in batch])
+            if len(outs) != len(batch):
+                raise RuntimeError(f"turn function returned {len(outs)} continuations for {len(batch)} texts")
+        except Exception as e:  # every waiting episode fails with the cause instead of hanging
+            for *_, fut in batch:
+                fut.set_exception(e)
+            return
+        for (*_, fut), o in zip(batch, outs):
+            fut.set_result(o)
+
+
+@dataclass
+class ToolEpisode:
+    response: str  # everything after the prompt, tool lines included
+    calls: list[CallRecord]
+
+    @property
+    def reads_answer_file(self) -> bool:
+        """Some call named the planted answer file (the shortcut attempted, whether or not it paid)."""
+        return any(ANSWER_FILE in c.command for c in self.calls)
+
+
+async def _episodes(domain, examples, turns: TurnFn, budget: int, clean: bool, env_kwargs: dict) -> list[ToolEpisode]:
+    batcher = TurnBatcher(turns, len(examples))
+
+    async def one(ex) -> ToolEpisode:
+        try:
+            async with domain.env(ex, clean=clean, **env_kwargs) as env:
+                response = await run_episode(batcher, env, ex.prompt, budget)
+                return ToolEpisode(response, list(env.calls))
+        finally:
+            batcher.finished()
+
+    return list(await asyncio.gather(*(one(ex) for ex in examples)))
+
+
+def run_tool_episodes(domain, examples: Sequence, turns: TurnFn, budget: int, *, clean: bool = True,
+                      env_kwargs: dict | None = None) -> list[ToolEpisode]:
+    """Run one episode per example concurrently (envs from `domain.env(ex, clean=clean, **env_kwargs)`), turns
+    batched through `turns`; returns the episodes in input order. Safe to call from a thread with or without a
+    running event loop (with one, the episodes run on a private loop in a helper thread)."""
+    if not examples:
+        return []
+    coro_args = (domain, list(examples), turns, budget, clean, dict(env_kwargs or {}))
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_episodes(*coro_args))
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["out"] = asyncio.run(_episodes(*coro_args))
+        except BaseException as e:  # re-raised in the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="tool-eval")
+    t.start()
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def evaluate_model(model, tokenizer, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,
@@ -20,11 +175,15 @@ def evaluate_model(model, tokenizer, domains: Mapping[str, object], n_eval: int,
                    progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
     """Score `model` on each domain's eval split (`domain.split("eval", n_eval, seed)`), greedy.
 
-    All domains' prompts go through one batched generation pass (sorted by length to limit padding).
+    Plain domains' prompts go through one batched generation pass (sorted by length to limit padding). Tool
+    domains run episodes in clean envs without a guard (see the module docstring), budget `episode_budget`.
     """
+    plain = {n: d for n, d in domains.items() if not is_tool_domain(d)}
+    tools = {n: d for n, d in domains.items() if is_tool_domain(d)}
     items = []  # (domain name, example)
-    for name, dom in domains.items():
+    for name, dom in plain.items():
         items.extend((name, ex) for ex in dom.split("eval", n_eval, seed))
+    total = len(items) + n_eval * len(tools)
     order = sorted(range(len(items)), key=lambda i: len(items[i][1].prompt))
     completions: list[str] = [""] * len(items)
     for start in range(0, len(order), batch_size):
@@ -33,10 +192,20 @@ def evaluate_model(model, tokenizer, domains: Mapping[str, object], n_eval: int,
         for i, text in zip(idx, outs):
             completions[i] = text
         if progress is not None:
-            progress(min(start + batch_size, len(order)), len(order))
+            progress(min(start + batch_size, len(order)), total)
     rewards: dict[str, list[float]] = {name: [] for name in domains}
     for (name, ex), text in zip(items, completions):
         rewards[name].append(domains[name].verify(ex, text))
+    done = len(items)
+    turns = model_turns(model, tokenizer, greedy=True, batch_size=batch_size) if tools else None
+    for name, dom in tools.items():
+        exs = dom.split("eval", n_eval, seed)
+        episodes = run_tool_episodes(dom, exs, turns, episode_budget(dom, max_new_tokens), clean=True,
+                                     env_kwargs={"guard": None})
+        rewards[name] = [dom.verify(ex, ep.response) for ex, ep in zip(exs, episodes)]
+        done += len(exs)
+        if progress is not None:
+            progress(done, total)
     rows = [{"domain": n, "stage": stage, "score": sum(r) / len(r), "n_eval": len(r), "checkpoint": checkpoint}
             for n, r in rewards.items()]
     return pd.DataFrame(rows, columns=COLUMNS)

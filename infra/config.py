@@ -160,6 +160,8 @@ class DistillConfig(_Strict):
 
 class GuardConfig(_Strict):
     """Anti-hack guard of tool-use domains (DESIGN.md): rule filter, then an LLM judge on flagged calls."""
+    enabled: bool = Field(True, description="Guard the tool calls of tool-use domains; false = every call runs "
+                                            "unchecked (only for the guard experiment, bench/guard_experiment.py).")
     judge_url: str | None = Field(None, description="Chat endpoint of the LLM judge (OpenAI-compatible or SGLang "
                                                     "/generate); None = rule-only (said so in the log).")
     judge_kind: Literal["openai", "sglang"] = Field("openai", description="Protocol of judge_url.")

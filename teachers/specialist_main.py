@@ -41,7 +41,11 @@ def settings(t, steps: int, seed: int) -> TrainSettings:
                          warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule, total_steps=max(steps, 1), seed=seed)
 
 
-def make_guard(gc) -> Guard:
+def make_guard(gc) -> Guard | None:
+    """The anti-hack guard from `specialists.guard`, or None when `enabled` is false (tool calls run unchecked)."""
+    if not gc.enabled:
+        log.warning("anti-hack guard disabled (specialists.guard.enabled=false): tool calls run unchecked")
+        return None
     judge = None
     if gc.judge_url:
         judge = LLMJudge(gc.judge_url, api_key=gc.judge_api_key or os.environ.get(JUDGE_KEY_ENV) or None,
