@@ -1,0 +1,107 @@
+"""Malformed data rows from a domain plugin's generator: refused before any training, with a message that names the
+domain, the bad example and what is wrong with it, and (the claim of issue 8) the row numbers of the bad rows.
+
+Other bad input is covered elsewhere: config types/unknown keys (tests/unit/test_config.py, exit code 2 in
+tests/integration/test_pipeline.py::test_cli_run_exit_codes), plugins that fail to import or raise
+(tests/unit/test_domain_plugins.py), a verifier that raises or returns NaN (tests/unit/test_domains.py, and through a
+real pipeline in test_pipeline_secrets.py), malformed HTTP (tests/integration/test_engine_fuzz.py).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from domains.base import Domain, Example, is_eval_prompt
+from domains.registry import load_domain
+
+pytestmark = pytest.mark.unit
+
+# draw numbers (0-based) at which the generator below misbehaves, and how
+BAD = {3: "newline", 7: "not_example", 12: "padded", 20: "too_long", 26: "empty_prompt", 31: "non_ascii"}
+PROBLEM = {"newline": "prompt must be non-empty printable ASCII without newlines",
+           "not_example": "generate() returned dict, not Example",
+           "padded": "answer must be non-empty printable ASCII without newlines or surrounding spaces",
+           "too_long": "answer is longer than max_answer_chars=4",
+           "empty_prompt": "prompt must be non-empty printable ASCII without newlines",
+           "non_ascii": "answer must be non-empty printable ASCII without newlines or surrounding spaces"}
+
+
+class Rows(Domain):
+    """A plugin whose generator emits one malformed row at each draw listed in BAD (all others are fine).
+    `only` restricts the bad rows to a subset (to test each kind alone)."""
+
+    name, tag, max_answer_chars = "rows", "row", 4
+    defaults = {"only": None}
+
+    def setup(self):
+        self.draws = 0
+
+    def generate(self, rng):
+        i, self.draws = self.draws, self.draws + 1
+        body = f"{i:05d}"
+        kind = BAD.get(i) if self.params["only"] in (None, BAD.get(i)) else None
+        if kind == "newline":
+            return Example(self.name, f"row:{body}\n=", "ok", 1)
+        if kind == "not_example":
+            return {"prompt": f"row:{body}=", "answer": "ok"}
+        if kind == "padded":
+            return self.make(body, " ok")
+        if kind == "too_long":
+            return self.make(body, "okokok")
+        if kind == "empty_prompt":
+            return Example(self.name, "", "ok", 1)
+        if kind == "non_ascii":
+            return self.make(body, "ök")
+        return self.make(body, "ok")
+
+    def score(self, example, response):
+        return float(response == example.answer)
+
+
+def split_error(dom: Domain, n: int = 40) -> str:
+    with pytest.raises(ValueError) as err:
+        dom.split("train", n, seed=0)
+    return str(err.value)
+
+
+def test_split_of_good_rows_is_fine():
+    assert len(Rows(only="nothing").split("train", 10, seed=0)) == 10
+
+
+def test_every_bad_row_falls_in_the_train_split():
+    """Precondition of the tests below: `split("train")` skips eval-bucket prompts before checking a row, so every
+    bad row here must hash into the train bucket to be seen."""
+    dom = Rows()
+    rows = [dom.generate(None) for _ in range(max(BAD) + 1)]
+    prompts = [r["prompt"] if isinstance(r, dict) else r.prompt for r in rows]
+    assert not any(is_eval_prompt(prompts[i]) for i in BAD)
+
+
+NOT_EXAMPLE = pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
+    "claim false: Domain.split reads `ex.prompt` (dedup and eval bucket) before `_check_example`, so a generator "
+    "returning something that is not an Example crashes with AttributeError: 'dict' object has no attribute "
+    "'prompt' instead of the clear ValueError 'generate() returned dict, not Example'"))
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=NOT_EXAMPLE) if k == "not_example" else k
+                                  for k in sorted(PROBLEM)])
+def test_each_kind_of_bad_row_is_refused_naming_domain_example_and_problem(kind):
+    """Each malformed row alone stops `split` (so the base stage, before any training) with a precise message."""
+    msg = split_error(Rows(only=kind))
+    assert msg.startswith("domain 'rows': bad example ") and msg.endswith(PROBLEM[kind]), msg
+
+
+def test_a_plugin_loaded_by_impl_is_checked_the_same_way():
+    dom = load_domain("rows_plugin", impl=f"{__name__}:Rows", params={"only": "padded"})
+    assert "domain 'rows_plugin': bad example" in split_error(dom)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "claim false: Domain.split stops at the first malformed row and its message names the example but no row "
+    "number; the other bad rows of the same generator are not reported (domains/base.py split/_check_example)"))
+def test_bad_rows_are_reported_with_their_row_numbers():
+    """All malformed rows of a generator, each named by its row (the generator's 0-based draw number)."""
+    msg = split_error(Rows())
+    found = {int(n) for n in re.findall(r"\brows? #?(\d+)", msg)}
+    assert found == set(BAD), msg
