@@ -33,7 +33,8 @@ class PolicyServer:
         spec = ServerSpec(name=name, model_path=str(model_dir), backend=backend, host=host, api_key=api_key,
                           extra_args=list(extra_args or []), weight_version=str(version))
         self.url = supervisor.start([spec])[name]
-        self.client = EngineClient(self.url, api_key=api_key)
+        # retries ride out a supervisor restart of this server (tens of seconds on a loaded machine): ~30 s budget
+        self.client = EngineClient(self.url, api_key=api_key, max_retries=10, backoff_base=0.25, backoff_max=4.0)
         self._pushed: list[Path] = []
 
     async def push(self, train_backend, tokenizer, version: int) -> str:

@@ -515,6 +515,30 @@ def latest_complete(prefix_url: str, pattern: str = "step-*", *, deep: bool = Fa
     return None
 
 
+def load_latest(prefix_url: str, local_dir: str | os.PathLike, pattern: str = "step-*", *,
+                storage_options: dict | None = None, retry: RetryPolicy = DEFAULT_RETRY) -> str | None:
+    """Load the newest checkpoint under prefix_url that loads cleanly into local_dir; returns its URL, or None.
+
+    What a resume needs: `latest_complete` checks sizes only, `load_checkpoint` verifies every sha256 while copying,
+    so a newest checkpoint with same-size bit rot raises there. That one is skipped with a warning and the next
+    newest is tried, instead of failing the resume.
+    """
+    infos = list_checkpoints(prefix_url, pattern, storage_options=storage_options, retry=retry)
+    for c in infos:
+        if not c.complete:
+            log.warning("skipping checkpoint %s: %s", c.url, c.reason)
+    for c in sorted((c for c in infos if c.complete), key=lambda c: (c.step, c.name), reverse=True):
+        shutil.rmtree(local_dir, ignore_errors=True)
+        try:
+            load_checkpoint(c.url, local_dir, storage_options=storage_options, retry=retry)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s", c.url, exc)
+            continue
+        return c.url
+    shutil.rmtree(local_dir, ignore_errors=True)
+    return None
+
+
 def prune(prefix_url: str, keep_last: int, pattern: str = "step-*", *, storage_options: dict | None = None,
           retry: RetryPolicy = DEFAULT_RETRY) -> list[str]:
     """Delete all but the keep_last newest complete checkpoints (never the newest); returns the deleted URLs.

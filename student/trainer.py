@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from domains.evaluate import evaluate_model
-from infra.storage import checkpoint_name, join, latest_complete, load_checkpoint, prune, save_checkpoint
+from infra.storage import checkpoint_name, join, load_latest, prune, save_checkpoint
 from student.batch import collate, opd_loss
 from student.sampler import PromptStream, StudentSample, decode_response, domain_weights, sample_batch
 from student.scoring import TeacherScorer
@@ -90,12 +90,10 @@ class DistillTrainer:
     def resume(self) -> str | None:
         """Restore the newest complete checkpoint under out_url, if any (DeepSpeed state, ledger, stream, counters).
         Returns the local HF dir of its weights, which the caller serves as version `state.step`; None if none."""
-        url = latest_complete(self.out_url)
+        local = self.work_dir / "resume"
+        url = load_latest(self.out_url, local)  # newest checkpoint that verifies; a corrupt one is skipped
         if url is None:
             return None
-        local = self.work_dir / "resume"
-        shutil.rmtree(local, ignore_errors=True)
-        load_checkpoint(url, local)
         self.backend.load_state(local / "state")
         data = json.loads((local / STATE_FILE).read_text())
         self.ledger.load_state_dict(data.pop("ledger"))

@@ -70,14 +70,12 @@ class SpecialistTrainer:
     # -- resume / checkpoint -----------------------------------------------------------------------------------
     def resume(self) -> str | None:
         """Restore the newest complete checkpoint; returns its local HF dir (to serve), or None."""
-        from infra.storage import latest_complete, load_checkpoint
+        from infra.storage import load_latest
 
-        url = latest_complete(self.out_url)
+        local = self.work_dir / "resume"
+        url = load_latest(self.out_url, local)  # newest checkpoint that verifies; a corrupt one is skipped
         if url is None:
             return None
-        local = self.work_dir / "resume"
-        shutil.rmtree(local, ignore_errors=True)
-        load_checkpoint(url, local)
         self.policy.load_state(local / "policy-state")
         self.critic.load_state(local / "critic-state")
         data = json.loads((local / STATE_FILE).read_text())
