@@ -64,7 +64,8 @@ def test_smoke_pipeline_local(tmp_path, prefect_harness):
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
     assert set(children) == {"base", "student", "specialist/reverse", "specialist/max_list", "specialist/case_swap"}
     assert "sft/loss" in children["base"].data.metrics
-    assert {"reward", "policy_loss", "value_loss", "eval/score"} <= set(children["specialist/reverse"].data.metrics)
+    # (policy metrics are absent on steps that train only the critic; test_specialist.py checks them per step)
+    assert {"reward", "value_loss", "rollout_s", "eval/score"} <= set(children["specialist/reverse"].data.metrics)
     mv = client.get_model_version_by_alias("alloy-student", "candidate")
     assert mv.run_id == children["student"].info.run_id
 
