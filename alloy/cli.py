@@ -26,6 +26,8 @@ def env_defaults() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; avoids a telemetry error line
+    # `alloy run` starts a temporary Prefect API; Prefect gives it 20 s, which a busy 2-core machine can exceed
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -60,8 +62,11 @@ def cmd_run(args) -> int:
 def cmd_config(args) -> int:
     from infra.config import ConfigError, load_config
 
+    from tasks.context import load_domains
+
     try:
         cfg = load_config(args.config, args.set)
+        load_domains(cfg)  # a plugin that fails to import or to build fails here, named by its dotted path
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -182,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except BrokenPipeError:  # `alloy config ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

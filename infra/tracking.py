@@ -326,6 +326,41 @@ class Tracker:
         log.info("registered model %s version %s%s", name, version, f" as @{alias}" if alias else "")
         return version
 
+    def update_model_version(self, name: str, version: str, tags: dict | None = None,
+                             description: str | None = None) -> None:
+        """Add tags to (and optionally rewrite the description of) a registered model version."""
+        for k, v in (tags or {}).items():
+            self._client.set_model_version_tag(name, str(version), k, str(v))
+        if description is not None:
+            self._client.update_model_version(name, str(version), description=description)
+
+    # ----------------------------------------------------------------------------------------- reading back
+
+    def children(self, parent_run_id: str | None = None) -> dict[str, str]:
+        """{child name: run id} of the live children of a run (default: this tracker's run); oldest wins a name."""
+        from mlflow.entities import ViewType
+
+        parent = parent_run_id or self._rid("children")
+        out: dict[str, str] = {}
+        token = None
+        while True:
+            page = self._client.search_runs([self.experiment_id], filter_string=f"tags.{PARENT_TAG} = '{parent}'",
+                                            run_view_type=ViewType.ACTIVE_ONLY, max_results=1000,
+                                            order_by=["attributes.start_time ASC"], page_token=token)
+            for r in page:
+                out.setdefault(r.data.tags.get(CHILD_TAG, r.info.run_name), r.info.run_id)
+            token = page.token
+            if not token:
+                return out
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        """[(step, value)] of one metric of a run, in step order; a step logged twice (a resumed run) keeps the last."""
+        last: dict[int, tuple[int, float]] = {}
+        for m in self._client.get_metric_history(run_id, key):
+            if m.step not in last or m.timestamp >= last[m.step][0]:
+                last[m.step] = (m.timestamp, float(m.value))
+        return [(s, v) for s, (_, v) in sorted(last.items())]
+
 
 # --------------------------------------------------------------------------------------------- no-op
 
@@ -384,6 +419,16 @@ class NoopTracker:
     def register_model(self, model_dir, name: str, alias: str | None = None, description: str | None = None,
                        tags: dict | None = None) -> None:
         return None
+
+    def update_model_version(self, name: str, version: str, tags: dict | None = None,
+                             description: str | None = None) -> None:
+        return None
+
+    def children(self, parent_run_id: str | None = None) -> dict[str, str]:
+        return {}
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        return []
 
 
 def make_tracker(rank: int, *, enabled: bool = True, runs_root: str | os.PathLike = "runs", experiment: str = "alloy",

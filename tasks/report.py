@@ -11,10 +11,12 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from infra.charts import mlflow_run_url
 from infra.report import build_report, render_table
 from infra.storage import join, write_json
 from infra.tracking import mask_url
 from tasks.context import RunContext
+from tasks.dashboard import annotate_registered_student, log_charts, mlflow_ui_url
 
 log = logging.getLogger("alloy")
 
@@ -37,11 +39,31 @@ def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | Non
     tracker.log_table(scores, "scores.json")
     tracker.log_metrics({f"summary/{k}": float(v) for k, v in report["summary"].items() if isinstance(v, (int, float))})
     tracker.log_dict(report, "report.json")
+    charts = log_charts(tracker, report)
+    annotate_registered_student(tracker, report)
+    url = mlflow_run_url(mlflow_ui_url(), getattr(tracker, "experiment_id", None), ctx.parent_run_id)
     rows = [{"domain": d, **{k: v for k, v in r.items()}} for d, r in report["domains"].items()]
     create_table_artifact(key="alloy-scores", table=rows, description="Per-domain eval scores (base / specialist / student)")
-    create_markdown_artifact(key="alloy-summary", markdown="```\n" + render_table(report) + "\n```",
+    create_markdown_artifact(key="alloy-summary", markdown=summary_markdown(report, url, charts),
                              description="Alloy run summary")
     s = report["summary"]
     log.info("report: %d domains, base mean %s, specialist mean %s, student mean %s", s["n_domains"], s["base_mean"],
              s["specialist_mean"], s["student_mean"])
     return report
+
+
+def summary_markdown(report: dict, mlflow_url: str | None, charts: list[str]) -> str:
+    """The Prefect summary artifact: the report table, then where to read more in MLflow."""
+    mf = report.get("mlflow") or {}
+    lines = ["```", render_table(report), "```", ""]
+    if mlflow_url:
+        lines.append(f"**MLflow run:** [{mf.get('parent_run_id')}]({mlflow_url})")
+    elif mf.get("parent_run_id"):
+        lines.append(f"**MLflow run:** `{mf.get('parent_run_id')}` in experiment `{mf.get('experiment')}` "
+                     f"(`{mf.get('tracking_uri')}`; set ALLOY_MLFLOW_UI_URL to get a link here)")
+    if charts:
+        lines.append("Charts in the run's artifacts: " + ", ".join(f"`{c}`" for c in charts))
+    reg = (report.get("artifacts") or {}).get("registered_model")
+    if reg:
+        lines.append(f"Registered model: `{reg}` (alias `candidate`)")
+    return "\n".join(lines)

@@ -68,6 +68,11 @@ def test_smoke_pipeline_local(tmp_path, prefect_harness):
     assert {"reward", "value_loss", "rollout_s", "eval/score"} <= set(children["specialist/reverse"].data.metrics)
     mv = client.get_model_version_by_alias("alloy-student", "candidate")
     assert mv.run_id == children["student"].info.run_id
+    # the dashboard: charts on the parent run, the run's results on the registered version
+    charts = {a.path for a in client.list_artifacts(parent.info.run_id, "charts")}
+    assert {"charts/scores_by_domain.png", "charts/specialist_reward.png", "charts/student_loss.png"} <= charts
+    assert mv.tags["alloy.student_mean"] == str(report["summary"]["student_mean"])
+    assert f"student mean {report['summary']['student_mean']}" in mv.description
 
     # storage: the base checkpoint is committed by a valid COMPLETE manifest, the report sits beside it
     ckpt = latest_complete(f"file://{tmp_path}/smoke/{_base_dir(tmp_path)}")

@@ -1,6 +1,8 @@
 """Config loading: defaults, overrides, and errors that name the dotted path."""
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -93,3 +95,20 @@ def test_cli_exit_code_2_with_dotted_path(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "base.train.dtype" in proc.stderr
+
+
+def test_cli_config_loads_domain_plugins(tmp_path):
+    """`alloy config` builds every domain: a plugin that does not import fails there, named by its dotted path."""
+    root = Path(__file__).resolve().parents[2]
+    cfg = {**MINIMAL, "domains": [{"name": "reverse"}, {"name": "pal", "impl": "palindrome_domain:Palindrome"}]}
+    path = write(tmp_path, cfg)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-m", "alloy.cli", "config", path], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=str(root))
+    assert proc.returncode == 2, proc.stderr
+    assert "domains.1.impl: cannot load domain 'pal'" in proc.stderr and "palindrome_domain" in proc.stderr
+    env["PYTHONPATH"] = str(root / "examples" / "plugins")
+    proc = subprocess.run([sys.executable, "-m", "alloy.cli", "config", path], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=str(root))
+    assert proc.returncode == 0, proc.stderr
+    assert "impl: palindrome_domain:Palindrome" in proc.stdout
