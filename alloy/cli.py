@@ -34,17 +34,20 @@ def env_defaults() -> None:
 
 
 def cmd_run(args) -> int:
-    from infra.config import ConfigError, load_config
+    from infra.config import ConfigError, load_config, secret_overrides_env, split_secret_overrides
 
     try:
-        load_config(args.config, args.set)  # fail fast, before Prefect starts
+        # secrets (`--set engine.api_key=…`) go to the environment, so they never become flow-run parameters
+        overrides, secret = split_secret_overrides(args.set)
+        os.environ.update(secret_overrides_env(secret, os.environ))
+        load_config(args.config, overrides)  # fail fast, before Prefect starts
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     from flows.pipeline import pipeline
 
     try:
-        report = pipeline(config=args.config, overrides=args.set, report_path=args.report)
+        report = pipeline(config=args.config, overrides=overrides, report_path=args.report)
     except ConfigError as exc:  # e.g. a domain plugin that does not load
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 SPLITS = ("train", "eval")
 EVAL_BUCKETS = 5  # eval = bucket 0 of 5 → 20% of the prompt space is held out
+MAX_BAD_ROWS = 20  # `split` stops drawing after this many malformed rows and reports them all in one ValueError
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,9 @@ class Domain(ABC):
         Rejection sampling: draw, keep a prompt iff its eval bucket matches the split and it is new. Draws are
         bounded (50·n + 5000 in all, ~10x what a 20% bucket needs, and 20,000 in a row without a new example), so a
         prompt space too small for n distinct examples ends in a ValueError instead of a hang.
+
+        Every drawn row is checked against the Example contract before it is used; the malformed ones are collected
+        (up to MAX_BAD_ROWS) and reported together in one ValueError naming each by its 0-based draw number.
         """
         if split not in SPLITS:
             raise ValueError(f"domain {self.name!r}: split must be one of {SPLITS}, got {split!r}")
@@ -156,18 +160,23 @@ class Domain(ABC):
         want_eval = split == "eval"
         seen: set[str] = set()
         out: list[Example] = []
+        bad: list[tuple[int, object, str]] = []  # (draw number, row, problem) of every malformed row drawn
         max_attempts, max_stall = 50 * n + 5000, 20_000
         attempts = stall = 0
-        while len(out) < n and attempts < max_attempts and stall < max_stall:
-            attempts += 1
-            stall += 1
+        while len(out) < n and attempts < max_attempts and stall < max_stall and len(bad) < MAX_BAD_ROWS:
+            row, attempts, stall = attempts, attempts + 1, stall + 1
             ex = self.generate(rng)
+            problem = self._check_example(ex)  # before reading `ex.prompt`: `ex` may not even be an Example
+            if problem:
+                bad.append((row, ex, problem))
+                continue
             if ex.prompt in seen or is_eval_prompt(ex.prompt) != want_eval:
                 continue
             stall = 0
-            self._check_example(ex)
             seen.add(ex.prompt)
             out.append(ex)
+        if bad:
+            raise ValueError(self._bad_rows_message(bad))
         if len(out) < n:
             raise ValueError(
                 f"domain {self.name!r} (difficulty {self.difficulty}): found only {len(out)} distinct {split} examples "
@@ -175,19 +184,30 @@ class Domain(ABC):
                 f"the difficulty")
         return out
 
-    def _check_example(self, ex: Example) -> None:
-        """Fail fast (naming the domain and the example) when a generator breaks the Example contract."""
-        problem = None
+    def _check_example(self, ex: object) -> str | None:
+        """What is wrong with one generated row (it breaks the Example contract), or None if it is a good Example."""
         if not isinstance(ex, Example):
-            problem = f"generate() returned {type(ex).__name__}, not Example"
-        elif not _clean_text(ex.prompt):
-            problem = "prompt must be non-empty printable ASCII without newlines"
-        elif not _clean_text(ex.answer) or ex.answer != ex.answer.strip():
-            problem = "answer must be non-empty printable ASCII without newlines or surrounding spaces"
-        elif len(ex.answer) > self.max_answer_chars:
-            problem = f"answer is longer than max_answer_chars={self.max_answer_chars}"
-        if problem:
-            raise ValueError(f"domain {self.name!r}: bad example {ex!r}: {problem}")
+            return f"generate() returned {type(ex).__name__}, not Example"
+        if not _clean_text(ex.prompt):
+            return "prompt must be non-empty printable ASCII without newlines"
+        if not _clean_text(ex.answer) or ex.answer != ex.answer.strip():
+            return "answer must be non-empty printable ASCII without newlines or surrounding spaces"
+        if len(ex.answer) > self.max_answer_chars:
+            return f"answer is longer than max_answer_chars={self.max_answer_chars}"
+        return None
+
+    def _bad_rows_message(self, bad: list[tuple[int, object, str]]) -> str:
+        """One message naming the domain and every malformed row by its 0-based draw number, e.g.
+        "domain 'add': bad example at row 3: Example(...): prompt must be ..." (one row), or a header listing the rows
+        followed by one "row i: <row>: <problem>" line each."""
+        if len(bad) == 1:
+            row, ex, problem = bad[0]
+            return f"domain {self.name!r}: bad example at row {row}: {ex!r}: {problem}"
+        more = " (stopped collecting there)" if len(bad) >= MAX_BAD_ROWS else ""
+        rows = ", ".join(str(row) for row, _, _ in bad)
+        lines = "".join(f"\n  row {row}: {ex!r}: {problem}" for row, ex, problem in bad)
+        return (f"domain {self.name!r}: bad example at rows {rows}{more} (0-based draws of generate()); "
+                f"each breaks the Example contract:{lines}")
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.params.items())

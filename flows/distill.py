@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from infra.config import refuse_secret_overrides
 from tasks.context import RunContext, open_context
 from tasks.distill import register_student, train_student
 from tasks.teachers import serve_teachers
@@ -32,7 +33,9 @@ def distill_stage(ctx: RunContext, student_init: str, specialists: dict[str, str
 def distill(config: str, student_init: str, teachers: dict[str, str], overrides: list[str] | None = None,
             parent_run_id: str | None = None) -> dict:
     """Distill `teachers` ({domain: specialist HF dir}; domains in the config's `teachers.external` may be
-    omitted) into a student started from `student_init`, for CONFIG. Logs under `parent_run_id` when given."""
+    omitted) into a student started from `student_init`, for CONFIG. Logs under `parent_run_id` when given.
+    Secrets are refused in `overrides`: the worker's environment carries them (ALLOY_ENGINE_API_KEY, ...)."""
+    refuse_secret_overrides(overrides, "flow alloy-distill, parameter `overrides`")
     ctx = open_context(config, overrides or [], parent_run_id=parent_run_id)
     status = "FAILED"
     try:

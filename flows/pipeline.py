@@ -8,6 +8,7 @@ from prefect import flow
 
 from flows.distill import distill_stage
 from flows.specialists import run_specialists
+from infra.config import refuse_secret_overrides
 from tasks.base import train_base
 from tasks.context import RunContext, open_context
 from tasks.evaluate import evaluate_stage
@@ -33,7 +34,9 @@ def guard_totals(specs: dict[str, dict]) -> dict[str, int]:
 
 @flow(name="alloy-pipeline", log_prints=True)
 def pipeline(config: str, overrides: list[str] | None = None, report_path: str | None = None) -> dict:
-    """Run the whole pipeline for CONFIG (a YAML path) with `a.b=c` overrides; returns the report dict."""
+    """Run the whole pipeline for CONFIG (a YAML path) with `a.b=c` overrides; returns the report dict.
+    Secrets are refused in `overrides` (a flow parameter, stored by Prefect): they come from the environment."""
+    refuse_secret_overrides(overrides, "flow alloy-pipeline, parameter `overrides`")
     ctx = open_context(config, overrides or [])
     status = "FAILED"
     try:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from infra.config import refuse_secret_overrides
 from tasks.context import RunContext, open_context, stage_timer
 from tasks.specialist import specialist_prefix, train_specialist
 
@@ -71,9 +72,11 @@ def run_specialists(ctx: RunContext, base_dir: str) -> dict[str, dict]:
 def specialist(config: str, domain: str, base_dir: str, overrides: list[str] | None = None,
                parent_run_id: str | None = None) -> dict:
     """One domain's specialist (the `alloy-specialist/default` deployment). Holds one slot of the global
-    concurrency limit `gpu` while it trains (create it with `prefect gcl create gpu --limit N`)."""
+    concurrency limit `gpu` while it trains (create it with `prefect gcl create gpu --limit N`). Secrets are
+    refused in `overrides`: the worker's environment carries them (ALLOY_ENGINE_API_KEY, ...)."""
     from prefect.concurrency.sync import concurrency
 
+    refuse_secret_overrides(overrides, "flow alloy-specialist, parameter `overrides`")
     ctx = open_context(config, overrides or [], parent_run_id=parent_run_id)
     if domain not in ctx.domains:
         raise ValueError(f"domain {domain!r} is not configured in {config}; configured: {sorted(ctx.domains)}")

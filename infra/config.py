@@ -3,20 +3,40 @@
 `load_config(path, overrides)` reads YAML, applies `--set a.b.c=value` overrides (values parsed as YAML scalars,
 list items addressed by index: `domains.0.difficulty=2`), and validates. Unknown keys and wrong types fail here,
 with the dotted path of every bad field, as a `ConfigError` (the CLI exits with code 2).
+
+Secrets (API keys) come from the environment, never from argv or flow parameters (which `ps` and the Prefect UI
+show): `ALLOY_ENGINE_API_KEY` → `engine.api_key`, `ALLOY_JUDGE_API_KEY` → `specialists.guard.judge_api_key`, and
+`ALLOY_SECRET_OVERRIDES` (a JSON list of `a.b=value` overrides) for any other field whose name marks a secret.
+`load_config` applies them between the YAML file and the `--set` overrides (precedence: --set > environment >
+file). `secret_overrides_env` turns secret overrides into that environment, for `alloy run` and trainer processes.
+The `Secret` fields dump as "***" in JSON mode (what Prefect records for a parameter holding the config).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, ValidationError, field_validator,
+                      model_validator)
+
+from infra.tracking import REDACTED, flatten_config, is_secret
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the dotted path of each bad field."""
+
+
+def _mask(value: str | None) -> str | None:
+    return None if value is None else REDACTED
+
+
+# A credential: the value in Python, "***" in every JSON dump of the config (a Prefect flow-run parameter holding a
+# RunContext, `alloy config`, MLflow params), so it never leaves the process inside a serialised config.
+Secret = Annotated[str | None, PlainSerializer(_mask, return_type=str | None, when_used="json")]
 
 
 class _Strict(BaseModel):
@@ -96,7 +116,7 @@ class TrackingConfig(_Strict):
 class EngineConfig(_Strict):
     backend: Literal["embedded", "sglang"] = Field("embedded", description="embedded = Alloy's CPU server; sglang = real SGLang.")
     host: str = Field("127.0.0.1", description="Bind address of launched servers (loopback unless told otherwise).")
-    api_key: str | None = Field(None, description="Bearer key for launched servers and the client (or ALLOY_ENGINE_API_KEY).")
+    api_key: Secret = Field(None, description="Bearer key for launched servers and the client (or ALLOY_ENGINE_API_KEY).")
     threads: int = Field(1, ge=1, description="Torch threads per embedded server.")
     sglang_args: dict[str, Any] = Field(default_factory=dict, description="Extra sglang.launch_server options (GPU).")
 
@@ -166,7 +186,7 @@ class GuardConfig(_Strict):
                                                     "/generate); None = rule-only (said so in the log).")
     judge_kind: Literal["openai", "sglang"] = Field("openai", description="Protocol of judge_url.")
     judge_model: str | None = Field(None, description="Model name sent to an OpenAI-compatible judge.")
-    judge_api_key: str | None = Field(None, description="Bearer key of the judge (or ALLOY_JUDGE_API_KEY); never logged.")
+    judge_api_key: Secret = Field(None, description="Bearer key of the judge (or ALLOY_JUDGE_API_KEY); never logged.")
     allowed_hosts: list[str] = Field(default_factory=list, description="Hosts a fetch may reach without a flag.")
 
 
@@ -251,7 +271,7 @@ class AlloyConfig(_Strict):
 
     def fingerprint(self, *sections: str) -> str:
         """A short hash of the given config sections (all if none): a stage's cache key."""
-        data = self.model_dump(mode="json")
+        data = self.model_dump()  # python mode: plain values, secrets unmasked (JSON mode masks them)
         if sections:
             data = {k: data[k] for k in sections}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
@@ -322,7 +342,8 @@ def config_from_dict(data: dict, source: str = "<dict>") -> AlloyConfig:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> AlloyConfig:
-    """Read YAML, apply overrides, validate. Raises ConfigError with dotted paths."""
+    """Read YAML, apply the secrets of the environment (module docstring), then the overrides, and validate.
+    Raises ConfigError with dotted paths."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -332,5 +353,82 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> AlloyCo
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: top level must be a mapping, got {type(data).__name__}")
+    apply_overrides(data, secret_env_overrides(os.environ))
     apply_overrides(data, overrides or [])
     return config_from_dict(data, source=str(path))
+
+
+# --------------------------------------------------------------------------------------------- secrets
+
+SECRET_ENV = {"engine.api_key": "ALLOY_ENGINE_API_KEY", "specialists.guard.judge_api_key": "ALLOY_JUDGE_API_KEY"}
+SECRET_OVERRIDES_ENV = "ALLOY_SECRET_OVERRIDES"  # JSON list of "a.b=value" overrides of any other secret field
+
+
+def is_secret_override(item: str) -> bool:
+    """Whether an `a.b=value` override sets a secret: its key, or a key inside a mapping value, names one (the
+    rule MLflow redaction uses, `infra.tracking.is_secret`), e.g. `engine.api_key=…` or `engine={api_key: …}`."""
+    path, value = _parse_override(item)
+    key = ".".join(path)
+    flat = flatten_config(value, key) if isinstance(value, (dict, list)) and value else {key: value}
+    return any(is_secret(k, v) for k, v in flat.items())
+
+
+def split_secret_overrides(overrides: list[str] | None) -> tuple[list[str], list[str]]:
+    """(plain overrides, secret overrides), each in the given order."""
+    plain: list[str] = []
+    secret: list[str] = []
+    for item in overrides or []:
+        (secret if is_secret_override(item) else plain).append(item)
+    return plain, secret
+
+
+def secret_overrides_env(secret_overrides: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables that carry secret overrides to `load_config` (in a child process, or in this one after
+    `os.environ.update`), on top of `environ` (the environment they will be added to): a string value of a
+    SECRET_ENV field goes in its own variable, anything else (other secret fields, null, mappings) is appended to
+    ALLOY_SECRET_OVERRIDES, applied exactly as `--set` would apply it, after the variables of `environ`."""
+    env: dict[str, str] = {}
+    rest = secret_env_overrides({SECRET_OVERRIDES_ENV: (environ or {}).get(SECRET_OVERRIDES_ENV, "")})
+    for item in secret_overrides:
+        path, value = _parse_override(item)
+        name = SECRET_ENV.get(".".join(path))
+        if name and isinstance(value, str) and value and not rest:  # the own variables are applied first: keep order
+            env[name] = value
+        else:
+            rest.append(item)
+    if rest:
+        env[SECRET_OVERRIDES_ENV] = json.dumps(rest)
+    return env
+
+
+def secret_env_overrides(environ: Mapping[str, str]) -> list[str]:
+    """The overrides the secrets of `environ` stand for (see `secret_overrides_env`; empty variables are unset)."""
+    out = [f"{key}={json.dumps(environ[name])}" for key, name in SECRET_ENV.items() if environ.get(name)]
+    raw = environ.get(SECRET_OVERRIDES_ENV)
+    if raw:
+        try:
+            extra = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{SECRET_OVERRIDES_ENV} is not valid JSON: {exc.msg}") from None
+        if not isinstance(extra, list) or not all(isinstance(x, str) for x in extra):
+            raise ConfigError(f"{SECRET_OVERRIDES_ENV} must be a JSON list of \"a.b=value\" strings")
+        out += extra
+    return out
+
+
+def refuse_secret_overrides(overrides: list[str] | None, where: str) -> None:
+    """Raise ConfigError naming the environment variable to use instead, if any override sets a secret. For flows:
+    Prefect has stored their parameters before the flow body runs, so this can only refuse, not hide."""
+    secret = split_secret_overrides(overrides)[1]
+    if secret:
+        raise secret_override_error(secret, where)
+
+
+def secret_override_error(secret_overrides: list[str], where: str) -> ConfigError:
+    """The refusal of secret overrides passed where they would be recorded (flow parameters, argv)."""
+    keys = [".".join(_parse_override(item)[0]) for item in secret_overrides]
+    how = "; ".join(f"{k}: set {SECRET_ENV[k]}" if k in SECRET_ENV else
+                    f"{k}: put it in {SECRET_OVERRIDES_ENV} (a JSON list of \"{k}=…\" overrides)" for k in keys)
+    return ConfigError(f"{where}: secret override(s) {keys} refused: a value passed here is recorded where others can "
+                       f"read it; pass secrets through the environment instead ({how}), or use `alloy run --set`, "
+                       f"which does that for you")

@@ -16,8 +16,9 @@ W = 2 under ZeRO-2 and ZeRO-3, and against plain torch), and `all_reduce_mean(lo
 loss. Normalising by the *local* token count instead weighs a short rank's tokens more than a long rank's.
 
 Where things run: `init_distributed` reads the launcher's env (torchrun or the `deepspeed` launcher set RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); without a launcher it sets them for a world of one on a free
-127.0.0.1 port (otherwise DeepSpeed tries MPI discovery and fails). The accelerator comes from `DS_ACCELERATOR`
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); without a launcher it sets them for a world of one (otherwise
+DeepSpeed tries MPI discovery and fails). A world of one rendezvouses through an in-process store, so a trainer
+opens no port beyond loopback. The accelerator comes from `DS_ACCELERATOR`
 (importing `infra` defaults it to cpu); the process-group backend follows the accelerator: gloo on cpu, nccl on
 cuda, the accelerator's own backend otherwise.
 
@@ -219,23 +220,70 @@ def _launched_by_a_launcher() -> bool:
     return not inherited
 
 
+def _loopback_interface() -> str | None:
+    """Name of the network interface holding 127.0.0.1 ("lo" on Linux, "lo0" on macOS), or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
+
+
+_SELF_GLOO_IFNAME = "ALLOY_SELF_GLOO_IFNAME"  # the GLOO_SOCKET_IFNAME a world of one set (not the user's choice)
+
+
+def _init_world_of_one(backend: str) -> None:
+    """The process group of a lone process, with nothing listening beyond loopback.
+
+    The rendezvous store is an in-process `HashStore` (the env:// default is a TCPStore server bound to every
+    interface, reachable by anyone on the network, without authentication). gloo still opens a listening socket
+    per process group (DeepSpeed makes more groups later) on the interface the host name resolves to, so unless
+    the user chose one (GLOO_SOCKET_IFNAME), it is pointed at the loopback interface for the life of the process.
+    """
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        loopback = _loopback_interface()
+        if loopback:
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ[_SELF_GLOO_IFNAME] = loopback
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _forget_inherited_gloo_interface() -> None:
+    """A multi-process launch from inside a world of one inherits its loopback-only GLOO_SOCKET_IFNAME; drop it so
+    ranks on other machines can reach this one (a value the user set is kept)."""
+    ours = os.environ.pop(_SELF_GLOO_IFNAME, None)
+    if ours is not None and os.environ.get("GLOO_SOCKET_IFNAME") == ours:
+        del os.environ["GLOO_SOCKET_IFNAME"]
+
+
 def init_distributed(backend: str | None = None) -> tuple[int, int]:
     """Join (or create) the process group; idempotent. Returns (rank, world_size).
 
-    Launched by torchrun / the deepspeed launcher / mpirun: uses their env. Otherwise: a world of one on a free
-    127.0.0.1 port (the env vars are set in os.environ, as DeepSpeed reads them there). The first call on a
-    machine JIT-compiles DeepSpeed's small shm op (~35 s on 2 cores; cached in ~/.cache/torch_extensions).
+    A world of one (no launcher, or a launcher asking for one process) gets an in-process store: no rendezvous
+    server, no port open beyond loopback (see `_init_world_of_one`). Without a launcher the rendezvous env vars are
+    also set for a world of one (DeepSpeed reads RANK, LOCAL_RANK & co. from os.environ; MASTER_PORT is a free
+    port number that only marks the env as ours, nothing listens on it). Launched by torchrun / the deepspeed
+    launcher with more processes: their env:// rendezvous, with MASTER_ADDR defaulting to 127.0.0.1 (one machine);
+    by mpirun: DeepSpeed's MPI discovery. The first call on a machine JIT-compiles DeepSpeed's small shm op (~35 s
+    on 2 cores; cached in ~/.cache/torch_extensions).
     """
     if not dist.is_initialized():
+        backend = backend or default_dist_backend()
         if not _launched_by_a_launcher():
             port = _free_port()
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             os.environ[_SELF_RENDEZVOUS] = f"{os.getpid()}:{port}"
+        elif "RANK" in os.environ:  # torchrun / deepspeed launcher (not mpirun, whose discovery sets it)
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if os.environ.get("WORLD_SIZE") != "1":
+            _forget_inherited_gloo_interface()
         if get_accelerator().device_name() != "cpu":
             # bind this rank to its device before the (nccl) group is created, as torch recommends
             get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        deepspeed.init_distributed(dist_backend=backend or default_dist_backend(), verbose=False)
+        if os.environ.get("WORLD_SIZE") == "1":
+            _init_world_of_one(backend)  # then DeepSpeed below only wraps it (no second group, no TCPStore)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
     else:
         deepspeed.init_distributed(verbose=False)  # wraps a user-created torch group; no-op if already done
     return dist.get_rank(), dist.get_world_size()

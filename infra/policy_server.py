@@ -17,7 +17,8 @@ log = logging.getLogger("alloy.policy_server")
 
 
 class PolicyServer:
-    """Serve `model_dir` under `name`; `push(backend, tokenizer, version)` publishes new weights.
+    """Serve `model_dir` under `name`, bound to `host` (the trainer passes `cfg.engine.host`);
+    `push(backend, tokenizer, version)` publishes new weights.
 
     Keeps the last `keep` weight directories under `work_dir/weights/` (the server may still be reading the
     previous one while it swaps).

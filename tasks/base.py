@@ -7,7 +7,6 @@ several ranks run `tasks.base_worker` under torchrun.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -20,10 +19,9 @@ from infra.models import init_model_dir
 from infra.storage import join, latest_complete, load_checkpoint, save_checkpoint
 from tasks.base_worker import run_base_sft
 from tasks.context import RunContext, stage_timer
+from tasks.worker_process import worker_command, worker_env
 
 log = logging.getLogger("alloy")
-
-RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def torchrun_command(module: str, nproc: int, args: list[str]) -> list[str]:
@@ -32,7 +30,7 @@ def torchrun_command(module: str, nproc: int, args: list[str]) -> list[str]:
 
 
 def run_multi_rank(cmd: list[str], log_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}  # a fresh process group, not ours
+    env = worker_env(cmd)  # a fresh process group, not ours; plus the secret overrides of a WorkerCommand
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as fh:
         proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
@@ -63,12 +61,11 @@ def train_base(ctx: RunContext) -> str:
             if cfg.base.train.world_size == 1:
                 run_base_sft(cfg, ctx.domains, str(init_dir), str(local), run)
             else:
-                args = ["--config", ctx.config_path, *sum((["--set", s] for s in ctx.overrides), []),
-                        "--init", str(init_dir), "--out", str(local)]
+                args = ["--config", ctx.config_path, "--init", str(init_dir), "--out", str(local)]
                 if getattr(run, "run_id", None):
                     args += ["--mlflow-run-id", run.run_id]
-                run_multi_rank(torchrun_command("tasks.base_worker", cfg.base.train.world_size, args),
-                               ctx.work_dir / "logs" / "base.log")
+                cmd = torchrun_command("tasks.base_worker", cfg.base.train.world_size, args)
+                run_multi_rank(worker_command(cmd, ctx.overrides), ctx.work_dir / "logs" / "base.log")
         url = save_checkpoint(str(local), join(prefix, f"step-{cfg.base.steps:08d}"), step=cfg.base.steps,
                               meta={"stage": "base", "config_fingerprint": cfg.fingerprint()})
         log.info("base: committed %s", url)

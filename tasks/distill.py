@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
 from tasks.context import RunContext, stage_timer
-from tasks.worker_process import overrides_args, run_worker
+from tasks.worker_process import run_worker, worker_command
 
 log = logging.getLogger("alloy")
 
@@ -31,11 +31,12 @@ def student_prefix(ctx: RunContext) -> str:
 
 def distill_command(ctx: RunContext, student_init: str, endpoints: dict[str, str], out_url: str, result: Path,
                     run_id: str | None) -> list[str]:
+    """The trainer's argv (a `WorkerCommand`): secret overrides ride in its environment, never in argv."""
     cmd = [sys.executable, "-m", "student.distill_main", "--config", ctx.config_path,
-           *overrides_args(ctx.overrides), "--student-init", str(student_init),
+           "--student-init", str(student_init),
            "--teachers", json.dumps(endpoints), "--out", out_url, "--work-dir", str(ctx.work_dir / "distill"),
            "--result", str(result)]
-    return cmd + (["--mlflow-run-id", run_id] if run_id else [])
+    return worker_command(cmd + (["--mlflow-run-id", run_id] if run_id else []), ctx.overrides)
 
 
 @task(name="distill-student", cache_policy=NO_CACHE)

@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
 from tasks.context import RunContext
-from tasks.worker_process import overrides_args, run_worker
+from tasks.worker_process import WorkerCommand, run_worker, worker_command
 
 log = logging.getLogger("alloy")
 
@@ -28,11 +28,12 @@ def specialist_prefix(ctx: RunContext, domain: str) -> str:
     return join(ctx.storage_url, f"specialist-{domain}-{fp}")
 
 
-def specialist_command(ctx: RunContext, domain: str, base_dir: str, out_url: str, result, run_id) -> list[str]:
-    cmd = [sys.executable, "-m", "teachers.specialist_main", "--config", ctx.config_path, *overrides_args(ctx.overrides),
+def specialist_command(ctx: RunContext, domain: str, base_dir: str, out_url: str, result, run_id) -> WorkerCommand:
+    """The trainer's argv; secret overrides ride in its environment (`worker_command`), never in argv."""
+    cmd = [sys.executable, "-m", "teachers.specialist_main", "--config", ctx.config_path,
            "--domain", domain, "--init", str(base_dir), "--out", out_url,
            "--work-dir", str(ctx.work_dir / "specialists" / domain), "--result", str(result)]
-    return cmd + (["--mlflow-run-id", run_id] if run_id else [])
+    return worker_command(cmd + (["--mlflow-run-id", run_id] if run_id else []), ctx.overrides)
 
 
 def _progress_artifact(domain: str):

@@ -59,7 +59,8 @@ def teacher_sources(domains: list[str], checkpoints: Mapping[str, str],
 def start_teachers(domains: list[str], checkpoints: Mapping[str, str], student_dir: str, *, log_dir: str | Path,
                    engine_cfg, teachers_cfg) -> TeacherFleet:
     """Launch / register every domain's teacher, wait for health, check tokenizers against `student_dir`.
-    `engine_cfg` / `teachers_cfg` are `infra.config.EngineConfig` / `TeachersConfig`."""
+    `engine_cfg` / `teachers_cfg` are `infra.config.EngineConfig` / `TeachersConfig`; launched servers bind to
+    `engine_cfg.host`."""
     launch, external = teacher_sources(domains, checkpoints, teachers_cfg.external)
     for d in sorted(set(external) & set(checkpoints)):
         log.info("teachers: %s uses the external teacher %s, not its specialist checkpoint", d, external[d])
@@ -71,7 +72,7 @@ def start_teachers(domains: list[str], checkpoints: Mapping[str, str], student_d
         client_kwargs = {"timeout": 30.0, "max_retries": 3}
         if sup is not None:
             registry = TeacherRegistry.launch(sup, launch, backend=engine_cfg.backend, api_key=engine_cfg.api_key,
-                                              external=external, options=engine_cfg.sglang_args
+                                              host=engine_cfg.host, external=external, options=engine_cfg.sglang_args
                                               if engine_cfg.backend == "sglang" else None, client_kwargs=client_kwargs)
         else:
             registry = TeacherRegistry(external, api_key=engine_cfg.api_key, client_kwargs=client_kwargs)

@@ -4,6 +4,10 @@ Trainers log lines like "<what> step 12/60: ..." ; `run_worker` tails the log, d
 optional callback (Prefect progress artifact), and raises with the log tail when the process fails. The child gets
 none of our rendezvous variables (a fresh process group) and dies with us (PDEATHSIG via the launcher's helper
 is not needed: we wait on it, and a cancelled task kills it in `finally`).
+
+Config overrides reach the child as `--set key=value` argv, except secrets: argv is world-readable (`ps`), so
+`worker_command` moves those into the child's environment (infra.config `secret_overrides_env`), where its
+`load_config` reads them back: the child ends up with the same effective config.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from infra.config import secret_overrides_env, split_secret_overrides
 from infra.progress import progress
 
 log = logging.getLogger("alloy")
@@ -23,14 +28,40 @@ log = logging.getLogger("alloy")
 RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+class WorkerCommand(list):
+    """A child's argv (a plain list: what logs and `ps` show) plus `env`, the variables it must also get: the
+    config overrides that name secrets. Never printed (repr is the argv's)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None):
+        super().__init__(argv)
+        self.env = dict(env or {})
+
+    def __add__(self, other: list) -> "WorkerCommand":
+        return WorkerCommand(list(self) + list(other), {**self.env, **getattr(other, "env", {})})
+
+
 def overrides_args(overrides: list[str]) -> list[str]:
-    return sum((["--set", s] for s in overrides), [])
+    """`--set` argv of the overrides that name no secret (the others: `worker_command`)."""
+    return sum((["--set", s] for s in split_secret_overrides(overrides)[0]), [])
+
+
+def worker_command(argv: list[str], overrides: list[str]) -> WorkerCommand:
+    """`argv` plus the config overrides: `--set` arguments for the plain ones, environment for the secret ones."""
+    return WorkerCommand(list(argv) + overrides_args(overrides),
+                         secret_overrides_env(split_secret_overrides(overrides)[1], os.environ))
+
+
+def worker_env(cmd: list[str]) -> dict[str, str]:
+    """Our environment without the rendezvous variables (the child makes its own process group), plus `cmd.env`."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
+    return {**env, **getattr(cmd, "env", {})}
 
 
 def run_worker(cmd: list[str], log_path: Path, steps: int, label: str, step_pattern: bytes,
                on_step: Callable[[int], None] | None = None) -> None:
-    """Run `cmd` with stdout+stderr appended to `log_path`; follow `step_pattern` (one group: the step number)."""
-    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
+    """Run `cmd` (a `WorkerCommand` brings its env) with stdout+stderr appended to `log_path`; follow
+    `step_pattern` (one group: the step number)."""
+    env = worker_env(cmd)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     pattern = re.compile(step_pattern)
     log.info("%s: process log %s", label, log_path)

@@ -114,8 +114,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def connect_host(host: str) -> str:
+    """The address a client on this machine dials for a server bound to `host`: the loopback address of the same
+    family for a wildcard bind (0.0.0.0 → 127.0.0.1, :: → ::1), else `host` itself."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host.strip("[]") == "::":
+        return "::1"
+    return host
+
+
 def url_for(host: str, port: int) -> str:
-    h = f"[{host}]" if ":" in host else host
+    """The URL a local client uses for a server bound to `host`:`port` (wildcard binds are dialled on loopback)."""
+    h = connect_host(host).strip("[]")
+    h = f"[{h}]" if ":" in h else h
     return f"http://{h}:{port}"
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from infra.engine.client import EngineClient, EngineUnavailable
 from infra.engine.launcher import (
-    ServerSpec, Supervisor, SupervisorError, build_command, free_port, sglang_option_args,
+    ServerSpec, Supervisor, SupervisorError, build_command, free_port, sglang_option_args, url_for,
 )
 from teachers.registry import TeacherRegistry, TokenizerMismatch
 
@@ -61,6 +61,16 @@ def test_build_command_embedded_and_sglang():
         sglang_option_args({"tp": 2})
     with pytest.raises(ValueError, match="backend must be"):
         build_command(ServerSpec("x", "/m", backend="vllm"), 1)
+
+
+def test_clients_dial_loopback_for_a_wildcard_bind():
+    """A server bound to every interface (`engine.host: 0.0.0.0` or `::`) is dialled on the loopback address of the
+    same family; any other bind address is dialled as is."""
+    assert url_for("0.0.0.0", 31000) == "http://127.0.0.1:31000"
+    assert url_for("::", 31000) == url_for("[::]", 31000) == "http://[::1]:31000"
+    assert url_for("127.0.0.2", 31000) == "http://127.0.0.2:31000"
+    assert url_for("::1", 31000) == "http://[::1]:31000"
+    assert url_for("10.1.2.3", 31000) == "http://10.1.2.3:31000"
 
 
 # -- three servers under one supervisor, registered as teachers ---------------------------------------------------

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from domains.base import Domain, Example, is_eval_prompt
+from domains.base import MAX_BAD_ROWS, Domain, Example, is_eval_prompt
 from domains.registry import load_domain
 
 pytestmark = pytest.mark.unit
@@ -70,26 +70,28 @@ def test_split_of_good_rows_is_fine():
 
 
 def test_every_bad_row_falls_in_the_train_split():
-    """Precondition of the tests below: `split("train")` skips eval-bucket prompts before checking a row, so every
-    bad row here must hash into the train bucket to be seen."""
+    """Fixture check: every bad row hashes into the train bucket, so the eval-split test below shows that a row is
+    checked before its bucket is looked at (an eval split never keeps these prompts, yet must refuse them)."""
     dom = Rows()
     rows = [dom.generate(None) for _ in range(max(BAD) + 1)]
     prompts = [r["prompt"] if isinstance(r, dict) else r.prompt for r in rows]
     assert not any(is_eval_prompt(prompts[i]) for i in BAD)
 
 
-NOT_EXAMPLE = pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "claim false: Domain.split reads `ex.prompt` (dedup and eval bucket) before `_check_example`, so a generator "
-    "returning something that is not an Example crashes with AttributeError: 'dict' object has no attribute "
-    "'prompt' instead of the clear ValueError 'generate() returned dict, not Example'"))
+def test_bad_rows_are_refused_whatever_their_split():
+    """Every draw is checked before its eval bucket is looked at: an eval split refuses train-bucket bad rows too."""
+    with pytest.raises(ValueError) as err:
+        Rows(only="padded").split("eval", 10, seed=0)
+    assert str(err.value).startswith("domain 'rows': bad example at row 12: "), err.value
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=NOT_EXAMPLE) if k == "not_example" else k
-                                  for k in sorted(PROBLEM)])
+@pytest.mark.parametrize("kind", sorted(PROBLEM))
 def test_each_kind_of_bad_row_is_refused_naming_domain_example_and_problem(kind):
-    """Each malformed row alone stops `split` (so the base stage, before any training) with a precise message."""
+    """Each malformed row alone stops `split` (so the base stage, before any training) with a precise message that
+    names its row; a row that is not even an Example is checked before `split` reads its prompt."""
     msg = split_error(Rows(only=kind))
-    assert msg.startswith("domain 'rows': bad example ") and msg.endswith(PROBLEM[kind]), msg
+    row = next(i for i, k in BAD.items() if k == kind)
+    assert msg.startswith(f"domain 'rows': bad example at row {row}: ") and msg.endswith(PROBLEM[kind]), msg
 
 
 def test_a_plugin_loaded_by_impl_is_checked_the_same_way():
@@ -97,11 +99,31 @@ def test_a_plugin_loaded_by_impl_is_checked_the_same_way():
     assert "domain 'rows_plugin': bad example" in split_error(dom)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "claim false: Domain.split stops at the first malformed row and its message names the example but no row "
-    "number; the other bad rows of the same generator are not reported (domains/base.py split/_check_example)"))
 def test_bad_rows_are_reported_with_their_row_numbers():
-    """All malformed rows of a generator, each named by its row (the generator's 0-based draw number)."""
+    """All malformed rows of a generator, each named by its row (the generator's 0-based draw number) and its problem."""
     msg = split_error(Rows())
+    assert msg.startswith("domain 'rows': bad example "), msg
     found = {int(n) for n in re.findall(r"\brows? #?(\d+)", msg)}
     assert found == set(BAD), msg
+    for row, kind in BAD.items():
+        assert re.search(rf"^  row {row}: .*: {re.escape(PROBLEM[kind])}$", msg, re.MULTILINE), (row, msg)
+
+
+class AllBad(Domain):
+    """A plugin whose generator never returns an Example."""
+
+    name, tag = "allbad", "ab"
+
+    def generate(self, rng):
+        return None
+
+    def score(self, example, response):
+        return 0.0
+
+
+def test_collecting_bad_rows_is_bounded():
+    """A generator that only emits garbage is stopped after MAX_BAD_ROWS draws, each of them reported."""
+    msg = split_error(AllBad(), n=1000)
+    rows = [int(n) for n in re.findall(r"^  row (\d+): None: generate\(\) returned NoneType, not Example$", msg,
+                                       re.MULTILINE)]
+    assert rows == list(range(MAX_BAD_ROWS)), msg

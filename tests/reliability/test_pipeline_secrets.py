@@ -4,7 +4,9 @@ steps per stage, with an API key set and a plugin domain whose verifier is buggy
 - the key never appears in MLflow (params, tags, metrics, artifacts: the raw SQLite file and the artifact dir are
   grepped), in any log or file under the run root, in report.json, or in what the flow logged;
 - the key does not show in `ps`: the argv of every process the run starts is sampled while it runs;
-- the key is not stored as a Prefect flow-run parameter (visible in the Prefect UI);
+- the key is not stored as a Prefect flow-run parameter (visible in the Prefect UI): the run is started the supported
+  way, `alloy run --set engine.api_key=<key>` (the CLI moves secret overrides into the environment, where config
+  loading reads ALLOY_ENGINE_API_KEY), and a flow given a secret in `overrides` directly refuses it;
 - the verifier that raises (or returns NaN) on some responses gives reward 0 and is counted by the specialist, and
   the run continues to its report.
 
@@ -74,8 +76,11 @@ def watch_argv(stop: threading.Event, seen: dict) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, prefect_harness):
-    """The pipeline, once, with the key set; returns its report, the argv seen, and what the flow process logged."""
-    from flows.pipeline import pipeline
+    """The pipeline, once, started as `alloy run CONFIG --set … --set engine.api_key=<key> --report …` (the CLI's
+    own parser and command, in this process); returns its report, the argv seen, and what the flow process logged."""
+    import flows.pipeline  # noqa: F401  (imports Prefect, which sets up its logging: before our handler is added)
+    from alloy.cli import EXIT_OK, build_parser
+    from infra.engine.client import API_KEY_ENV
 
     root = tmp_path_factory.mktemp("secrets")
     plugdir = root / "plugins"
@@ -93,10 +98,18 @@ def run(tmp_path_factory, prefect_harness):
     watcher.start()
     overrides = FAST + [f"run.root={root}", "domains=[{name: flaky, impl: 'alloy_rel_flaky_plugin:FlakyReverse'}]",
                         f"engine.api_key={SECRET}"]
+    cli = ["run", SMOKE, *sum((["--set", o] for o in overrides), []), "--report", str(root / "out" / "report.json")]
+    old_key = os.environ.get(API_KEY_ENV)
     t0 = time.monotonic()
     try:
-        report = pipeline(config=SMOKE, overrides=overrides, report_path=str(root / "out" / "report.json"))
+        args = build_parser().parse_args(cli)
+        assert args.fn(args) == EXIT_OK
+        report = json.loads((root / "out" / "report.json").read_text())
     finally:
+        if old_key is None:  # `alloy run` put the key in this process's environment
+            os.environ.pop(API_KEY_ENV, None)
+        else:
+            os.environ[API_KEY_ENV] = old_key
         stop.set()
         watcher.join()
         for lg in loggers:
@@ -148,10 +161,6 @@ def test_the_argv_watch_saw_every_worker(run):
         assert module in seen, module
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "claim false: tasks/specialist.py and tasks/distill.py pass the config overrides to the trainer processes as "
-    "`--set engine.api_key=<key>` on argv, readable by any local user in `ps` (the launcher keeps keys out of argv "
-    "for engine servers since 9c4b3f2, the worker processes do not)"))
 def test_secret_not_in_any_process_argv(run):
     leaks = {pid: " ".join(a)[:160] for pid, a in run["argv"].items() if any(SECRET in x for x in a)}
     assert leaks == {}
@@ -177,11 +186,32 @@ def test_the_pipeline_flow_run_is_in_prefect(flow_run_parameters):
     assert any(p.get("config") == SMOKE for p in flow_run_parameters)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "claim false: `pipeline(config, overrides=[..., 'engine.api_key=<key>'])` stores the key in Prefect's database "
-    "as a flow-run parameter, shown in the Prefect UI; keys belong in the environment (ALLOY_ENGINE_API_KEY)"))
 def test_secret_not_in_prefect_flow_run_parameters(flow_run_parameters):
     assert [p for p in flow_run_parameters if SECRET in json.dumps(p, default=str)] == []
+
+
+@pytest.mark.parametrize("flow_name", ["pipeline", "specialist", "distill"])
+def test_a_secret_override_passed_to_a_flow_is_refused(prefect_harness, flow_name):
+    """A secret in a deployable flow's `overrides` is refused before any work, naming the variable to use instead.
+    (Prefect has recorded the parameter by then: the refusal makes the mistake loud, it cannot hide the key. A key
+    of its own is used here, so the pipeline's key stays out of the flow-run parameters checked above.)"""
+    from flows.distill import distill
+    from flows.pipeline import pipeline
+    from flows.specialists import specialist
+    from infra.config import ConfigError
+
+    key = f"sk-REFUSED-{uuid.uuid4().hex}"
+    overrides = ["base.steps=1", f"engine.api_key={key}", "specialists.guard.judge_api_key=j"]
+    call = {"pipeline": lambda: pipeline(config=SMOKE, overrides=overrides),
+            "specialist": lambda: specialist(config=SMOKE, domain="add", base_dir="/nonexistent", overrides=overrides),
+            "distill": lambda: distill(config=SMOKE, student_init="/nonexistent", teachers={}, overrides=overrides)}
+    with pytest.raises(ConfigError) as err:
+        call[flow_name]()
+    msg = str(err.value)
+    assert f"flow alloy-{flow_name}, parameter `overrides`: secret override(s) " in msg, msg
+    assert "engine.api_key: set ALLOY_ENGINE_API_KEY" in msg and \
+        "specialists.guard.judge_api_key: set ALLOY_JUDGE_API_KEY" in msg, msg
+    assert key not in msg and "base.steps" not in msg
 
 
 def test_raising_verifier_gives_zero_counted_and_the_run_continues(run):
