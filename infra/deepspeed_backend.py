@@ -265,7 +265,7 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     port number that only marks the env as ours, nothing listens on it). Launched by torchrun / the deepspeed
     launcher with more processes: their env:// rendezvous, with MASTER_ADDR defaulting to 127.0.0.1 (one machine);
     by mpirun: DeepSpeed's MPI discovery. The first call on a machine JIT-compiles DeepSpeed's small shm op (~35 s
-    on 2 cores; cached in ~/.cache/torch_extensions).
+    on 2 cores; cached per environment in TORCH_EXTENSIONS_DIR, set by `infra` to <venv>/torch_extensions).
     """
     if not dist.is_initialized():
         backend = backend or default_dist_backend()

@@ -408,9 +408,18 @@ def _commit_local(src: Path, rels: list[str], manifest: bytes, final: Path, retr
         _fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+        _remove_debris(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _remove_debris(final: Path) -> None:
+    """Remove what a saver killed mid-save of this same checkpoint left (hidden `.tmp-<name>-*` staging and
+    `.old-<name>-*` trash directories): `final` is now committed, so they can never be needed."""
+    for debris in [*final.parent.glob(f".tmp-{final.name}-*"), *final.parent.glob(f".old-{final.name}-*")]:
+        log.info("removing %s, left by an interrupted save of %s", debris.name, final.name)
+        shutil.rmtree(debris, ignore_errors=True)
 
 
 def _commit_remote(src: Path, rels: list[str], manifest: bytes, fs, path: str, url: str, retry: RetryPolicy,

@@ -285,6 +285,8 @@ def test_sigkill_mid_save_never_leaves_a_visible_checkpoint(prefix, tmp_path, ca
         assert [c.name for c in list_checkpoints(prefix)] == ["step-00000001"]
     assert save_checkpoint(src, dest, step=2) == dest
     assert latest_complete(prefix, deep=True) == dest
+    if prefix.startswith("file://"):  # and the killed saver's staging dir is gone with that commit
+        assert sorted(p.name for p in Path(to_local(prefix)).iterdir()) == ["step-00000001", "step-00000002"]
 
 
 def test_sigkill_mid_resave_never_mixes_old_and_new_files(prefix, tmp_path):
