@@ -1,0 +1,411 @@
+"""Benchmark: OPD against mixed multi-task RL, offline distillation and sequential RL, at equal compute.
+
+    python bench/merge_baselines.py --out bench/results/merge_baselines.json [--domains sort_digits,max_list:3,caesar]
+        [--rl-steps 40] [--distill-steps 60] [--batch 64] [--base-steps 150] [--quick]
+
+One tiny base (a fresh `tiny` model, plain-torch SFT on the domains' demonstrations, stopped early so RL has room)
+is every arm's start. The arms (each worker is a fresh process; PPO is `teachers.specialist_main.run_specialist`,
+the real critic PPO with its engine server; OPD is `student.distill_main.run_distillation` with teacher servers):
+  specialists    : PPO from the base on each domain alone, `--rl-steps` steps of `--batch` prompts (the teachers)
+  opd            : the specialists, then OPD of the base from them: `--distill-steps` steps of `--batch` prompts
+  offline        : the specialists, then offline distillation: each teacher samples (temperature 1) completions for
+                   its domain's train prompts, as many in all as OPD's student samples; the base is SFT-ed on them,
+                   UNVERIFIED (every sample kept, as OPD keeps every sample), `--distill-steps` steps of `--batch`
+  mixed_rl       : one PPO policy from the base on all domains' prompts mixed (`teachers.mixed_domain.MixedDomain`:
+                   evenly interleaved prompts, each row's reward from its own domain's verifier)
+  sequential_rl  : PPO from the base on domain 1, then from that policy on domain 2, ... (a fresh critic per stage;
+                   the KL reference is the stage's start)
+
+Equal compute = the same number of SAMPLED COMPLETIONS (one response, ≤ max_new_tokens tokens, to one prompt) that
+an arm's training consumes. OPD's budget counts the RL of the specialists it depends on: C = D·S·B + Sd·B (D
+domains, S = --rl-steps, Sd = --distill-steps, B = --batch). mixed_rl gets C/B PPO steps, sequential_rl C/(D·B) per
+stage; offline gets the specialists (D·S·B) plus Sd·B teacher samples and Sd SFT updates (OPD's student updates).
+What stays unequal and is recorded per arm: PPO makes `ppo_epochs` policy optimizer steps (plus critic steps) per
+batch where a distillation step is one; OPD also pays teacher scoring forwards; sampled tokens differ with response
+lengths; wall and CPU seconds (this process tree, resource.getrusage) depend on the machine's load.
+
+Scores: greedy mean verifier reward on `--eval-n` held-out eval prompts per domain (`domains.evaluate
+.evaluate_model`, via `trl_compare.accuracy`). Forgetting of domain i = score_i at the arm's OWN POINT for i − its
+final score_i; the own point is the model right after RL on domain i: sequential_rl — after stage i; opd, offline —
+specialist i (the model the merge starts from for i); mixed_rl has no per-domain stage, so its own point is the best
+of its evaluations (every C/(D·B) steps and the end): "drop vs best-ever". Means are over all D domains (for
+sequential_rl the last domain forgets 0 by definition; the mean over the first D−1 is reported too). Also reported:
+drop vs the base, max(0, base_i − final_i). Target (issue 7): OPD's mean score > mixed_rl's and > offline's, and
+OPD's mean forgetting < sequential_rl's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from teacher_scaling import REPO, exit_on_sigterm, machine_info, make_cfg, write_outputs  # noqa: E402
+from trl_compare import accuracy  # noqa: E402
+
+FINAL_ARMS = ("opd", "offline", "mixed_rl", "sequential_rl")
+
+
+def parse_domains(text: str) -> list[dict]:
+    """"sort_digits,max_list:3" → [{"name": "sort_digits", "difficulty": 1}, {"name": "max_list", "difficulty": 3}]."""
+    return [{"name": s.split(":")[0], "difficulty": int(s.split(":")[1]) if ":" in s else 1} for s in text.split(",")]
+
+
+def load(specs: list[dict]) -> dict:
+    from domains.registry import load_domain
+
+    return {s["name"]: load_domain(s["name"], difficulty=s["difficulty"]) for s in specs}
+
+
+def build_base(root: Path, specs: list[dict], steps: int, seed: int) -> Path:
+    """A fresh tiny model SFT-ed (plain torch, `distill_fixtures.sft_plain`) on 1000 demonstrations per domain."""
+    from distill_fixtures import sft_plain
+    from infra.models import init_model_dir
+
+    pairs = [(e.prompt, e.answer) for dom in load(specs).values() for e in dom.split("train", 1000, seed)]
+    return sft_plain(init_model_dir("tiny", root / "init", seed=seed), root / "base", pairs, steps, seed=seed)
+
+
+def scores(model_dir_or_model, spec: dict) -> dict:
+    """{domain: greedy eval score} with the same evaluator for every arm."""
+    from infra.models import load_model, load_tokenizer
+
+    model = load_model(model_dir_or_model) if isinstance(model_dir_or_model, (str, Path)) else model_dir_or_model
+    return accuracy(model, load_tokenizer(spec["base"]), load(spec["domains"]), spec["eval_n"], spec["max_new_tokens"])
+
+
+# -- the workers (each in a fresh process) --------------------------------------------------------------------------
+def rl_cfg(spec: dict, root: Path, steps: int, n_prompts: int):
+    from infra.config import config_from_dict
+
+    r, B = spec["rl"], spec["batch"]
+    train = {"lr": r["lr"], "micro_batch_size": B}
+    return config_from_dict({
+        "run": {"name": "merge-bench", "root": str(root), "seed": spec["seed"]}, "model": {"preset": "tiny"},
+        "domains": spec["domains"], "eval": {"n_eval": spec["eval_n"], "max_new_tokens": spec["max_new_tokens"]},
+        "specialists": {"steps": steps, "batch_size": B, "over_sampling": 1.0, "ppo_epochs": r["ppo_epochs"],
+                        "lam": r["lam"], "kl_coef": r["kl_coef"], "critic_warmup_steps": r["warmup"],
+                        "n_prompts": n_prompts, "max_new_tokens": spec["max_new_tokens"], "eval_n": 10,
+                        "checkpoint_every": max(steps, 1), "log_every": max(steps, 1),
+                        "policy_train": train, "critic_train": train}})
+
+
+def run_rl(spec: dict, domain, init: str, work: Path, steps: int, n_prompts: int, on_step=None) -> dict:
+    """`steps` PPO steps on `domain` from `init`; returns the final HF dir and the sample bookkeeping."""
+    from infra.tracking import NoopTracker
+    from teachers.specialist_main import run_specialist
+
+    out = run_specialist(rl_cfg(spec, work, steps, n_prompts), domain, init, f"file://{work}/ckpt", work / "w",
+                         NoopTracker(), on_step=on_step)
+    h = out["history"]
+    return {"dir": out["specialist_dir"], "steps": out["steps"], "samples": int(sum(x["samples"] for x in h)),
+            "sampled_tokens": int(sum(x["response_tokens"] for x in h)),
+            "policy_optimizer_steps": spec["rl"]["ppo_epochs"] * sum("policy_loss" in x for x in h),
+            "reward_first": h[0]["reward"], "reward_last": h[-1]["reward"]}
+
+
+def worker_specialist(spec: dict, name: str, work: Path) -> dict:
+    rl = run_rl(spec, load(spec["domains"])[name], spec["base"], work, spec["rl"]["steps"], spec["rl"]["n_prompts"])
+    return {"rl_samples": rl["samples"], "teacher_samples": 0, "distill_samples": 0, "rl": rl,
+            "sampled_tokens": rl["sampled_tokens"], "policy_optimizer_steps": rl["policy_optimizer_steps"],
+            "dir": rl["dir"], "final": scores(rl["dir"], spec)}
+
+
+def worker_opd(spec: dict, work: Path) -> dict:
+    from infra.tracking import NoopTracker
+    from student.distill_main import run_distillation
+    from tasks.context import load_domains
+    from tasks.teachers import start_teachers
+
+    d = spec["distill"]
+    cfg = make_cfg(work, spec["domains"], seed=spec["seed"], steps=d["steps"], batch_size=spec["batch"],
+                   max_new_tokens=spec["max_new_tokens"], n_prompts_per_domain=spec["rl"]["n_prompts"],
+                   train={"lr": d["lr"]})
+    names = [s["name"] for s in spec["domains"]]
+    fleet = start_teachers(names, spec["teachers"], spec["base"], log_dir=work / "logs", engine_cfg=cfg.engine,
+                           teachers_cfg=cfg.teachers)
+    try:
+        s = run_distillation(cfg, load_domains(cfg), spec["base"], fleet.endpoints(), f"file://{work}/student",
+                             work / "distill", NoopTracker())
+    finally:
+        fleet.stop()
+    return {"rl_samples": 0, "teacher_samples": 0, "distill_samples": s["trained_samples"],
+            "sampled_tokens": s["sampled_tokens"], "policy_optimizer_steps": s["updates"],
+            "distill": {k: s[k] for k in ("steps", "updates", "trained_samples", "sampled_tokens", "wall_s")},
+            "final": scores(s["student_dir"], spec)}
+
+
+def worker_offline(spec: dict, work: Path) -> dict:
+    """Each teacher samples its share of Sd·B completions (temperature 1) on its domain's train prompts; the base is
+    SFT-ed on all of them (unverified), Sd steps of B."""
+    import torch
+
+    from distill_fixtures import sft_plain
+    from infra.generation import generate_batch
+    from infra.models import load_model, load_tokenizer
+
+    d, doms = spec["distill"], load(spec["domains"])
+    tok = load_tokenizer(spec["base"])
+    n_total = d["steps"] * spec["batch"]
+    pairs, reward, tokens = [], {}, 0
+    for i, (name, dom) in enumerate(doms.items()):
+        n = n_total // len(doms) + (i < n_total % len(doms))
+        pool = dom.split("train", spec["rl"]["n_prompts"], spec["seed"])
+        exs = [pool[j % len(pool)] for j in range(n)]
+        torch.manual_seed(spec["seed"] + i)
+        outs = generate_batch(load_model(spec["teachers"][name]).eval(), tok, [e.prompt for e in exs],
+                              spec["max_new_tokens"], batch_size=128, greedy=False, temperature=1.0)
+        pairs += [(e.prompt, o) for e, o in zip(exs, outs)]
+        reward[name] = statistics.fmean(dom.verify(e, o) for e, o in zip(exs, outs))
+        tokens += sum(len(tok(o, add_special_tokens=False).input_ids) for o in outs)
+    out = sft_plain(Path(spec["base"]), work / "student", pairs, d["steps"], lr=d["lr"], batch=spec["batch"],
+                    seed=spec["seed"])
+    return {"rl_samples": 0, "teacher_samples": len(pairs), "distill_samples": 0, "sampled_tokens": tokens,
+            "policy_optimizer_steps": d["steps"], "teacher_sample_reward": reward, "final": scores(out, spec)}
+
+
+def worker_mixed(spec: dict, work: Path) -> dict:
+    from infra.models import load_tokenizer
+    from teachers.mixed_domain import MixedDomain
+
+    doms, tok = load(spec["domains"]), load_tokenizer(spec["base"])
+    every, evals = spec["mixed_steps"] // len(doms), []
+
+    def on_step(trainer, metrics) -> None:  # the policy during training, evaluated in place
+        if trainer.state.step % every == 0 and trainer.state.step < spec["mixed_steps"]:
+            m = trainer.policy.module
+            was = m.training
+            evals.append({"step": trainer.state.step, "scores": accuracy(m.eval(), tok, doms, spec["eval_n"],
+                                                                           spec["max_new_tokens"])})
+            m.train(was)
+
+    rl = run_rl(spec, MixedDomain(list(doms.values())), spec["base"], work, spec["mixed_steps"],
+                spec["rl"]["n_prompts"] * len(doms), on_step=on_step)
+    final = scores(rl["dir"], spec)
+    evals.append({"step": rl["steps"], "scores": final})
+    return {"rl_samples": rl["samples"], "teacher_samples": 0, "distill_samples": 0, "rl": rl,
+            "sampled_tokens": rl["sampled_tokens"], "policy_optimizer_steps": rl["policy_optimizer_steps"],
+            "evals": evals, "final": final}
+
+
+def worker_sequential(spec: dict, work: Path) -> dict:
+    doms, init, stages = load(spec["domains"]), spec["base"], []
+    for i, (name, dom) in enumerate(doms.items()):
+        rl = run_rl(spec, dom, init, work / f"stage{i}", spec["stage_steps"], spec["rl"]["n_prompts"])
+        stages.append({"domain": name, "rl": rl, "scores": scores(rl["dir"], spec)})
+        init = rl["dir"]
+    return {"rl_samples": sum(s["rl"]["samples"] for s in stages), "teacher_samples": 0, "distill_samples": 0,
+            "sampled_tokens": sum(s["rl"]["sampled_tokens"] for s in stages),
+            "policy_optimizer_steps": sum(s["rl"]["policy_optimizer_steps"] for s in stages),
+            "stages": stages, "final": stages[-1]["scores"]}
+
+
+def worker(arm: str, spec: dict, result: Path) -> None:
+    import torch
+
+    exit_on_sigterm()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    work = Path(spec["root"]) / arm.replace(":", "-")
+    if arm.startswith("specialist:"):
+        res = worker_specialist(spec, arm.split(":", 1)[1], work)
+    else:
+        res = {"opd": worker_opd, "offline": worker_offline, "mixed_rl": worker_mixed,
+               "sequential_rl": worker_sequential}[arm](spec, work)
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    res.update(arm=arm, wall_s=time.perf_counter() - t0,
+               cpu_s=me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime)  # + the engine servers it waited for
+    result.write_text(json.dumps(res, default=float))
+
+
+# -- the parent -----------------------------------------------------------------------------------------------------
+def run_worker(arm: str, spec_path: Path, out_dir: Path) -> dict:
+    """Run one arm in a fresh process; add the load average around it."""
+    res_path, log_path = out_dir / f"{arm.replace(':', '-')}.json", out_dir / f"{arm.replace(':', '-')}.log"
+    load0 = list(os.getloadavg())
+    with open(log_path, "w") as log:
+        rc = subprocess.run([sys.executable, __file__, "--worker", arm, "--spec", str(spec_path), "--result",
+                             str(res_path)], stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO)).returncode
+    if rc != 0:
+        raise RuntimeError(f"worker {arm} failed (exit {rc}); log tail:\n" + log_path.read_text()[-3000:])
+    res = json.loads(res_path.read_text())
+    res.update(loadavg_before=load0, loadavg_after=list(os.getloadavg()))
+    print(f"{arm}: {res['wall_s']:.0f}s, final {res['final']}", file=sys.stderr, flush=True)
+    return res
+
+
+def mean(xs) -> float:
+    return statistics.fmean(list(xs))
+
+
+def aggregate(names: list[str], base: dict, runs: list[dict]) -> dict:
+    """Per arm: final per-domain scores, forgetting (own point − final, see the module doc), drop vs base and the
+    compute it used (the specialists' RL counted in opd and offline)."""
+    spec_runs = {r["arm"].split(":", 1)[1]: r for r in runs if r["arm"].startswith("specialist:")}
+    by_arm = {r["arm"]: r for r in runs}
+    specialists = {"own": {d: spec_runs[d]["final"][d] for d in names},
+                   "scores": {d: spec_runs[d]["final"] for d in names},
+                   **{k: sum(r[k] for r in spec_runs.values()) for k in
+                      ("rl_samples", "sampled_tokens", "policy_optimizer_steps", "wall_s", "cpu_s")}}
+    out = {"base": {"scores": base, "mean_score": mean(base.values())}, "specialists": specialists}
+    for arm in FINAL_ARMS:
+        r = by_arm[arm]
+        final = r["final"]
+        if arm in ("opd", "offline"):
+            own, uses = specialists["own"], specialists
+        elif arm == "sequential_rl":
+            own, uses = {s["domain"]: s["scores"][s["domain"]] for s in r["stages"]}, None
+        else:
+            own, uses = {d: max(e["scores"][d] for e in r["evals"]) for d in names}, None
+        forgetting = {d: own[d] - final[d] for d in names}
+        compute = {k: r[k] + (uses[k] if uses and k in uses else 0) for k in
+                   ("rl_samples", "teacher_samples", "distill_samples", "sampled_tokens", "policy_optimizer_steps",
+                    "wall_s", "cpu_s")}
+        compute["total_samples"] = compute["rl_samples"] + compute["teacher_samples"] + compute["distill_samples"]
+        out[arm] = {"scores": final, "mean_score": mean(final.values()), "own_point": own, "forgetting": forgetting,
+                    "forgetting_mean": mean(forgetting.values()),
+                    "drop_vs_base": {d: max(0.0, base[d] - final[d]) for d in names},
+                    "drop_vs_base_mean": mean(max(0.0, base[d] - final[d]) for d in names),
+                    "gain_vs_base_mean": mean(final[d] - base[d] for d in names), "compute": compute}
+    out["sequential_rl"]["forgetting_mean_first_d_minus_1"] = mean(
+        out["sequential_rl"]["forgetting"][d] for d in names[:-1]) if len(names) > 1 else 0.0
+    return out
+
+
+def target(agg: dict) -> dict:
+    opd = agg["opd"]
+    t = {"opd_beats_mixed_rl_mean_score": {"opd": opd["mean_score"], "other": agg["mixed_rl"]["mean_score"],
+                                           "diff": opd["mean_score"] - agg["mixed_rl"]["mean_score"]},
+         "opd_beats_offline_mean_score": {"opd": opd["mean_score"], "other": agg["offline"]["mean_score"],
+                                          "diff": opd["mean_score"] - agg["offline"]["mean_score"]},
+         "opd_forgets_less_than_sequential_rl": {"opd": opd["forgetting_mean"],
+                                                 "other": agg["sequential_rl"]["forgetting_mean"],
+                                                 "diff": agg["sequential_rl"]["forgetting_mean"]
+                                                 - opd["forgetting_mean"]}}
+    for v in t.values():
+        v["met"] = v["diff"] > 0
+    return {**t, "met": all(v["met"] for v in t.values())}
+
+
+def table(names: list[str], agg: dict, runs: list[dict]) -> str:
+    f3 = "{:.3f}".format
+    lines = ["| arm | " + " | ".join(names) + " | mean score | forgetting (mean) | drop vs base (mean) | total samples | "
+             "RL samples | distill / teacher samples | policy optimizer steps | sampled tokens | wall s | CPU s |",
+             "|---|" + "---|" * (len(names) + 10)]
+    b = agg["base"]
+    lines.append("| base | " + " | ".join(f3(b["scores"][d]) for d in names) + f" | {f3(b['mean_score'])} |"
+                 + " |" * 9)
+    s = agg["specialists"]
+    lines.append("| specialists (own domain each) | " + " | ".join(f3(s["own"][d]) for d in names)
+                 + f" | {f3(mean(s['own'].values()))} | | | {s['rl_samples']} | {s['rl_samples']} | | "
+                 f"{s['policy_optimizer_steps']} | {s['sampled_tokens']} | {s['wall_s']:.0f} | {s['cpu_s']:.0f} |")
+    for arm in FINAL_ARMS:
+        a, c = agg[arm], agg[arm]["compute"]
+        lines.append(f"| {arm} | " + " | ".join(f3(a["scores"][d]) for d in names)
+                     + f" | **{f3(a['mean_score'])}** | {f3(a['forgetting_mean'])} | {f3(a['drop_vs_base_mean'])} | "
+                     f"{c['total_samples']} | {c['rl_samples']} | {c['distill_samples'] + c['teacher_samples']} | "
+                     f"{c['policy_optimizer_steps']} | {c['sampled_tokens']} | {c['wall_s']:.0f} | {c['cpu_s']:.0f} |")
+    lines += ["", "| arm | " + " | ".join(f"own point → final: {d}" for d in names) + " |",
+              "|---|" + "---|" * len(names)]
+    for arm in FINAL_ARMS:
+        a = agg[arm]
+        lines.append(f"| {arm} | " + " | ".join(f"{f3(a['own_point'][d])} → {f3(a['scores'][d])} "
+                                                f"({a['forgetting'][d]:+.3f})" for d in names) + " |")
+    seq = next(r for r in runs if r["arm"] == "sequential_rl")
+    lines += ["", "| sequential_rl after stage | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for i, st in enumerate(seq["stages"]):
+        lines.append(f"| {i + 1} ({st['domain']}) | " + " | ".join(f3(st["scores"][d]) for d in names) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(REPO / "bench/results/merge_baselines.json"))
+    p.add_argument("--domains", default="sort_digits,max_list:3,caesar", help="name[:difficulty],...")
+    p.add_argument("--rl-steps", type=int, default=40, help="PPO steps of each specialist (S)")
+    p.add_argument("--distill-steps", type=int, default=60, help="OPD / offline student updates (Sd)")
+    p.add_argument("--batch", type=int, default=64, help="prompts per step, every arm (B)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--rl-lr", type=float, default=1e-3)
+    p.add_argument("--distill-lr", type=float, default=2e-3)
+    p.add_argument("--lam", type=float, default=1.0, help="GAE lambda (1: A = R − V, robust to a young critic)")
+    p.add_argument("--kl-coef", type=float, default=0.05)
+    p.add_argument("--critic-warmup", type=int, default=3)
+    p.add_argument("--ppo-epochs", type=int, default=4)
+    p.add_argument("--n-prompts", type=int, default=2000, help="train prompts per domain")
+    p.add_argument("--base-steps", type=int, default=150)
+    p.add_argument("--eval-n", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=2, help="workers at once")
+    p.add_argument("--quick", action="store_true", help="2 domains, batch 8, 2 RL and 2 distill steps (a smoke run)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.worker, json.loads(Path(args.spec).read_text()), Path(args.result))
+        return 0
+    if args.quick:
+        args.domains = ",".join(args.domains.split(",")[:2])
+        args.rl_steps, args.distill_steps, args.batch, args.max_new_tokens = 2, 2, 8, 8
+        args.base_steps, args.eval_n, args.n_prompts, args.critic_warmup, args.jobs = 10, 10, 50, 0, 4
+    specs = parse_domains(args.domains)
+    names, D, B = [s["name"] for s in specs], len(specs), args.batch
+    budget = D * args.rl_steps * B + args.distill_steps * B  # C: OPD's samples incl. its specialists' RL
+    mixed_steps = budget // B
+    if mixed_steps % D:
+        raise SystemExit(f"C/B = D·S + Sd = {mixed_steps} must be divisible by D = {D} (sequential stages)")
+    import torch
+
+    torch.set_num_threads(1)  # as every worker: two threads on two shared, busy cores mostly wait for each other
+    t0 = time.perf_counter()
+    machine = machine_info()
+    exit_on_sigterm()
+    with tempfile.TemporaryDirectory(prefix="bench-merge-") as tmp:
+        root = Path(tmp)
+        base = build_base(root / "models", specs, args.base_steps, args.seed)
+        spec = {"base": str(base), "root": str(root), "domains": specs, "seed": args.seed, "batch": B,
+                "max_new_tokens": args.max_new_tokens, "eval_n": args.eval_n,
+                "rl": {"steps": args.rl_steps, "lr": args.rl_lr, "lam": args.lam, "kl_coef": args.kl_coef,
+                       "warmup": args.critic_warmup, "ppo_epochs": args.ppo_epochs, "n_prompts": args.n_prompts},
+                "distill": {"steps": args.distill_steps, "lr": args.distill_lr},
+                "mixed_steps": mixed_steps, "stage_steps": mixed_steps // D}
+        base_scores = scores(base, spec)
+        spec_path = root / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            # the specialists first (opd and offline need them); mixed and sequential RL do not wait for them
+            specialists = [pool.submit(run_worker, f"specialist:{d}", spec_path, root) for d in names]
+            first = [pool.submit(run_worker, a, spec_path, root) for a in ("mixed_rl", "sequential_rl")]
+            runs = [f.result() for f in specialists]
+            spec["teachers"] = {r["arm"].split(":", 1)[1]: r["dir"] for r in runs}
+            spec_path.write_text(json.dumps(spec))
+            runs += list(pool.map(lambda a: run_worker(a, spec_path, root), ("opd", "offline")))
+            runs += [f.result() for f in first]
+    agg = aggregate(names, base_scores, runs)
+    result = {"bench": "merge_baselines",
+              "command": " ".join(["python bench/merge_baselines.py"] + (argv or sys.argv[1:])),
+              "quick": args.quick, "machine": machine, "loadavg_end": list(os.getloadavg()),
+              "shared_machine_note": "2 cores shared with other agents' jobs; per-run load averages in runs[]",
+              "config": {k: v for k, v in spec.items() if k not in ("base", "root", "teachers")} | {
+                  "jobs": args.jobs, "base_steps": args.base_steps, "offline_samples": "unverified (all kept)",
+                  "equal_compute": {
+                      "unit": "sampled completions (one response to one prompt) consumed by an arm's training",
+                      "budget_C": budget, "formula": "C = D·S·B + Sd·B", "D": D, "S": args.rl_steps,
+                      "Sd": args.distill_steps, "B": B, "mixed_rl_steps": mixed_steps,
+                      "sequential_rl_steps_per_stage": mixed_steps // D}},
+              "runs": runs, "aggregate": agg, "target": target(agg), "total_s": time.perf_counter() - t0}
+    write_outputs(Path(args.out), result, table(names, agg, runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
