@@ -125,8 +125,16 @@ def sampled_rkl_loss(logp_student: torch.Tensor, logp_teacher: torch.Tensor, mas
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 − exp(x)) for x < 0, stable at both ends (Mächler 2012): log(−expm1(x)) near 0, log1p(−exp(x)) below."""
-    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    """log(1 − exp(x)) for x < 0, stable at both ends (Mächler 2012): log(−expm1(x)) near 0, log1p(−exp(x)) below.
+
+    Each branch is evaluated on inputs safe for it: `torch.where` back-propagates 0 · (the unused branch's
+    derivative), and log1p(−exp(x)) has an infinite derivative for x within float32 rounding of 0 (where
+    exp(x) == 1), which would make that 0 · inf = nan."""
+    cut = -math.log(2.0)
+    near_zero = x > cut
+    hi = torch.log(-torch.expm1(torch.where(near_zero, x, torch.full_like(x, cut))))
+    lo = torch.log1p(-torch.exp(torch.where(near_zero, torch.full_like(x, cut), x)))
+    return torch.where(near_zero, hi, lo)
 
 
 def _with_tail(topk_logp: torch.Tensor) -> torch.Tensor:
