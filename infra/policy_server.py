@@ -26,13 +26,20 @@ class PolicyServer:
 
     def __init__(self, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path, *,
                  backend: str = "embedded", api_key: str | None = None, host: str = "127.0.0.1",
-                 extra_args: list[str] | None = None, keep: int = 2, version: int = 0):
+                 extra_args: list[str] | None = None, keep: int = 2, version: int = 0, seed: int | None = None):
         self.supervisor, self.name = supervisor, name
+        extra, options = list(extra_args or []), {}
+        if seed is not None:  # the sampling stream follows the run's seed (and differs after a resume at `version`)
+            stream = (seed * 1_000_003 + version) % 2 ** 31
+            if backend == "sglang":
+                options["random_seed"] = stream
+            else:
+                extra += ["--seed", str(stream)]
         self.weights_dir = Path(work_dir) / "weights"
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self.keep, self.version = keep, version
         spec = ServerSpec(name=name, model_path=str(model_dir), backend=backend, host=host, api_key=api_key,
-                          extra_args=list(extra_args or []), weight_version=str(version))
+                          extra_args=extra, options=options, weight_version=str(version))
         self.url = supervisor.start([spec])[name]
         # retries ride out a supervisor restart of this server (tens of seconds on a loaded machine): ~30 s budget
         self.client = EngineClient(self.url, api_key=api_key, max_retries=10, backoff_base=0.25, backoff_max=4.0)

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -80,7 +81,8 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     serve_dir = trainer.resume() or init_dir
     with Supervisor(work / "logs", threads_per_server=cfg.engine.threads) as sup:
         trainer.server = PolicyServer(sup, f"policy-{domain.name}", serve_dir, work / "server",
-                                      api_key=cfg.engine.api_key, host=cfg.engine.host, version=trainer.state.step)
+                                      api_key=cfg.engine.api_key, host=cfg.engine.host, version=trainer.state.step,
+                                      seed=seed * 1009 + zlib.crc32(domain.name.encode()) % 100_003)
 
         async def go() -> dict:
             try:

@@ -253,3 +253,28 @@ def test_api_key_reaches_the_server_through_its_environment_not_its_argv(tiny_mo
                 await good.aclose()
 
         run_sync(calls())
+
+
+def test_policy_server_sampling_follows_the_run_seed(tiny_model_dir, tmp_path):
+    """A trainer's rollout server draws its sampling noise from the run's seed: the same seed samples the same
+    tokens, another seed others (before, every run sampled with the server's default seed 0, so "3 seeds" of a
+    bench shared one noise stream)."""
+    import asyncio
+
+    from infra.policy_server import PolicyServer
+
+    prompts = [[1, 5 + i, 9, 12] for i in range(16)]
+    with Supervisor(tmp_path / "logs") as sup:
+        servers = {name: PolicyServer(sup, name, str(tiny_model_dir), tmp_path / name, seed=seed)
+                   for name, seed in (("a", 1), ("b", 1), ("c", 2))}
+
+        async def sample(server):
+            try:
+                outs = await server.client.generate(prompts, max_new_tokens=6, temperature=1.0)
+                return [o.output_ids for o in outs]
+            finally:
+                await server.aclose()
+
+        got = {name: asyncio.run(sample(s)) for name, s in servers.items()}
+    assert got["a"] == got["b"]
+    assert got["a"] != got["c"]
