@@ -15,7 +15,8 @@ from domains.registry import BUILTIN, list_domains, load_domain
 pytestmark = pytest.mark.unit
 
 NAMES = sorted(BUILTIN)
-PARTIAL = {"binary", "reverse", "copy", "sort_digits", "case_swap", "caesar"}  # positional partial credit
+PARTIAL = {"binary", "reverse", "copy", "sort_digits", "case_swap", "caesar", "rotate", "swap_pairs", "interleave",
+           "dedupe"}  # positional partial credit
 
 
 def _body(prompt: str) -> str:
@@ -31,6 +32,19 @@ def _count(body: str) -> str:
 def _caesar(body: str) -> str:
     k, s = body.split(":")
     return "".join(chr((ord(c) - 97 + int(k)) % 26 + 97) for c in s)
+
+
+def _interleave(body: str) -> str:
+    a, b = body.split(",")
+    assert len(a) == len(b)
+    return "".join(x + y for x, y in zip(a, b))
+
+
+def _dedupe(body: str) -> str:
+    out = ""
+    for c in body:
+        out += c if not out.endswith(c) else ""
+    return out
 
 
 def _balanced_by_erasure(s: str) -> bool:
@@ -56,6 +70,10 @@ ORACLES = {
     "caesar": _caesar,
     "count_char": _count,
     "brackets": lambda b: "yes" if _balanced_by_erasure(b) else "no",
+    "rotate": lambda b: b[1:] + b[0],
+    "swap_pairs": lambda b: "".join(b[i : i + 2][::-1] for i in range(0, len(b), 2)),
+    "interleave": _interleave,
+    "dedupe": _dedupe,
 }
 
 
@@ -210,7 +228,8 @@ def test_hand_checked_answers():
         "max_list": ("3,9,1", "9"), "digit_sum": ("4821", "5"), "binary": ("13", "1101"),
         "reverse": ("abcd", "dcba"), "copy": ("abcd", "abcd"), "sort_digits": ("3141", "1134"),
         "case_swap": ("aBcD", "AbCd"), "caesar": ("1:abz", "bca"), "count_char": ("a:abcab", "2"),
-        "brackets": ("([)]", "no"),
+        "brackets": ("([)]", "no"), "rotate": ("abcd", "bcda"), "swap_pairs": ("abcde", "badce"),
+        "interleave": ("abc,xyz", "axbycz"), "dedupe": ("aabccca", "abca"),
     }
     for name, (body, answer) in cases.items():
         assert ORACLES[name](body) == answer, name
