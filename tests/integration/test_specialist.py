@@ -42,14 +42,16 @@ def test_specialist_beats_base_and_logs_every_metric(base, tmp_path):
     from infra.tracking import Tracker
     from teachers.specialist_main import run_specialist
 
-    cfg = config_from_dict(cfg_dict(tmp_path))
+    # 150 steps: at 100 a CI run gained only +0.033 on reverse (APRIL batches depend on timing, so runs differ);
+    # at 150 three runs gained +0.12, +0.13, +0.17
+    cfg = config_from_dict(cfg_dict(tmp_path, steps=150))
     dom = load_domains(cfg)
     before = float(evaluate(str(base), dom, 100, 0, "base", max_new_tokens=10).score.iloc[0])
     tracker = Tracker(runs_root=tmp_path, experiment="spec-test")
     parent = tracker.start_parent("spec")
     with tracker.child("specialist/reverse") as run:
         out = run_specialist(cfg, dom["reverse"], str(base), f"file://{tmp_path}/spec", tmp_path / "w", run)
-    assert out["steps"] == 100 and out["score"] > before + 0.05, (before, out["score"])
+    assert out["steps"] == 150 and out["score"] > before + 0.05, (before, out["score"])
     rewards = [h["reward"] for h in out["history"]]
     assert sum(rewards[-20:]) / 20 > sum(rewards[:20]) / 20  # training reward rises
     assert out["april"]["dropped_stale"] == 0 and out["april"]["added"] > 0  # over-sampling left partials
@@ -61,7 +63,7 @@ def test_specialist_beats_base_and_logs_every_metric(base, tmp_path):
     warm = cfg.specialists.critic_warmup_steps
     for name in PER_STEP:
         steps = sorted(m.step for m in client.get_metric_history(child, name))
-        want = [s for s in range(10, 101, 10) if name not in policy_only or s > warm]
+        want = [s for s in range(10, 151, 10) if name not in policy_only or s > warm]
         assert steps == want, (name, steps)
     assert client.get_run(child).data.metrics["eval/score"] == pytest.approx(out["score"])
 
