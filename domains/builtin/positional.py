@@ -55,15 +55,12 @@ class Dedupe(_Transform):
 
     name, tag = "dedupe", "ddp"
     description = "Collapse runs of repeated letters in a string of length 3 to d+6 over the first d+3 letters."
+    min_len = 3
 
     def setup(self) -> None:
         self.alphabet = LOWER[: self.difficulty + 3]
         self.max_len = self.difficulty + 6
         self.max_answer_chars = self.max_len
-
-    def generate(self, rng: random.Random) -> Example:
-        s = _word(rng, self.alphabet, 3, self.max_len)
-        return self.make(s, self.transform(s))
 
     def transform(self, s: str) -> str:
         return "".join(c for i, c in enumerate(s) if i == 0 or s[i - 1] != c)

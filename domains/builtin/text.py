@@ -22,9 +22,10 @@ def _word(rng: random.Random, alphabet: str, lo: int, hi: int) -> str:
 
 
 class _Transform(Domain):
-    """A string → string task over length 2..d+3 inputs, with positional partial credit."""
+    """A string → string task over length min_len..d+3 inputs, with positional partial credit."""
 
     alphabet = LOWER
+    min_len = 2
 
     def setup(self) -> None:
         self.max_len = self.difficulty + 3
@@ -34,7 +35,7 @@ class _Transform(Domain):
         raise NotImplementedError
 
     def generate(self, rng: random.Random) -> Example:
-        s = _word(rng, self.alphabet, 2, self.max_len)
+        s = _word(rng, self.alphabet, self.min_len, self.max_len)
         return self.make(s, self.transform(s))
 
     def score(self, example: Example, response: str) -> float:
