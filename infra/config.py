@@ -118,6 +118,9 @@ class EngineConfig(_Strict):
     host: str = Field("127.0.0.1", description="Bind address of launched servers (loopback unless told otherwise).")
     api_key: Secret = Field(None, description="Bearer key for launched servers and the client (or ALLOY_ENGINE_API_KEY).")
     threads: int = Field(1, ge=1, description="Torch threads per embedded server.")
+    max_running_requests: int | None = Field(None, ge=1, description="Sequences a launched server decodes at once "
+                                             "(embedded --max-batch, default 64; SGLang --max-running-requests); "
+                                             "the rest queue.")
     sglang_args: dict[str, Any] = Field(default_factory=dict, description="Extra sglang.launch_server options (GPU).")
 
 

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from infra.engine.client import EngineClient
-from infra.engine.launcher import ServerSpec, Supervisor
+from infra.engine.launcher import ServerSpec, Supervisor, launch_settings
 
 log = logging.getLogger("alloy.policy_server")
 
@@ -26,9 +26,10 @@ class PolicyServer:
 
     def __init__(self, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path, *,
                  backend: str = "embedded", api_key: str | None = None, host: str = "127.0.0.1",
-                 extra_args: list[str] | None = None, keep: int = 2, version: int = 0, seed: int | None = None):
+                 extra_args: list[str] | None = None, options: dict | None = None, keep: int = 2, version: int = 0,
+                 seed: int | None = None):
         self.supervisor, self.name = supervisor, name
-        extra, options = list(extra_args or []), {}
+        extra, options = list(extra_args or []), dict(options or {})
         if seed is not None:  # the sampling stream follows the run's seed (and differs after a resume at `version`)
             stream = (seed * 1_000_003 + version) % 2 ** 31
             if backend == "sglang":
@@ -44,6 +45,14 @@ class PolicyServer:
         # retries ride out a supervisor restart of this server (tens of seconds on a loaded machine): ~30 s budget
         self.client = EngineClient(self.url, api_key=api_key, max_retries=10, backoff_base=0.25, backoff_max=4.0)
         self._pushed: list[Path] = []
+
+    @classmethod
+    def for_engine(cls, engine_cfg, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path,
+                   **kw) -> "PolicyServer":
+        """A rollout server launched as `engine_cfg` (infra.config.EngineConfig) says: backend (embedded or real
+        SGLang), its options, bind address, API key."""
+        return cls(supervisor, name, model_dir, work_dir, **launch_settings(engine_cfg), api_key=engine_cfg.api_key,
+                   host=engine_cfg.host, **kw)
 
     async def push(self, train_backend, tokenizer, version: int) -> str:
         """Save the trainer's weights (rank 0) and load them into the live server as `weight_version=version`."""

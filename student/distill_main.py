@@ -72,8 +72,8 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     serve_dir = trainer.resume() or student_init
     tracker.log_dict({"teachers": teachers, "resumed_at_step": trainer.state.step}, "distill/teachers.json")
     with Supervisor(work / "logs", threads_per_server=cfg.engine.threads) as sup:
-        trainer.policy = PolicyServer(sup, "student", serve_dir, work / "student-server", api_key=cfg.engine.api_key,
-                                      host=cfg.engine.host, version=trainer.state.step, seed=cfg.run.seed)
+        trainer.policy = PolicyServer.for_engine(cfg.engine, sup, "student", serve_dir, work / "student-server",
+                                                 version=trainer.state.step, seed=cfg.run.seed)
 
         async def go() -> dict:
             try:

@@ -16,7 +16,7 @@ from typing import Mapping
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.engine.launcher import Supervisor
+from infra.engine.launcher import Supervisor, launch_settings
 from tasks.context import RunContext, stage_timer
 from teachers.registry import TeacherRegistry
 
@@ -71,9 +71,8 @@ def start_teachers(domains: list[str], checkpoints: Mapping[str, str], student_d
     try:
         client_kwargs = {"timeout": 30.0, "max_retries": 3}
         if sup is not None:
-            registry = TeacherRegistry.launch(sup, launch, backend=engine_cfg.backend, api_key=engine_cfg.api_key,
-                                              host=engine_cfg.host, external=external, options=engine_cfg.sglang_args
-                                              if engine_cfg.backend == "sglang" else None, client_kwargs=client_kwargs)
+            registry = TeacherRegistry.launch(sup, launch, **launch_settings(engine_cfg), api_key=engine_cfg.api_key,
+                                              host=engine_cfg.host, external=external, client_kwargs=client_kwargs)
         else:
             registry = TeacherRegistry(external, api_key=engine_cfg.api_key, client_kwargs=client_kwargs)
         if external:

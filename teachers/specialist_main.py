@@ -80,9 +80,9 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
                                 ref_model=ref, on_step=on_step)
     serve_dir = trainer.resume() or init_dir
     with Supervisor(work / "logs", threads_per_server=cfg.engine.threads) as sup:
-        trainer.server = PolicyServer(sup, f"policy-{domain.name}", serve_dir, work / "server",
-                                      api_key=cfg.engine.api_key, host=cfg.engine.host, version=trainer.state.step,
-                                      seed=seed * 1009 + zlib.crc32(domain.name.encode()) % 100_003)
+        trainer.server = PolicyServer.for_engine(cfg.engine, sup, f"policy-{domain.name}", serve_dir, work / "server",
+                                                 version=trainer.state.step,
+                                                 seed=seed * 1009 + zlib.crc32(domain.name.encode()) % 100_003)
 
         async def go() -> dict:
             try:

@@ -71,10 +71,25 @@ class FusedDecoder:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return w * xf.to(x.dtype)
 
+    @staticmethod
+    def _attend(q, keys, values, mask, scaling: float, g: int) -> torch.Tensor:
+        """SDPA of one query token per row: q (B, Hq, 1, D), keys/values (B, Hkv, T, D), mask None or
+        (B, 1, 1, T) bool."""
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if mask is None or g == 1:  # as transformers' sdpa_attention_forward, for bitwise-equal results
+            return sdpa(q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=g > 1)
+        # one query token: fold the query heads of each kv group into the query-length axis (pack_gqa)
+        b, _, _, d = q.shape
+        return sdpa(q.reshape(b, -1, g, d), keys, values, attn_mask=mask, scale=scaling)
+
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, cache: BatchKVCache,
-                 mask: torch.Tensor | None) -> torch.Tensor:
+                 mask: torch.Tensor | None, buckets: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
         """ids (B,) long, pos (B,) long positions of the new tokens, mask None or (B, 1, 1, T+1) bool (True =
-        attend) → logits (B, V). Appends each layer's new key/value column to `cache`."""
+        attend) → logits (B, V). Appends each layer's new key/value column to `cache`.
+
+        `buckets` (with a mask; `infra.engine.batching.attention_buckets`): rows `start:end` attend only over
+        columns `first_column:` — every column before it is padding for those rows, so the softmax is the same
+        (masked columns weigh exactly 0) while short rows stop paying for the batch's longest row."""
         lin = torch.nn.functional.linear
         b = ids.shape[0]
         h = torch.nn.functional.embedding(ids[:, None], self.embed)  # (B, 1, H)
@@ -94,12 +109,11 @@ class FusedDecoder:
             q = q * cos + torch.cat((-q2, q1), dim=-1) * sin
             k = k * cos + torch.cat((-k2, k1), dim=-1) * sin
             keys, values = cache.layers[i].update(k, v)
-            if mask is None or g == 1:  # as transformers' sdpa_attention_forward, for bitwise-equal results
-                o = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                                     scale=p["scaling"], enable_gqa=g > 1)
-            else:  # one query token: fold the query heads of each kv group into the query-length axis (pack_gqa)
-                o = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, -1, g, d), keys, values,
-                                                                     attn_mask=mask, scale=p["scaling"])
+            if mask is None or not buckets:
+                o = self._attend(q, keys, values, mask, p["scaling"], g)
+            else:
+                o = torch.cat([self._attend(q[s:e], keys[s:e, :, c:], values[s:e, :, c:], mask[s:e, :, :, c:],
+                                            p["scaling"], g) for s, e, c in buckets])
             o = o.reshape(b, -1, 1, d).transpose(1, 2).reshape(b, 1, -1)
             h = h + lin(o, *p["o"])
             m = self._rms(h, p["post_norm"])

@@ -114,18 +114,28 @@ class BatchKVCache(Cache):
             v[:, :, :n] = v_valid
             layer.set_buffers(k, v, n)
 
-    def merge(self, other: "BatchKVCache", spare: int = _MIN_SPARE) -> None:
-        """Append `other`'s rows below ours. The shorter side is left-padded with zero columns to T = max length."""
+    def merge(self, other: "BatchKVCache", spare: int = _MIN_SPARE, order: torch.Tensor | None = None) -> None:
+        """Append `other`'s rows below ours. The shorter side is left-padded with zero columns to T = max length.
+        `order` (Ba+Bb,) long: row r of the result is row `order[r]` of [ours; theirs] (None: ours, then theirs);
+        the rows are written straight to their places, so reordering costs no extra copy."""
+        dest_a = dest_b = None
+        if order is not None:
+            dest = torch.empty_like(order)
+            dest[order] = torch.arange(order.shape[0])
         for mine, theirs in zip(self.layers, other.layers):
             la, lb = mine.length, theirs.length
             t = max(la, lb)
             ba, bb = mine._k.shape[0], theirs._k.shape[0]
+            if order is not None:
+                dest_a, dest_b = dest[:ba], dest[ba:]
+            else:
+                dest_a, dest_b = slice(0, ba), slice(ba, ba + bb)
             k = mine._k.new_zeros((ba + bb, mine._k.shape[1], t + spare, mine._k.shape[3]))
             v = mine._v.new_zeros((ba + bb, mine._v.shape[1], t + spare, mine._v.shape[3]))
-            k[:ba, :, t - la : t] = mine._k[:, :, :la]
-            v[:ba, :, t - la : t] = mine._v[:, :, :la]
-            k[ba:, :, t - lb : t] = theirs._k[:, :, :lb]
-            v[ba:, :, t - lb : t] = theirs._v[:, :, :lb]
+            k[dest_a, :, t - la : t] = mine._k[:, :, :la]
+            v[dest_a, :, t - la : t] = mine._v[:, :, :la]
+            k[dest_b, :, t - lb : t] = theirs._k[:, :, :lb]
+            v[dest_b, :, t - lb : t] = theirs._v[:, :, :lb]
             mine.set_buffers(k, v, t)
 
 

@@ -65,6 +65,18 @@ class ServerSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+def launch_settings(engine_cfg) -> dict[str, Any]:
+    """`ServerSpec` fields (backend, options, extra_args) for a server launched under `engine_cfg` (an
+    `infra.config.EngineConfig`): SGLang gets `sglang_args` as options, both get `max_running_requests`."""
+    n = engine_cfg.max_running_requests
+    if engine_cfg.backend == "sglang":
+        options = dict(engine_cfg.sglang_args)
+        if n:
+            options.setdefault("max_running_requests", n)
+        return {"backend": "sglang", "options": options, "extra_args": []}
+    return {"backend": engine_cfg.backend, "options": {}, "extra_args": ["--max-batch", str(n)] if n else []}
+
+
 def sglang_option_args(options: dict[str, Any]) -> list[str]:
     """{"tp_size": 2, "trust_remote_code": True} → ["--tp-size", "2", "--trust-remote-code"]; unknown keys raise."""
     args: list[str] = []

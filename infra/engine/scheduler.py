@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from infra.engine.batching import attention_buckets, prefill_group
 from infra.engine.decode import FusedDecoder
 from infra.engine.kv_cache import BatchKVCache, leading_pad_columns, merge_masks
 from infra.engine.protocol import ProtocolError, SeqResult, SeqSpec
@@ -83,7 +84,9 @@ class Engine:
         self.original_logprob = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes")
         self._seed = seed
         self._inbox: collections.deque[Seq] = collections.deque()
-        self._aborts: collections.deque[tuple[str | None, bool, str]] = collections.deque()
+        # (rid, abort_all, message, cutoff): an abort hits only sequences submitted before it (serial < cutoff), as
+        # in SGLang, whose scheduler reads requests and aborts in arrival order; a late abort never hits newer work
+        self._aborts: collections.deque[tuple[str | None, bool, str, int]] = collections.deque()
         self._updates: collections.deque[_UpdateJob] = collections.deque()
         self._wake = threading.Event()
         self._stopping = False
@@ -97,10 +100,12 @@ class Engine:
         self._run: list[Seq] = []
         self._cache: BatchKVCache | None = None
         self._mask = self._pos = self._last = None
+        self._buckets: list[tuple[int, int, int]] | None = None  # decode attention split by row width (batching.py)
         self._reserved = 0
         self.steps = 0  # decode steps run; with decode_rows / decode_seconds: batch occupancy and step time
         self.decode_rows = 0
         self.decode_seconds = 0.0
+        self.bucketed_steps = 0  # decode steps whose attention was split by row width (batching.attention_buckets)
         self.engine_cpu_seconds = 0.0  # CPU time of the engine thread in _step (vs wall: GIL/CPU contention)
 
     # -- thread-safe API --------------------------------------------------------------------------------------------
@@ -127,13 +132,16 @@ class Engine:
         self._wake.set()
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Aborted by AbortReq.") -> None:
-        """Abort every in-flight sequence whose rid (or batch/prompt rid) is `rid`, or all of them."""
-        self._aborts.append((rid, abort_all, message))
+        """Abort every in-flight sequence whose rid (or batch/prompt rid) is `rid`, or all of them. Sequences
+        submitted after this call are not affected, even if the engine thread applies the abort later."""
+        with self._lock:
+            cutoff = self._serial
+        self._aborts.append((rid, abort_all, message, cutoff))
         self._wake.set()
 
     def abort_seqs(self, seqs: list[Seq], message: str) -> None:
         for s in seqs:
-            self._aborts.append((s.spec.rid, False, message))
+            self._aborts.append((s.spec.rid, False, message, s.serial + 1))
         self._wake.set()
 
     def update_weights(self, model_path: str, weight_version: str | None = None,
@@ -228,7 +236,7 @@ class Engine:
         job = self._updates[0]
         if job.abort_all and not job.aborted:
             job.aborted = True
-            self._apply_abort(None, True, "Aborted by update_weights_from_disk (abort_all_requests).")
+            self._apply_abort(None, True, "Aborted by update_weights_from_disk (abort_all_requests).", job.cutoff)
         pending_old = any(s.serial < job.cutoff for s in self._wait_gen) or any(s.serial < job.cutoff for s in self._wait_score)
         if not self._run and not pending_old:
             self._updates.popleft()
@@ -256,8 +264,12 @@ class Engine:
         return True, msg
 
     # -- aborts and finishing ---------------------------------------------------------------------------------------
-    def _apply_abort(self, rid: str | None, abort_all: bool, message: str) -> None:
-        hit = (lambda s: True) if abort_all else (lambda s: rid in s.spec.abort_keys)
+    def _apply_abort(self, rid: str | None, abort_all: bool, message: str, cutoff: float = float("inf")) -> None:
+        """Finish (as "abort") the matching sequences with serial < cutoff, wherever they are."""
+        if abort_all:
+            hit = lambda s: s.serial < cutoff  # noqa: E731
+        else:
+            hit = lambda s: s.serial < cutoff and rid in s.spec.abort_keys  # noqa: E731
         fr = {"type": "abort", "message": message}
         for q in (self._wait_score, self._wait_gen):
             for s in [s for s in q if hit(s)]:
@@ -348,21 +360,26 @@ class Engine:
         return True
 
     def _run_prefill(self, limit: float) -> bool:
-        """Prefill a group of waiting generation sequences, sample their first token, merge them into the batch."""
-        group: list[Seq] = []
-        reserved, width = self._reserved, 0
-        while self._wait_gen and self._wait_gen[0].serial < limit and len(self._run) + len(group) < self.max_batch:
+        """Prefill a group of waiting generation sequences, sample their first token, merge them into the batch.
+
+        Admission is FIFO (serial order, `max_batch` rows, `max_total_tokens` reserved); among the admitted, the
+        group is the shortest ones of similar length (`batching.prefill_group`): the rest wait for the next step,
+        so a long resumed partial never pads a group of short prompts to its length."""
+        cand: list[Seq] = []
+        reserved = self._reserved
+        while self._wait_gen and self._wait_gen[0].serial < limit and len(self._run) + len(cand) < self.max_batch:
             s = self._wait_gen[0]
             need = len(s.spec.input_ids) + s.spec.sampling.max_new_tokens
-            L = max(width, len(s.spec.input_ids))  # padded prompt width if s joins the group
-            if (self._run or group) and reserved + need > self.max_total_tokens:
+            if (self._run or cand) and reserved + need > self.max_total_tokens:
                 break
-            if group and L * (len(group) + 1) > self.max_prefill_tokens:
-                break
-            group.append(self._wait_gen.popleft())
-            reserved, width = reserved + need, L
-        if not group:
+            cand.append(self._wait_gen.popleft())
+            reserved += need
+        if not cand:
             return False
+        pick = prefill_group([len(s.spec.input_ids) for s in cand], self.max_prefill_tokens)
+        chosen = set(pick)
+        self._wait_gen.extendleft(reversed([s for i, s in enumerate(cand) if i not in chosen]))
+        group = [cand[i] for i in pick]  # shortest first: left-padded, so leading padding descends down the rows
         keep = max([1] + [len(s.spec.input_ids) - s.spec.logprob_start for s in group if s.spec.return_logprob])
         cache = BatchKVCache(self.num_layers)
         logits, mask = self._forward_prompts(group, keep, cache)
@@ -383,13 +400,20 @@ class Engine:
         survivors = [group[i] for i in rows]
         if not self._run:
             self._cache, self._pos, self._last = cache, pos, last
+            self._run = survivors
             self._set_mask(mask)
-        else:
-            self._set_mask(merge_masks(self._full_mask(), mask.bool()))  # before the cache merge changes seq_len
-            self._cache.merge(cache)
-            self._pos = torch.cat([self._pos, pos])
-            self._last = torch.cat([self._last, last])
-        self._run.extend(survivors)
+        else:  # rows stay sorted by leading padding, descending (shortest first): decode attention buckets need it
+            merged = merge_masks(self._full_mask(), mask.bool())  # before the cache merge changes seq_len
+            order = torch.argsort(merged.int().argmax(dim=1), descending=True, stable=True)
+            if bool((order == torch.arange(order.shape[0])).all()):
+                order = None
+            self._cache.merge(cache, order=order)
+            rows_all, pos, last = self._run + survivors, torch.cat([self._pos, pos]), torch.cat([self._last, last])
+            if order is not None:
+                merged, pos, last = merged[order], pos[order], last[order]
+                rows_all = [rows_all[i] for i in order.tolist()]
+            self._run, self._pos, self._last = rows_all, pos, last
+            self._set_mask(merged)
         self._reserved += sum(len(s.spec.input_ids) + s.spec.sampling.max_new_tokens for s in survivors)
         self._refresh_params()
         return True
@@ -408,6 +432,7 @@ class Engine:
         as a ready 4-D mask (B, 1, 1, T+1), which skips transformers' per-step mask construction. No padding at
         all → None: decode steps then take attention's unmasked path.
         """
+        self._buckets = None
         if mask is None or bool(mask.all()):
             self._mask = None
             return
@@ -415,6 +440,8 @@ class Engine:
         buf = torch.ones((b, t + _MASK_SPARE), dtype=torch.bool)
         buf[:, :t] = mask
         self._mask = buf
+        if self._fused is not None:  # leading padding per row (the first real column) → attention buckets
+            self._buckets = attention_buckets(buf[:, :t].int().argmax(dim=1).tolist(), t + 1)
 
     def _step_mask(self) -> torch.Tensor | None:
         """The attention mask for a decode step over T cached + 1 new column: (B, 1, 1, T+1) bool for SDPA, else
@@ -442,7 +469,9 @@ class Engine:
         t0 = time.perf_counter()
         B = len(self._run)
         if self._fused is not None:
-            logits = self._fused(self._last, self._pos, self._cache, self._step_mask())
+            mask = self._step_mask()  # may re-grow the mask buffer (and re-derive the buckets)
+            self.bucketed_steps += self._buckets is not None
+            logits = self._fused(self._last, self._pos, self._cache, mask, self._buckets)
         else:
             logits = self.model(input_ids=self._last[:, None], attention_mask=self._step_mask(),
                                 position_ids=self._pos[:, None], past_key_values=self._cache, use_cache=True,

@@ -233,7 +233,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path, "weight_version": engine.weight_version,
         "max_running_requests": engine.max_batch, "max_total_tokens": engine.max_total_tokens,
         "context_length": engine.context_len, "vocab_size": engine.vocab_size, "version": "alloy-embedded",
-        "decode_steps": engine.steps, "decode_rows": engine.decode_rows,
+        "decode_steps": engine.steps, "decode_rows": engine.decode_rows, "bucketed_decode_steps": engine.bucketed_steps,
         "decode_seconds": round(engine.decode_seconds, 6), "engine_cpu_seconds": round(engine.engine_cpu_seconds, 6),
     })
 

@@ -85,7 +85,7 @@ def test_fused_decoder_declines_uncovered_models(tiny_model_dir):
     assert FusedDecoder.for_model(gpt2) is None
 
 
-def _run_engine(model_dir, monkeypatch, fused: bool) -> tuple[Engine, list[Seq]]:
+def _run_engine(model_dir, monkeypatch, fused: bool, waves=None) -> tuple[Engine, list[Seq]]:
     """Two waves of greedy sequences: the second arrives while the first is decoding (merge into a padded batch);
     prompt lengths 3..19 and output lengths 5..90, so rows leave at different steps and padding lives to the end.
     The fused run also shrinks the mask buffer's head-room to 4 columns, so decode steps keep regrowing it."""
@@ -104,14 +104,15 @@ def _run_engine(model_dir, monkeypatch, fused: bool) -> tuple[Engine, list[Seq]]
                        sampling=SamplingSpec(max_new_tokens=n_new, temperature=0.0, ignore_eos=True))
         return Seq(spec, on_done=lambda _s: done.release())
 
-    wave1 = [seq(i, n, k) for i, (n, k) in enumerate([(3, 90), (11, 40), (6, 5), (19, 70)])]
-    wave2 = [seq(4 + i, n, k) for i, (n, k) in enumerate([(15, 80), (4, 30), (9, 12)])]
+    w1, w2 = waves or ([(3, 90), (11, 40), (6, 5), (19, 70)], [(15, 80), (4, 30), (9, 12)])
+    wave1 = [seq(i, n, k) for i, (n, k) in enumerate(w1)]
+    wave2 = [seq(len(w1) + i, n, k) for i, (n, k) in enumerate(w2)]
     try:
         eng.submit(wave1)
         deadline = time.time() + 30
         while len(wave1[0].result.output_ids) < 8 and time.time() < deadline:
             time.sleep(0.001)
-        assert 8 <= len(wave1[0].result.output_ids) < 90  # wave 2 joins a batch that is mid-decode
+        assert 8 <= len(wave1[0].result.output_ids) < w1[0][1]  # wave 2 joins a batch that is mid-decode
         eng.submit(wave2)
         for _ in wave1 + wave2:
             assert done.acquire(timeout=60)
@@ -120,9 +121,7 @@ def _run_engine(model_dir, monkeypatch, fused: bool) -> tuple[Engine, list[Seq]]
     return eng, wave1 + wave2
 
 
-def test_staggered_padded_batch_matches_single_sequence_forward(tiny_model_dir, model, monkeypatch):
-    eng, seqs = _run_engine(tiny_model_dir, monkeypatch, fused=True)
-    assert eng.steps >= 89  # the first token of each sequence comes from its prefill
+def _assert_single_sequence_outputs(model, seqs):
     for s in seqs:
         prompt, out = list(s.spec.input_ids), s.result.output_ids
         assert s.result.finish_reason == {"type": "length", "length": s.spec.sampling.max_new_tokens}
@@ -134,8 +133,48 @@ def test_staggered_padded_batch_matches_single_sequence_forward(tiny_model_dir, 
         want = logp.gather(1, torch.tensor(out)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(s.result.out_logprobs), want, rtol=0, atol=1e-4)
 
+
+def test_staggered_padded_batch_matches_single_sequence_forward(tiny_model_dir, model, monkeypatch):
+    eng, seqs = _run_engine(tiny_model_dir, monkeypatch, fused=True)
+    assert eng.steps >= 89  # the first token of each sequence comes from its prefill
+    _assert_single_sequence_outputs(model, seqs)
     _, plain = _run_engine(tiny_model_dir, monkeypatch, fused=False)
     for a, b in zip(seqs, plain):
         assert a.spec.input_ids == b.spec.input_ids and a.result.output_ids == b.result.output_ids
         torch.testing.assert_close(torch.tensor(a.result.out_logprobs), torch.tensor(b.result.out_logprobs),
                                    rtol=0, atol=1e-5)
+
+
+def test_long_and_short_rows_prefill_apart_and_attend_in_width_buckets(tiny_model_dir, model, monkeypatch):
+    """A 150-token prompt decoding when short prompts arrive (and a 160-token one): the short ones prefill in
+    their own group, are merged *above* the long row (rows stay sorted by padding: a reordering merge), and decode
+    attention runs in width buckets. Every sequence still gets exactly its single-sequence greedy tokens."""
+    waves = ([(150, 60)], [(4, 50), (160, 30), (6, 40)])
+    eng, seqs = _run_engine(tiny_model_dir, monkeypatch, fused=True, waves=waves)
+    assert eng.bucketed_steps > 20, eng.bucketed_steps
+    _assert_single_sequence_outputs(model, seqs)
+    _, plain = _run_engine(tiny_model_dir, monkeypatch, fused=False, waves=waves)  # HF forward: one bucket
+    for a, b in zip(seqs, plain):
+        assert a.result.output_ids == b.result.output_ids
+        torch.testing.assert_close(torch.tensor(a.result.out_logprobs), torch.tensor(b.result.out_logprobs),
+                                   rtol=0, atol=1e-5)
+
+
+def test_an_abort_never_hits_requests_submitted_after_it(tiny_model_dir):
+    """`abort_all` queued while the engine thread is busy: the sequence submitted right after it (the next APRIL
+    step's fresh request) must run to its end, the one submitted before it is aborted."""
+    eng = Engine(str(tiny_model_dir), max_batch=16)
+    eng._load_initial()  # no thread: the test drives the engine loop itself, so the interleaving is exact
+
+    def seq(rid: str) -> Seq:
+        return Seq(SeqSpec(rid=rid, input_ids=(1, 5, 6, 7), sampling=SamplingSpec(max_new_tokens=6, ignore_eos=True)))
+
+    old, new = seq("old"), seq("new")
+    eng.submit([old])
+    eng.abort(None, abort_all=True)
+    eng.submit([new])
+    with torch.inference_mode():
+        while new.result.finish_reason is None:
+            eng._step()
+    assert old.result.finish_reason["type"] == "abort"
+    assert new.result.finish_reason == {"type": "length", "length": 6} and len(new.result.output_ids) == 6

@@ -17,7 +17,7 @@ import pytest
 
 from infra.engine.client import EngineClient, EngineUnavailable
 from infra.engine.launcher import (
-    ServerSpec, Supervisor, SupervisorError, build_command, free_port, sglang_option_args, url_for,
+    ServerSpec, Supervisor, SupervisorError, build_command, free_port, launch_settings, sglang_option_args, url_for,
 )
 from teachers.registry import TeacherRegistry, TokenizerMismatch
 
@@ -61,6 +61,17 @@ def test_build_command_embedded_and_sglang():
         sglang_option_args({"tp": 2})
     with pytest.raises(ValueError, match="backend must be"):
         build_command(ServerSpec("x", "/m", backend="vllm"), 1)
+
+
+def test_launch_settings_follow_the_engine_config():
+    from infra.config import EngineConfig
+
+    assert launch_settings(EngineConfig()) == {"backend": "embedded", "options": {}, "extra_args": []}
+    assert launch_settings(EngineConfig(max_running_requests=16))["extra_args"] == ["--max-batch", "16"]
+    gpu = launch_settings(EngineConfig(backend="sglang", max_running_requests=8, sglang_args={"tp_size": 2}))
+    assert gpu == {"backend": "sglang", "options": {"tp_size": 2, "max_running_requests": 8}, "extra_args": []}
+    cmd = build_command(ServerSpec("policy-x", "/m", **gpu), 30000)  # rollout servers launch real SGLang too
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[-4:] == ["--tp-size", "2", "--max-running-requests", "8"]
 
 
 def test_clients_dial_loopback_for_a_wildcard_bind():

@@ -75,8 +75,12 @@ def _trainer_state(url: str, into: Path) -> dict:
 
 def test_sigkill_mid_run_resumes_with_the_april_buffer_intact(base, tmp_path):
     cfg_path = tmp_path / "cfg.json"
-    cfg_path.write_text(json.dumps(cfg_dict(tmp_path, steps=30, checkpoint_every=10, log_every=1, over_sampling=2.0,
-                                            batch_size=32, max_staleness=50)))
+    # the rollout server decodes at most 16 sequences at once: of the 64 requests a step sends, at least 16 are
+    # still queued when the 32nd finishes, so every step leaves partials (with all 64 decoding at once, reverse's
+    # short answers could all finish before the abort arrived, and the test saw no partial by step 20)
+    cfg = cfg_dict(tmp_path, steps=30, checkpoint_every=10, log_every=1, over_sampling=2.0, batch_size=32,
+                   max_staleness=50)
+    cfg_path.write_text(json.dumps({**cfg, "engine": {"max_running_requests": 16}}))
     out = f"file://{tmp_path}/spec"
     cmd = [sys.executable, "-m", "teachers.specialist_main", "--config", str(cfg_path), "--domain", "reverse",
            "--init", str(base), "--out", out, "--work-dir", str(tmp_path / "w"), "--result", str(tmp_path / "r.json")]

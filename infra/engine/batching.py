@@ -1,0 +1,64 @@
+"""Pure batching decisions of the engine: which waiting sequences prefill together, and how a decode step splits
+the running batch's attention by row width. No tensors of the model here; both are tested by hand-made cases.
+
+Why: the running batch is one left-padded KV cache `(B, H, T, D)`. When a few rows are long (an APRIL partial
+resumed with 400 tokens) and most are short (fresh prompts of 15), a padded forward makes every row pay for T:
+a prefill group padded to the longest prompt, and a decode step whose attention reads all T columns of every row.
+On CPU that padding was most of the cost of resumed partials (bench/april.py). Grouping prefills by length and
+splitting decode attention into width buckets makes each row pay roughly for its own length.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def prefill_group(lengths: Sequence[int], max_tokens: int, max_ratio: float = 2.0, slack: int = 16) -> list[int]:
+    """Indices (into `lengths`) of the sequences to prefill together, shortest first.
+
+    Starts at the shortest and adds the next-shortest while the padded size `L_max · n` stays within `max_tokens`
+    and `L_max ≤ max_ratio · L_min + slack` (so padding is at most about half the group's tokens). The first
+    sequence is always taken, whatever its length. The caller prefills the others in later steps.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    if not order:
+        return []
+    first = lengths[order[0]]
+    group = [order[0]]
+    for i in order[1:]:
+        n = lengths[i]
+        if n > max_ratio * first + slack or n * (len(group) + 1) > max_tokens:
+            break
+        group.append(i)
+    return group
+
+
+def attention_buckets(lead: Sequence[int], t: int, max_buckets: int = 4, min_saving: float = 0.3,
+                      min_width: int = 48) -> list[tuple[int, int, int]] | None:
+    """Split decode attention over rows into contiguous buckets `(start, end, first_column)`, or None for one
+    bucket (attend over all `t` columns).
+
+    `lead[i]` is the number of leading padding columns of row i in a cache of `t` columns (row i's real tokens are
+    columns `lead[i] … t-1`); rows should be sorted by `lead` descending (shortest first) for buckets to help, but
+    any order is correct: a bucket attends from the smallest lead among its rows, so no real column is skipped.
+    Greedy: a new bucket starts when a row is more than twice as wide as the first row of the current bucket
+    (widths under `min_width` count as `min_width`: tiny rows are not worth a bucket of their own). Buckets are
+    used only when they save at least `min_saving` of the row-columns `B · t` that one bucket reads.
+    """
+    b = len(lead)
+    if b < 2:
+        return None
+    buckets: list[list[int]] = [[0, 1]]
+    base = max(t - lead[0], min_width)
+    for i in range(1, b):
+        w = max(t - lead[i], min_width)
+        if w > 2 * base and len(buckets) < max_buckets:
+            buckets.append([i, i + 1])
+            base = w
+        else:
+            buckets[-1][1] = i + 1
+    if len(buckets) == 1:
+        return None
+    out = [(s, e, min(lead[s:e])) for s, e in buckets]
+    cost = sum((e - s) * (t - c) for s, e, c in out)
+    full = b * (t - min(lead))
+    return out if cost <= (1.0 - min_saving) * full else None
