@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import aiohttp
 import numpy as np
+import orjson
 
 from infra.http import SessionPerLoop, run_sync  # noqa: F401  (run_sync is re-exported)
 
@@ -257,7 +258,9 @@ class EngineClient:
         url = f"{self.base_url}{path}"
         retries = self.max_retries if retries is None else retries
         delays = backoff_delays(retries, self.backoff_base, self.backoff_max)
-        kw: dict[str, Any] = {"json": payload} if payload is not None else {}
+        kw: dict[str, Any] = {}
+        if payload is not None:
+            kw = {"data": orjson.dumps(payload), "headers": {"Content-Type": "application/json"}}
         if timeout is not None:
             kw["timeout"] = aiohttp.ClientTimeout(total=timeout)
         self._counts["requests"] += 1
@@ -265,11 +268,12 @@ class EngineClient:
         for attempt in range(retries + 1):
             try:
                 async with self._session().request(method, url, **kw) as resp:
-                    text = await resp.text()
+                    raw = await resp.read()
                     try:
-                        body = await resp.json(content_type=None) if text else None
+                        body = orjson.loads(raw) if raw.strip() else None
                     except ValueError:
                         body = None
+                    text = raw.decode("utf-8", errors="replace") if body is None else ""
                     if resp.status == 200:
                         return body if body is not None else text
                     if resp.status not in RETRY_STATUSES:

@@ -98,6 +98,7 @@ class Engine:
         self._wait_score: collections.deque[Seq] = collections.deque()
         self._wait_gen: collections.deque[Seq] = collections.deque()
         self._run: list[Seq] = []
+        self._holes: set[int] = set()  # rows of _run that finished but still sit in the batch (see _drop_rows)
         self._cache: BatchKVCache | None = None
         self._mask = self._pos = self._last = None
         self._buckets: list[tuple[int, int, int]] | None = None  # decode attention split by row width (batching.py)
@@ -105,6 +106,8 @@ class Engine:
         self.steps = 0  # decode steps run; with decode_rows / decode_seconds: batch occupancy and step time
         self.decode_rows = 0
         self.decode_seconds = 0.0
+        self.prefill_forwards = self.prefill_tokens = self.prefill_padded_tokens = 0  # generation prefills
+        self.prefill_seconds = 0.0
         self.bucketed_steps = 0  # decode steps whose attention was split by row width (batching.attention_buckets)
         self.engine_cpu_seconds = 0.0  # CPU time of the engine thread in _step (vs wall: GIL/CPU contention)
 
@@ -279,7 +282,7 @@ class Engine:
             if hit(s):  # not yet drained: drain happens first in each step, so this is rare
                 self._inbox.remove(s)
                 self._finish(s, fr)
-        rows = [i for i, s in enumerate(self._run) if hit(s)]
+        rows = [i for i, s in enumerate(self._run) if i not in self._holes and hit(s)]
         if rows:
             for i in rows:
                 self._finish(self._run[i], fr)
@@ -299,7 +302,7 @@ class Engine:
         while self._inbox:
             self._wait_gen.append(self._inbox.popleft())
         self._apply_abort(None, True, message)
-        self._run, self._cache, self._reserved = [], None, 0
+        self._run, self._cache, self._reserved, self._holes = [], None, 0, set()
         while self._updates:
             self._updates.popleft().future.set_result((False, message))
 
@@ -367,7 +370,8 @@ class Engine:
         so a long resumed partial never pads a group of short prompts to its length."""
         cand: list[Seq] = []
         reserved = self._reserved
-        while self._wait_gen and self._wait_gen[0].serial < limit and len(self._run) + len(cand) < self.max_batch:
+        live = len(self._run) - len(self._holes)
+        while self._wait_gen and self._wait_gen[0].serial < limit and live + len(cand) < self.max_batch:
             s = self._wait_gen[0]
             need = len(s.spec.input_ids) + s.spec.sampling.max_new_tokens
             if (self._run or cand) and reserved + need > self.max_total_tokens:
@@ -382,7 +386,12 @@ class Engine:
         group = [cand[i] for i in pick]  # shortest first: left-padded, so leading padding descends down the rows
         keep = max([1] + [len(s.spec.input_ids) - s.spec.logprob_start for s in group if s.spec.return_logprob])
         cache = BatchKVCache(self.num_layers)
+        t0 = time.perf_counter()
         logits, mask = self._forward_prompts(group, keep, cache)
+        self.prefill_seconds += time.perf_counter() - t0
+        self.prefill_forwards += 1
+        self.prefill_tokens += int(mask.sum())
+        self.prefill_padded_tokens += mask.numel()
         for i, s in enumerate(group):
             self._fill_input_logprobs(s, logits[i])
         alive, _ = self._sample_and_check(group, logits[:, -1])
@@ -403,6 +412,8 @@ class Engine:
             self._run = survivors
             self._set_mask(mask)
         else:  # rows stay sorted by leading padding, descending (shortest first): decode attention buckets need it
+            if self._holes:
+                self._compact()
             merged = merge_masks(self._full_mask(), mask.bool())  # before the cache merge changes seq_len
             order = torch.argsort(merged.int().argmax(dim=1), descending=True, stable=True)
             if bool((order == torch.arange(order.shape[0])).all()):
@@ -478,25 +489,43 @@ class Engine:
                                 logits_to_keep=1).logits[:, -1]
         self._pos = self._pos + 1
         self.steps += 1
-        alive, self._last = self._sample_and_check(self._run, logits,
+        alive, self._last = self._sample_and_check(self._run, logits, skip=self._holes,
                                                    params=(self._temp, self._top_p, self._top_k, self._any_sampled))
-        dead = {i for i, a in enumerate(alive) if not a}
+        dead = {i for i, a in enumerate(alive) if not a} - self._holes
         if dead:
             self._drop_rows(dead)
         self.decode_rows += B
         self.decode_seconds += time.perf_counter() - t0
 
     def _drop_rows(self, dead: set[int]) -> None:
-        """Remove finished/aborted rows from the running batch and trim padding columns no remaining row uses."""
-        keep = [i for i in range(len(self._run)) if i not in dead]
+        """Finished/aborted rows leave the batch lazily: they become holes (decoded along, their tokens ignored)
+        until holes are half the batch, the live rows could drop half the columns, or a prefill merges (which
+        copies the cache anyway). Compacting copies the whole cache: doing it per finished row cost more than
+        decoding a few dead rows (bench/april.py, where rows finish at nearly every step)."""
         for i in dead:
             s = self._run[i]
             self._reserved -= len(s.spec.input_ids) + s.spec.sampling.max_new_tokens
-        self._run = [self._run[i] for i in keep]
-        if not keep:
+        self._holes |= dead
+        n = len(self._run)
+        if len(self._holes) >= n:
+            self._run, self._holes = [], set()
             self._cache = self._mask = self._pos = self._last = None
-            self._reserved = 0
+            self._buckets, self._reserved = None, 0
             return
+        if 2 * len(self._holes) >= n or 2 * self._live_pad_columns() >= self._cache.seq_len:
+            self._compact()
+
+    def _live_pad_columns(self) -> int:
+        """Leading columns that are padding for every live row (what a compaction would trim)."""
+        if self._mask is None:
+            return 0
+        live = torch.tensor([i for i in range(len(self._run)) if i not in self._holes], dtype=torch.long)
+        return leading_pad_columns(self._full_mask()[live])
+
+    def _compact(self) -> None:
+        """Remove the holes from the batch and trim padding columns no remaining row uses (one cache copy)."""
+        keep = [i for i in range(len(self._run)) if i not in self._holes]
+        self._run, self._holes = [self._run[i] for i in keep], set()
         idx = torch.tensor(keep, dtype=torch.long)
         mask, self._pos, self._last = self._full_mask()[idx], self._pos[idx], self._last[idx]
         drop = leading_pad_columns(mask)
@@ -505,9 +534,11 @@ class Engine:
         self._refresh_params()
 
     # -- sampling and stop conditions -------------------------------------------------------------------------------
-    def _sample_and_check(self, seqs: list[Seq], logits: torch.Tensor, params=None) -> tuple[list[bool], torch.Tensor]:
+    def _sample_and_check(self, seqs: list[Seq], logits: torch.Tensor, params=None,
+                          skip: set[int] = frozenset()) -> tuple[list[bool], torch.Tensor]:
         """Sample one token per row of `logits` (B, V), record it (and its log-probs), check stop conditions.
-        Finished sequences are finished here; returns (alive flags, sampled ids (B,))."""
+        Finished sequences are finished here; returns (alive flags, sampled ids (B,)). Rows in `skip` (holes:
+        already finished) record nothing and count as not alive."""
         if params is None:
             sp = [s.spec.sampling for s in seqs]
             params = (torch.tensor([p.temperature for p in sp], dtype=torch.float32),
@@ -533,6 +564,9 @@ class Engine:
         alive = []
         check_stop, eos = self._check_stop, self.eos_ids
         for i, s in enumerate(seqs):
+            if i in skip:
+                alive.append(False)
+                continue
             tok, res, sp = ids[i], s.result, s.spec.sampling
             out = res.output_ids
             out.append(tok)

@@ -9,14 +9,19 @@ pytestmark = pytest.mark.unit
 
 
 def test_prefill_group_takes_the_shortest_of_similar_length():
-    # lengths 15, 400, 12, 20, 300: the short ones go first (shortest first); 400 and 300 wait (> 2·12 + 16 = 40)
+    # lengths 15, 400, 12, 20, 300: the short ones go first (shortest first); adding 300 would pad 12, 15, 20 to
+    # 300 (853 padding tokens of 1200: over the 256 allowance and over a third) → 300 and 400 wait
     assert prefill_group([15, 400, 12, 20, 300], max_tokens=16384) == [2, 0, 3]
     # the padded budget binds: 3 rows of ≤ 20 tokens = 60 > 50, so only two
     assert prefill_group([15, 400, 12, 20, 300], max_tokens=50) == [2, 0]
     # a long sequence alone is always taken, whatever the budget
     assert prefill_group([500], max_tokens=10) == [0]
-    # the long ones group together once the short ones are gone: 300 and 400 (400 ≤ 2·300 + 16)
+    # the long ones group together once the short ones are gone: 300 and 400 pad 100 tokens (≤ 256)
     assert prefill_group([400, 300], max_tokens=16384) == [1, 0]
+    # 10 and 200: 190 padding tokens, within the allowance (another forward would cost more)
+    assert prefill_group([200, 10], max_tokens=16384) == [1, 0]
+    # 10, 10, 10 and 200: 570 padding > 256 and > 800 / 3 → 200 waits
+    assert prefill_group([10, 10, 10, 200], max_tokens=16384) == [0, 1, 2]
     assert prefill_group([], max_tokens=10) == []
     # ties keep arrival order
     assert prefill_group([7, 7, 7], max_tokens=100) == [0, 1, 2]
