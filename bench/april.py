@@ -132,7 +132,7 @@ class FixedLengthClient(EngineClient):
 async def engine_stats(client: EngineClient) -> dict:
     """The server's cumulative decode counters (`/get_server_info`)."""
     info = await client.request("GET", "/get_server_info")
-    return {k: info.get(k, 0) for k in ("decode_steps", "decode_rows", "decode_seconds", "engine_cpu_seconds",
+    return {k: info[k] for k in ("decode_steps", "decode_rows", "decode_seconds", "engine_cpu_seconds",
                                         "bucketed_decode_steps", "prefill_forwards", "prefill_tokens",
                                         "prefill_padded_tokens", "prefill_seconds")}
 

@@ -118,18 +118,15 @@ class BatchKVCache(Cache):
         """Append `other`'s rows below ours. The shorter side is left-padded with zero columns to T = max length.
         `order` (Ba+Bb,) long: row r of the result is row `order[r]` of [ours; theirs] (None: ours, then theirs);
         the rows are written straight to their places, so reordering costs no extra copy."""
-        dest_a = dest_b = None
+        ba, bb = self.layers[0]._k.shape[0], other.layers[0]._k.shape[0]
+        dest_a, dest_b = slice(0, ba), slice(ba, ba + bb)  # destination rows of ours and of theirs
         if order is not None:
             dest = torch.empty_like(order)
             dest[order] = torch.arange(order.shape[0])
+            dest_a, dest_b = dest[:ba], dest[ba:]
         for mine, theirs in zip(self.layers, other.layers):
             la, lb = mine.length, theirs.length
             t = max(la, lb)
-            ba, bb = mine._k.shape[0], theirs._k.shape[0]
-            if order is not None:
-                dest_a, dest_b = dest[:ba], dest[ba:]
-            else:
-                dest_a, dest_b = slice(0, ba), slice(ba, ba + bb)
             k = mine._k.new_zeros((ba + bb, mine._k.shape[1], t + spare, mine._k.shape[3]))
             v = mine._v.new_zeros((ba + bb, mine._v.shape[1], t + spare, mine._v.shape[3]))
             k[dest_a, :, t - la : t] = mine._k[:, :, :la]
@@ -146,6 +143,11 @@ def merge_masks(mask_a: torch.Tensor, mask_b: torch.Tensor) -> torch.Tensor:
     out[: mask_a.shape[0], t - mask_a.shape[1] :] = mask_a
     out[mask_a.shape[0] :, t - mask_b.shape[1] :] = mask_b
     return out
+
+
+def row_leads(mask: torch.Tensor) -> torch.Tensor:
+    """Leading padding columns of each row of a left-padded `mask` `(B, T)` (its first real column), `(B,)` long."""
+    return mask.int().argmax(dim=1)
 
 
 def leading_pad_columns(mask: torch.Tensor) -> int:

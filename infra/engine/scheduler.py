@@ -31,7 +31,7 @@ import torch
 
 from infra.engine.batching import attention_buckets, prefill_group
 from infra.engine.decode import FusedDecoder
-from infra.engine.kv_cache import BatchKVCache, leading_pad_columns, merge_masks
+from infra.engine.kv_cache import BatchKVCache, leading_pad_columns, merge_masks, row_leads
 from infra.engine.protocol import ProtocolError, SeqResult, SeqSpec
 from infra.engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
 
@@ -101,6 +101,7 @@ class Engine:
         self._holes: set[int] = set()  # rows of _run that finished but still sit in the batch (see _drop_rows)
         self._cache: BatchKVCache | None = None
         self._mask = self._pos = self._last = None
+        self._lead: list[int] = []  # leading padding columns per row (set with the mask)
         self._buckets: list[tuple[int, int, int]] | None = None  # decode attention split by row width (batching.py)
         self._reserved = 0
         self.steps = 0  # decode steps run; with decode_rows / decode_seconds: batch occupancy and step time
@@ -415,7 +416,7 @@ class Engine:
             if self._holes:
                 self._compact()
             merged = merge_masks(self._full_mask(), mask.bool())  # before the cache merge changes seq_len
-            order = torch.argsort(merged.int().argmax(dim=1), descending=True, stable=True)
+            order = torch.argsort(row_leads(merged), descending=True, stable=True)
             if bool((order == torch.arange(order.shape[0])).all()):
                 order = None
             self._cache.merge(cache, order=order)
@@ -446,13 +447,15 @@ class Engine:
         self._buckets = None
         if mask is None or bool(mask.all()):
             self._mask = None
+            self._lead = [0] * len(self._run)
             return
         b, t = mask.shape
         buf = torch.ones((b, t + _MASK_SPARE), dtype=torch.bool)
         buf[:, :t] = mask
         self._mask = buf
-        if self._fused is not None:  # leading padding per row (the first real column) → attention buckets
-            self._buckets = attention_buckets(buf[:, :t].int().argmax(dim=1).tolist(), t + 1)
+        self._lead = row_leads(buf[:, :t]).tolist()
+        if self._fused is not None:
+            self._buckets = attention_buckets(self._lead, t + 1)
 
     def _step_mask(self) -> torch.Tensor | None:
         """The attention mask for a decode step over T cached + 1 new column: (B, 1, 1, T+1) bool for SDPA, else
@@ -517,10 +520,7 @@ class Engine:
 
     def _live_pad_columns(self) -> int:
         """Leading columns that are padding for every live row (what a compaction would trim)."""
-        if self._mask is None:
-            return 0
-        live = torch.tensor([i for i in range(len(self._run)) if i not in self._holes], dtype=torch.long)
-        return leading_pad_columns(self._full_mask()[live])
+        return min(lead for i, lead in enumerate(self._lead) if i not in self._holes)
 
     def _compact(self) -> None:
         """Remove the holes from the batch and trim padding columns no remaining row uses (one cache copy)."""
