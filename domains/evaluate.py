@@ -173,17 +173,26 @@ def run_tool_episodes(domain, examples: Sequence, turns: TurnFn, budget: int, *,
 def evaluate_model(model, tokenizer, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,
                    max_new_tokens: int = 16, batch_size: int = 128, checkpoint: str = "",
                    progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
-    """Score `model` on each domain's eval split (`domain.split("eval", n_eval, seed)`), greedy.
+    """Score `model` on each domain's eval split (`domain.split("eval", n_eval, seed)`), greedy (`score_examples`)."""
+    examples = {name: dom.split("eval", n_eval, seed) for name, dom in domains.items()}
+    rewards = score_examples(model, tokenizer, domains, examples, max_new_tokens, batch_size, progress)
+    rows = [{"domain": n, "stage": stage, "score": sum(r) / len(r), "n_eval": len(r), "checkpoint": checkpoint}
+            for n, r in rewards.items()]
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def score_examples(model, tokenizer, domains: Mapping[str, object], examples: Mapping[str, Sequence],
+                   max_new_tokens: int = 16, batch_size: int = 128,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, list[float]]:
+    """Greedy rewards of `model` on `examples[name]` for each domain: {name: [reward per example]}.
 
     Plain domains' prompts go through one batched generation pass (sorted by length to limit padding). Tool
     domains run episodes in clean envs without a guard (see the module docstring), budget `episode_budget`.
     """
-    plain = {n: d for n, d in domains.items() if not is_tool_domain(d)}
-    tools = {n: d for n, d in domains.items() if is_tool_domain(d)}
-    items = []  # (domain name, example)
-    for name, dom in plain.items():
-        items.extend((name, ex) for ex in dom.split("eval", n_eval, seed))
-    total = len(items) + n_eval * len(tools)
+    plain = [n for n in domains if not is_tool_domain(domains[n])]
+    tools = [n for n in domains if is_tool_domain(domains[n])]
+    items = [(name, ex) for name in plain for ex in examples[name]]  # (domain name, example)
+    total = len(items) + sum(len(examples[n]) for n in tools)
     order = sorted(range(len(items)), key=lambda i: len(items[i][1].prompt))
     completions: list[str] = [""] * len(items)
     for start in range(0, len(order), batch_size):
@@ -198,17 +207,15 @@ def evaluate_model(model, tokenizer, domains: Mapping[str, object], n_eval: int,
         rewards[name].append(domains[name].verify(ex, text))
     done = len(items)
     turns = model_turns(model, tokenizer, greedy=True, batch_size=batch_size) if tools else None
-    for name, dom in tools.items():
-        exs = dom.split("eval", n_eval, seed)
+    for name in tools:
+        dom, exs = domains[name], examples[name]
         episodes = run_tool_episodes(dom, exs, turns, episode_budget(dom, max_new_tokens), clean=True,
                                      env_kwargs={"guard": None})
         rewards[name] = [dom.verify(ex, ep.response) for ex, ep in zip(exs, episodes)]
         done += len(exs)
         if progress is not None:
             progress(done, total)
-    rows = [{"domain": n, "stage": stage, "score": sum(r) / len(r), "n_eval": len(r), "checkpoint": checkpoint}
-            for n, r in rewards.items()]
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return rewards
 
 
 def evaluate(checkpoint_dir: str, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,

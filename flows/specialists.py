@@ -58,7 +58,8 @@ def specialists(ctx: RunContext, base_dir: str) -> dict[str, dict]:
     with stage_timer(ctx, "specialists"):
         out = _deployments(ctx, base_dir) if ctx.cfg.specialists.mode == "deployment" else _local(ctx, base_dir)
     for d, s in out.items():
-        log.info("specialist %s: score %.3f (%d steps)", d, s["score"], s["steps"])
+        log.info("specialist %s: score %.3f (%d steps, the step-%s policy selected%s)", d, s["score"], s["steps"],
+                 s.get("selected_step", s["steps"]), f"; stopped early: {s['stopped']}" if s.get("stopped") else "")
     return out
 
 

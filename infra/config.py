@@ -220,6 +220,14 @@ class SpecialistsConfig(_Strict):
     policy_train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=64))
     critic_train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=64))
     eval_n: int | None = Field(None, ge=1, description="Eval examples for the specialist's own score (None: eval.n_eval).")
+    val_every: int = Field(50, ge=0, description="Steps between validations (greedy, on val_n held-out train-split "
+                                                 "prompts; also before the first step and after the last); 0: none "
+                                                 "(the last policy is the specialist).")
+    val_n: int = Field(200, ge=1, description="Held-out train-split prompts per validation (never trained on).")
+    select: Literal["best", "last"] = Field("best", description="The specialist is the policy with the best "
+                                            "validation score (best) or the last one (last).")
+    patience: int = Field(0, ge=0, description="Stop after this many validations without a new best (0: never).")
+    stop_at: float | None = Field(None, gt=0, le=1, description="Stop once a validation score reaches this.")
     checkpoint_every: int = Field(20, ge=1)
     log_every: int = Field(5, ge=1)
     max_parallel: int = Field(2, ge=1, description="Specialists trained at once (local mode).")
@@ -237,6 +245,8 @@ class SpecialistsConfig(_Strict):
             t = getattr(self, name)
             if t.grad_accum != 1:
                 raise ValueError(f"specialists.{name}.grad_accum: each PPO epoch is one optimizer step; must be 1")
+        if self.val_every == 0 and (self.patience or self.stop_at is not None):
+            raise ValueError("specialists.patience / specialists.stop_at need validations: set specialists.val_every > 0")
         return self
 
 

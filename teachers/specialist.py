@@ -6,8 +6,11 @@
         rewards = domain.verify(example, response)        a raising verifier gives 0 and is counted
         ppo_update(policy, critic, batch, rewards)        teachers/ppo_step.py (critic only during warm-up)
         push weights → engine (version k + 1); ledger += ids
-        every `checkpoint_every`: policy HF + both DeepSpeed states + trainer.json (APRIL buffer with the
-        ledger, prompt cursor, step, metric history) as ONE checkpoint (infra.storage COMPLETE manifest)
+        every `val_every` (and before step 1): greedy score on held-out train prompts; a new best is kept
+        (teachers/selection.py); `patience` / `stop_at` end the loop early
+        every `checkpoint_every`: policy HF + both DeepSpeed states + the best policy so far + trainer.json (APRIL
+        buffer with the ledger, prompt cursor, step, metric history, validations) as ONE checkpoint
+        (infra.storage COMPLETE manifest)
 
 Resume: the newest complete `step-*` under `out_url` restores all of it; the partial rollouts in the buffer resume
 first. Off-policy tokens of resumed partials are corrected by TIS (trainer log-prob vs rollout log-prob, in
@@ -29,9 +32,11 @@ from teachers import ppo_math
 from teachers.april import AprilBuffer, Sample
 from teachers.ppo_step import build_batch, ppo_update, token_logprobs
 from teachers.rollout import PromptCursor, Roller, rollout_step
+from teachers.selection import Selection, validation_examples
 
 log = logging.getLogger("alloy.specialist")
 STATE_FILE = "trainer.json"
+BEST_DIR = "best-hf"  # the best-validating policy (HF dir), in the work dir and in every checkpoint
 
 
 @dataclass
@@ -41,6 +46,8 @@ class SpecialistState:
     history: list[dict] = field(default_factory=list)  # per-step metrics (the progress artifact / report)
     guard_totals: dict[str, int] = field(default_factory=dict)
     verifier_errors: int = 0
+    selection: dict = field(default_factory=dict)  # teachers.selection.Selection.state_dict()
+    stopped: str | None = None  # why training ended before `steps` (early stopping), else None
 
 
 def offpolicy_mask(samples: list[Sample], mask: torch.Tensor, version: int, max_lag: int) -> torch.Tensor:
@@ -65,6 +72,8 @@ class SpecialistTrainer:
         self.buffer = AprilBuffer(max_staleness=sc.max_staleness)
         self.cursor = PromptCursor(domain, tokenizer, sc.n_prompts, seed)
         self.state = SpecialistState()
+        self.selection = Selection()
+        self.val_examples = validation_examples(domain, sc.n_prompts, sc.val_n, seed) if sc.val_every else []
         self.last_checkpoint: str | None = None
 
     # -- resume / checkpoint -----------------------------------------------------------------------------------
@@ -81,7 +90,11 @@ class SpecialistTrainer:
         data = json.loads((local / STATE_FILE).read_text())
         self.buffer.load_state_dict(data.pop("april"))
         self.state = SpecialistState(**data)
+        self.selection = Selection.from_state(self.state.selection)
         self.cursor.cursor = self.state.cursor
+        shutil.rmtree(self.best_dir, ignore_errors=True)
+        if (local / BEST_DIR).is_dir():
+            shutil.copytree(local / BEST_DIR, self.best_dir)
         log.info("specialist %s: resumed %s at step %d (%d partials, %d trained ids)", self.domain.name, url,
                  self.state.step, len(self.buffer), len(self.buffer.state_dict()["ledger"]))
         return str(local / "hf")
@@ -94,7 +107,10 @@ class SpecialistTrainer:
         self.policy.save_hf(local / "hf", tokenizer=self.tok)
         self.policy.save_state(local / "policy-state")
         self.critic.save_state(local / "critic-state")
+        if self.best_dir.is_dir():
+            shutil.copytree(self.best_dir, local / BEST_DIR)
         self.state.cursor = self.cursor.cursor
+        self.state.selection = self.selection.state_dict()
         (local / STATE_FILE).write_text(json.dumps(dict(vars(self.state), april=self.buffer.state_dict())))
         url = save_checkpoint(str(local), join(self.out_url, checkpoint_name(self.state.step)), self.state.step,
                               meta={"stage": "specialist", "domain": self.domain.name})
@@ -104,18 +120,54 @@ class SpecialistTrainer:
         return url
 
     # -- the loop ------------------------------------------------------------------------------------------------
+    @property
+    def best_dir(self) -> Path:
+        return self.work_dir / BEST_DIR
+
     async def run(self) -> dict:
         sc = self.sc
-        while self.state.step < sc.steps:
+        if sc.val_every and not self.selection.history:
+            self.validate()
+        while self.state.step < sc.steps and self.state.stopped is None:
             metrics = await self.train_step()
             if self.on_step is not None:
                 self.on_step(self, metrics)
-            if self.state.step % sc.checkpoint_every == 0 and self.state.step < sc.steps:
+            step = self.state.step
+            if sc.val_every and (step % sc.val_every == 0 or step == sc.steps):
+                self.validate()
+                self.state.stopped = self.selection.stop_reason(sc.patience, sc.stop_at)
+                if self.state.stopped:
+                    log.info("specialist %s: stopping early at step %d/%d: %s", self.domain.name, step, sc.steps,
+                             self.state.stopped)
+            if step % sc.checkpoint_every == 0 and step < sc.steps and self.state.stopped is None:
                 self.checkpoint()
         self.checkpoint()
+        sel = self.selection
         return {"steps": self.state.step, "history": self.state.history, "guard": dict(self.state.guard_totals),
                 "april": self.buffer.counters, "verifier_errors": self.state.verifier_errors,
-                "checkpoint": self.last_checkpoint}
+                "checkpoint": self.last_checkpoint, "validation": sel.history, "best_step": sel.best_step,
+                "best_val": sel.best_score, "stopped": self.state.stopped}
+
+    def validate(self) -> float:
+        """Greedy score of the current policy on the held-out train prompts; a new best is saved to `best_dir`."""
+        from domains.evaluate import score_examples
+
+        t0 = time.perf_counter()
+        self.policy.eval_mode()
+        try:
+            rewards = score_examples(self.policy.module, self.tok, {self.domain.name: self.domain},
+                                     {self.domain.name: self.val_examples}, self.max_new_tokens)[self.domain.name]
+        finally:
+            self.policy.train_mode()
+        score, step = float(np.mean(rewards)), self.state.step
+        if self.selection.record(step, score):
+            shutil.rmtree(self.best_dir, ignore_errors=True)
+            self.policy.save_hf(self.best_dir, tokenizer=self.tok)
+        self.tracker.log_metrics({"val/score": score, "val/best": self.selection.best_score}, step=step)
+        log.info("specialist %s step %d: validation %.3f on %d held-out prompts (best %.3f at step %d, %.1fs)",
+                 self.domain.name, step, score, len(rewards), self.selection.best_score, self.selection.best_step,
+                 time.perf_counter() - t0)
+        return score
 
     async def train_step(self) -> dict:
         sc, version = self.sc, self.state.step

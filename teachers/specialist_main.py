@@ -7,7 +7,8 @@
 storage prefix of this specialist: resumable `step-*` checkpoints and `final/` (the HF model served as the
 domain's teacher). A rerun with the same `--out` resumes from the newest complete `step-*` (APRIL buffer, ledger,
 cursor and both optimizers included). The result JSON has the per-step history, guard and APRIL totals, the
-specialist's own eval score and the `final/` URL.
+specialist's own eval score and the `final/` URL. The specialist (`final/`) is the policy of the best validation (`specialists.select: best`,
+teachers/selection.py) or the last one.
 """
 from __future__ import annotations
 
@@ -95,15 +96,26 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
         summary = asyncio.run(go())
     final = work / "final"
     shutil.rmtree(final, ignore_errors=True)
-    policy.save_hf(final, tokenizer=tok)
+    best = summary["best_step"]
+    use_best = sc.select == "best" and best is not None and best != trainer.state.step
     policy.eval_mode()
-    df = evaluate_model(policy.module, tok, {domain.name: domain}, sc.eval_n or cfg.eval.n_eval, seed, "specialist",
+    if use_best:  # the best-validating policy is the specialist (teachers/selection.py)
+        shutil.copytree(trainer.best_dir, final)
+        model = load_model(final).to(next(policy.module.parameters()).device)
+        log.info("specialist %s: the step-%d policy is the specialist (validation %.3f; last step %d: %.3f)",
+                 domain.name, best, summary["best_val"], trainer.state.step, summary["validation"][-1]["score"])
+    else:
+        policy.save_hf(final, tokenizer=tok)
+        model = policy.module
+    summary["selected_step"] = best if use_best else trainer.state.step
+    df = evaluate_model(model, tok, {domain.name: domain}, sc.eval_n or cfg.eval.n_eval, seed, "specialist",
                         max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size)
     summary["score"] = float(df.score.iloc[0])
-    tracker.log_metrics({"eval/score": summary["score"]}, step=trainer.state.step)
+    tracker.log_metrics({"eval/score": summary["score"], "eval/selected_step": summary["selected_step"]},
+                        step=trainer.state.step)
     summary["checkpoint"] = save_checkpoint(str(final), join(out_url, "final"), trainer.state.step,
                                             meta={"stage": "specialist", "domain": domain.name,
-                                                  "score": summary["score"]})
+                                                  "score": summary["score"], "step": summary["selected_step"]})
     summary["specialist_dir"] = str(final)
     policy.close()
     critic.close()

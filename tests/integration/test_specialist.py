@@ -66,6 +66,33 @@ def test_specialist_beats_base_and_logs_every_metric(base, tmp_path):
         want = [s for s in range(10, 151, 10) if name not in policy_only or s > warm]
         assert steps == want, (name, steps)
     assert client.get_run(child).data.metrics["eval/score"] == pytest.approx(out["score"])
+    # validated before the first step, every val_every (50) steps and after the last; the best one is the specialist
+    assert [v["step"] for v in out["validation"]] == [0, 50, 100, 150] and out["stopped"] is None
+    assert sorted(m.step for m in client.get_metric_history(child, "val/score")) == [0, 50, 100, 150]
+    assert out["best_val"] == max(v["score"] for v in out["validation"])
+    assert out["selected_step"] == out["best_step"]
+
+
+def test_early_stop_and_the_best_validating_policy_is_the_specialist(base, tmp_path):
+    from domains.evaluate import score_examples
+    from infra.models import load_model, load_tokenizer
+    from infra.tracking import NoopTracker
+    from teachers.selection import validation_examples
+    from teachers.specialist_main import run_specialist
+
+    cfg = config_from_dict(cfg_dict(tmp_path, steps=200, val_every=5, val_n=60, stop_at=0.01, critic_warmup_steps=0))
+    dom = load_domains(cfg)["reverse"]
+    out = run_specialist(cfg, dom, str(base), f"file://{tmp_path}/spec", tmp_path / "w", NoopTracker())
+    assert out["steps"] == 5 and "stop_at 0.01" in out["stopped"]  # the first validation after training stops it
+    assert [v["step"] for v in out["validation"]] == [0, 5]
+    final = Path(out["specialist_dir"])
+    val = validation_examples(dom, cfg.specialists.n_prompts, 60, cfg.run.seed)
+    rescored = score_examples(load_model(final), load_tokenizer(final), {"reverse": dom}, {"reverse": val},
+                              cfg.eval.max_new_tokens)["reverse"]
+    assert sum(rescored) / len(rescored) == pytest.approx(out["best_val"])  # final/ holds the best policy's weights
+    assert out["selected_step"] == out["best_step"]
+    state = _trainer_state(latest_complete(f"file://{tmp_path}/spec"), tmp_path / "ckpt")
+    assert state["stopped"] == out["stopped"] and state["selection"]["best_step"] == out["best_step"]
 
 
 def _trainer_state(url: str, into: Path) -> dict:
@@ -79,7 +106,7 @@ def test_sigkill_mid_run_resumes_with_the_april_buffer_intact(base, tmp_path):
     # still queued when the 32nd finishes, so every step leaves partials (with all 64 decoding at once, reverse's
     # short answers could all finish before the abort arrived, and the test saw no partial by step 20)
     cfg = cfg_dict(tmp_path, steps=30, checkpoint_every=10, log_every=1, over_sampling=2.0, batch_size=32,
-                   max_staleness=50)
+                   max_staleness=50, val_every=10, val_n=50)
     cfg_path.write_text(json.dumps({**cfg, "engine": {"max_running_requests": 16}}))
     out = f"file://{tmp_path}/spec"
     cmd = [sys.executable, "-m", "teachers.specialist_main", "--config", str(cfg_path), "--domain", "reverse",
@@ -110,3 +137,6 @@ def test_sigkill_mid_run_resumes_with_the_april_buffer_intact(base, tmp_path):
     assert issued == set(ledger) | buffered
     assert buffered_at_kill <= set(ledger) | buffered  # the partials saved at the kill were resumed, not dropped
     assert sum(h["samples"] for h in final["history"]) == len(ledger)  # the history counts each trained id once
+    # validations and the best policy came back with the checkpoint: step 20 is not validated twice
+    assert [v["step"] for v in final["selection"]["history"]] == [0, 10, 20, 30]
+    assert (tmp_path / "final" / "best-hf" / "config.json").is_file()

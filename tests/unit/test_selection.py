@@ -1,0 +1,63 @@
+"""Best-checkpoint selection and early stopping of a specialist (teachers/selection.py): the rules by hand, the
+held-out validation prompts, and the config checks."""
+from __future__ import annotations
+
+import pytest
+
+from domains.base import is_eval_prompt
+from domains.registry import load_domain
+from infra.config import ConfigError, config_from_dict
+from teachers.selection import Selection, validation_examples
+
+pytestmark = pytest.mark.unit
+
+
+def test_best_is_the_first_strictly_higher_score_and_patience_counts_validations_after_it():
+    s = Selection()
+    assert s.stop_reason(patience=1, stop_at=0.9) is None  # nothing validated yet
+    assert s.record(0, 0.40) is True and (s.best_step, s.best_score) == (0, 0.40)
+    assert s.record(50, 0.55) is True
+    assert s.record(100, 0.55) is False  # a tie keeps the earlier (less trained) policy
+    assert s.record(150, 0.50) is False
+    assert (s.best_step, s.best_score, s.since_best()) == (50, 0.55, 2)
+    assert s.stop_reason(patience=3, stop_at=None) is None
+    assert "2 validations without a new best" in s.stop_reason(patience=2, stop_at=None)
+    assert s.stop_reason(patience=0, stop_at=None) is None  # 0 = never stop on patience
+    assert s.record(200, 0.56, min_delta=0.02) is False  # +0.01 is within min_delta: not a new best
+    assert s.record(250, 0.58, min_delta=0.02) is True and s.since_best() == 0
+
+
+def test_stop_at_looks_at_the_latest_score_only():
+    s = Selection()
+    s.record(0, 1.0)
+    s.record(50, 0.9)
+    assert s.stop_reason(patience=0, stop_at=1.0) is None  # the best reached it, but the latest did not
+    s.record(100, 1.0)
+    assert "stop_at 1.0" in s.stop_reason(patience=0, stop_at=1.0)
+
+
+def test_state_round_trip():
+    s = Selection()
+    s.record(0, 0.3)
+    s.record(10, 0.6)
+    back = Selection.from_state(s.state_dict())
+    assert back == s and Selection.from_state({}) == Selection() and Selection.from_state(None) == Selection()
+
+
+def test_validation_prompts_are_train_split_and_never_in_the_training_pool():
+    dom = load_domain("reverse", difficulty=3)
+    pool = {ex.prompt for ex in dom.split("train", 300, 0)}  # what PromptCursor(n=300, seed=0) trains on
+    val = validation_examples(dom, 300, 50, 0)
+    assert len(val) == 50 and len({ex.prompt for ex in val}) == 50
+    assert not pool & {ex.prompt for ex in val}
+    assert not any(is_eval_prompt(ex.prompt) for ex in val)  # disjoint from the eval split by construction
+    assert val == validation_examples(dom, 300, 50, 0)  # deterministic
+
+
+def test_config_needs_validations_for_patience_or_stop_at():
+    with pytest.raises(ConfigError, match="specialists.val_every > 0"):
+        config_from_dict({"domains": [{"name": "a"}], "specialists": {"val_every": 0, "patience": 2}})
+    with pytest.raises(ConfigError, match="specialists.stop_at"):
+        config_from_dict({"domains": [{"name": "a"}], "specialists": {"stop_at": 1.5}})
+    cfg = config_from_dict({"domains": [{"name": "a"}], "specialists": {"val_every": 0, "select": "best"}})
+    assert cfg.specialists.val_every == 0  # then the last policy is the specialist
