@@ -19,9 +19,10 @@ log = logging.getLogger("alloy")
 
 def specialist_scores(ctx: RunContext, specs: dict[str, dict]) -> pd.DataFrame:
     """Each specialist's own-domain score (evaluated by its trainer on the same eval split) as report rows."""
-    n = ctx.cfg.specialists.eval_n or ctx.cfg.eval.n_eval
-    return pd.DataFrame([{"domain": d, "stage": "specialist", "score": s["score"], "n_eval": n,
-                          "checkpoint": s["checkpoint"]} for d, s in specs.items()])
+    sc = ctx.cfg.specialists
+    return pd.DataFrame([{"domain": d, "stage": "specialist", "score": s["score"],
+                          "n_eval": sc.for_domain(d).eval_n or ctx.cfg.eval.n_eval, "checkpoint": s["checkpoint"]}
+                         for d, s in specs.items()])
 
 
 def guard_totals(specs: dict[str, dict]) -> dict[str, int]:

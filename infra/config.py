@@ -193,6 +193,22 @@ class GuardConfig(_Strict):
     allowed_hosts: list[str] = Field(default_factory=list, description="Hosts a fetch may reach without a flag.")
 
 
+STAGE_WIDE = frozenset({"enabled", "max_parallel", "mode", "deployment", "retries", "per_domain"})
+
+
+def _deep_merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _problem(err: Mapping) -> str:
+    if err.get("type") == "extra_forbidden":
+        return "unknown key"
+    return str(err.get("msg")).removeprefix("Value error, ")
+
+
 class SpecialistsConfig(_Strict):
     """Critic-based PPO per domain with APRIL partial rollouts (DESIGN.md "Critic-based PPO", "APRIL")."""
     enabled: bool = Field(True, description="Train specialists; false = the base model is every domain's teacher.")
@@ -238,6 +254,31 @@ class SpecialistsConfig(_Strict):
     retries: int = Field(2, ge=0, description="Task retries of a failed specialist (each resumes its checkpoint).")
     threads: int = Field(1, ge=1, description="Torch threads of each specialist trainer process.")
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    per_domain: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Overrides per domain, e.g. {interleave: {kl_coef: 0.0}}: any field above "
+                                          "except the stage-wide ones (enabled, max_parallel, mode, deployment, "
+                                          "retries); nested fields merge (policy_train: {lr: 2e-3}).")
+
+    def for_domain(self, name: str) -> "SpecialistsConfig":
+        """This config with `per_domain[name]` merged in (the settings `name`'s specialist trains with)."""
+        if name not in self.per_domain:
+            return self
+        merged = _deep_merge(self.model_dump(exclude={"per_domain"}), self.per_domain[name])
+        return SpecialistsConfig.model_validate(merged)
+
+    @model_validator(mode="after")
+    def _per_domain_fields(self) -> "SpecialistsConfig":
+        for name, over in self.per_domain.items():
+            wide = sorted(set(over) & STAGE_WIDE)
+            if wide:
+                raise ValueError(f"specialists.per_domain.{name}: {wide} apply to the whole stage, not to one domain")
+            try:
+                self.for_domain(name)
+            except ValidationError as exc:
+                problems = "; ".join(": ".join(filter(None, (".".join(str(x) for x in e["loc"]), _problem(e))))
+                                     for e in exc.errors())
+                raise ValueError(f"specialists.per_domain.{name}: {problems}") from None
+        return self
 
     @model_validator(mode="after")
     def _single_rank(self) -> "SpecialistsConfig":
@@ -271,6 +312,9 @@ class AlloyConfig(_Strict):
         unknown = sorted(set(self.teachers.external) - set(names))
         if unknown:
             raise ValueError(f"teachers.external names domains that are not configured: {unknown}")
+        unknown = sorted(set(self.specialists.per_domain) - set(names))
+        if unknown:
+            raise ValueError(f"specialists.per_domain names domains that are not configured: {unknown}")
         return self
 
     @property

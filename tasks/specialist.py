@@ -60,7 +60,7 @@ def train_specialist(ctx: RunContext, domain: str, base_dir: str) -> dict:
             summary = read_json(join(prefix, "result.json"))
         else:
             art = _progress_artifact(domain)
-            steps = cfg.specialists.steps
+            steps = cfg.specialists.for_domain(domain).steps
 
             def on_step(step: int) -> None:
                 if art is not None:

@@ -117,6 +117,20 @@ def token_logprobs(backend_or_model, batch: PPOBatch, temperature: float = 1.0) 
     return _logp_and_entropy(backend_or_model, batch, with_entropy=False, temperature=temperature)[0]
 
 
+DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",
+                  "dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop")
+
+
+def is_deterministic(backend_or_model) -> bool:
+    """Whether a train-mode forward equals the eval-mode one: no `nn.Dropout` with p > 0 and no dropout rate > 0 in
+    the HF config (attention dropout is functional in HF models, so the config is the only place it shows)."""
+    model = getattr(backend_or_model, "module", backend_or_model)
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return False
+    cfg = getattr(model, "config", None)
+    return not any(isinstance(getattr(cfg, f, None), (int, float)) and getattr(cfg, f) > 0 for f in DROPOUT_FIELDS)
+
+
 def _values(critic, batch: PPOBatch) -> torch.Tensor:
     dev = _device(critic)
     return critic(input_ids=batch.input_ids.to(dev), attention_mask=batch.attention_mask.to(dev)).float()
@@ -155,11 +169,20 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
     norm_pi, norm_v = policy.loss_normalizer(global_tokens), critic.loss_normalizer(global_tokens)
 
     # ---- rollout-time quantities, frozen for all epochs ----------------------------------------------------------
+    # Without dropout a train-mode forward equals the eval-mode one, so epoch 1's forwards (with grad) double as the
+    # frozen π_old / V_old forwards: two forwards fewer per update (the update is the same to the last bit).
+    reuse_pi = not critic_only and is_deterministic(policy)
+    reuse_v = is_deterministic(critic)
+    first_pi = first_v = None
+    policy.train_mode() if reuse_pi else policy.eval_mode()
+    critic.train_mode() if reuse_v else critic.eval_mode()
+    if reuse_pi:
+        first_pi = _logp_and_entropy(policy, batch, with_entropy=True, temperature=temperature)
+    if reuse_v:
+        first_v = _values(critic, batch)
     with torch.no_grad():
-        policy.eval_mode()
-        critic.eval_mode()
-        old_logp = token_logprobs(policy, batch, temperature).cpu()
-        old_values = _values(critic, batch).cpu()
+        old_logp = (first_pi[0].detach() if reuse_pi else token_logprobs(policy, batch, temperature)).cpu()
+        old_values = (first_v.detach() if reuse_v else _values(critic, batch)).cpu()
         kl = None if ref_logprobs is None else ppo_math.kl_estimator(old_logp, ref_logprobs.float(), "k1")
         r = ppo_math.token_rewards(rewards, mask, kl, kl_coef)
         advantages, returns = ppo_math.compute_gae(r, old_values, mask, gamma, lam)
@@ -178,7 +201,10 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
     critic.train_mode()
     for epoch in range(ppo_epochs):
         if not critic_only:
-            logp, entropy = _logp_and_entropy(policy, batch, with_entropy=True, temperature=temperature)
+            if epoch == 0 and first_pi is not None:
+                logp, entropy = first_pi
+            else:
+                logp, entropy = _logp_and_entropy(policy, batch, with_entropy=True, temperature=temperature)
             dev = logp.device
             pg, pg_m = ppo_math.policy_loss(logp, old_logp.to(dev), advantages.to(dev), mask.to(dev), eps_clip,
                                             eps_clip_high, eps_clip_c, None if tis is None else tis.to(dev),
@@ -190,7 +216,7 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
             sums["entropy"] = sums.get("entropy", 0.0) + ppo_math.masked_mean(entropy.detach(), mask.to(dev)).item()
             if epoch == 0:
                 metrics["clip_frac_first"], metrics["ratio_mean_first"] = pg_m["clip_frac"], pg_m["ratio_mean"]
-        values = _values(critic, batch)
+        values = first_v if epoch == 0 and first_v is not None else _values(critic, batch)
         dev = values.device
         vf, vf_m = ppo_math.value_loss(values, old_values.to(dev), returns.to(dev), mask.to(dev), value_clip,
                                        global_token_count=norm_v)

@@ -57,8 +57,9 @@ def make_guard(gc) -> Guard | None:
 
 def response_budget(cfg, domain) -> int:
     """Configured budget, else a tool episode's length (tool domains), else the eval budget."""
-    if cfg.specialists.max_new_tokens:
-        return cfg.specialists.max_new_tokens
+    sc = cfg.specialists.for_domain(domain.name)
+    if sc.max_new_tokens:
+        return sc.max_new_tokens
     return int(getattr(domain, "episode_chars", 0)) or cfg.eval.max_new_tokens
 
 
@@ -67,7 +68,7 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     `specialist_dir` (local HF copy) and `score` (greedy eval on the held-out split, clean env for tools)."""
     from domains.evaluate import evaluate_model
 
-    sc, work = cfg.specialists, Path(work_dir)
+    sc, work = cfg.specialists.for_domain(domain.name), Path(work_dir)  # with specialists.per_domain merged in
     work.mkdir(parents=True, exist_ok=True)
     seed = cfg.run.seed
     tok = load_tokenizer(init_dir)
@@ -139,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     cfg = load_config(args.config, args.set)
-    torch.set_num_threads(cfg.specialists.threads)
     domains = load_domains(cfg)
     if args.domain not in domains:
         raise SystemExit(f"--domain {args.domain!r} is not configured; configured: {sorted(domains)}")
+    torch.set_num_threads(cfg.specialists.for_domain(args.domain).threads)
     tracker = NoopTracker()
     if args.mlflow_run_id and cfg.tracking.enabled:
         tracker = Tracker(runs_root=cfg.run.root, experiment=cfg.tracking.experiment,

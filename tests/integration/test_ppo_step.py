@@ -154,3 +154,40 @@ def test_kl_penalty_enters_the_token_rewards():
     assert m["vf_loss"] == pytest.approx(0.5 * sum(x * x for x in g) / 3, rel=1e-5)
     policy.close()
     critic.close()
+
+
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_reusing_the_first_epoch_forwards_as_pi_old_changes_nothing(monkeypatch, ppo_epochs):
+    """Without dropout, epoch 1's forwards double as the π_old / V_old forwards: the same update, to the last bit,
+    as separate eval-mode forwards."""
+    import teachers.ppo_step as ps
+
+    gen = torch.Generator().manual_seed(1)
+    pol, _ = backends(lr=3e-3, batch=16)
+    samples, r = sample(pol.module, 16, 4, 0, gen)
+    pol.close()
+    results = []
+    for reuse in (True, False):
+        monkeypatch.setattr(ps, "is_deterministic", lambda b, reuse=reuse: reuse)
+        policy, critic = backends(lr=3e-3, batch=16)
+        batch = build_batch(samples, PAD, r)
+        with torch.no_grad():
+            ref = token_logprobs(policy, batch) - 0.3
+        m = ppo_update(policy, critic, batch, ppo_epochs=ppo_epochs, kl_coef=0.1, ref_logprobs=ref)
+        results.append((m, params(policy.module), params(critic.module)))
+        policy.close()
+        critic.close()
+    (m1, pi1, v1), (m2, pi2, v2) = results
+    assert all(torch.equal(pi1[k], pi2[k]) for k in pi1) and all(torch.equal(v1[k], v2[k]) for k in v1)
+    assert m1 == m2
+
+
+def test_dropout_is_detected_in_modules_and_in_the_hf_config():
+    from teachers.ppo_step import is_deterministic
+
+    model = build_model("nano", len(VOCAB), PAD, BOS, EOS, seed=0)
+    assert is_deterministic(model)
+    model.config.attention_dropout = 0.1  # HF Llama applies it functionally: only the config shows it
+    assert not is_deterministic(model)
+    assert not is_deterministic(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
+    assert is_deterministic(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)))

@@ -73,14 +73,16 @@ def test_specialist_beats_base_and_logs_every_metric(base, tmp_path):
     assert out["selected_step"] == out["best_step"]
 
 
-def test_early_stop_and_the_best_validating_policy_is_the_specialist(base, tmp_path):
+def test_early_stop_and_the_best_validating_policy_is_the_specialist_per_domain_settings(base, tmp_path):
     from domains.evaluate import score_examples
     from infra.models import load_model, load_tokenizer
     from infra.tracking import NoopTracker
     from teachers.selection import validation_examples
     from teachers.specialist_main import run_specialist
 
-    cfg = config_from_dict(cfg_dict(tmp_path, steps=200, val_every=5, val_n=60, stop_at=0.01, critic_warmup_steps=0))
+    # set through specialists.per_domain: the trainer must use the domain's merged settings
+    cfg = config_from_dict(cfg_dict(tmp_path, steps=200, per_domain={
+        "reverse": {"val_every": 5, "val_n": 60, "stop_at": 0.01, "critic_warmup_steps": 0}}))
     dom = load_domains(cfg)["reverse"]
     out = run_specialist(cfg, dom, str(base), f"file://{tmp_path}/spec", tmp_path / "w", NoopTracker())
     assert out["steps"] == 5 and "stop_at 0.01" in out["stopped"]  # the first validation after training stops it

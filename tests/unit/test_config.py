@@ -112,3 +112,10 @@ def test_cli_config_loads_domain_plugins(tmp_path):
                           timeout=120, env=env, cwd=str(root))
     assert proc.returncode == 0, proc.stderr
     assert "impl: palindrome_domain:Palindrome" in proc.stdout
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")))
+def test_every_shipped_config_validates(name):
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / name)
+    for d in cfg.domain_names():
+        cfg.specialists.for_domain(d)  # per-domain overrides merge into valid settings

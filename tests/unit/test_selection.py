@@ -61,3 +61,27 @@ def test_config_needs_validations_for_patience_or_stop_at():
         config_from_dict({"domains": [{"name": "a"}], "specialists": {"stop_at": 1.5}})
     cfg = config_from_dict({"domains": [{"name": "a"}], "specialists": {"val_every": 0, "select": "best"}})
     assert cfg.specialists.val_every == 0  # then the last policy is the specialist
+
+
+def test_per_domain_overrides_merge_into_that_domains_settings_only():
+    cfg = config_from_dict({"domains": [{"name": "a"}, {"name": "b"}], "specialists": {
+        "steps": 300, "kl_coef": 0.05, "policy_train": {"lr": 1e-3, "micro_batch_size": 32},
+        "per_domain": {"b": {"kl_coef": 0.0, "steps": 500, "policy_train": {"lr": 2e-3}}}}})
+    a, b = cfg.specialists.for_domain("a"), cfg.specialists.for_domain("b")
+    assert (a.kl_coef, a.steps, a.policy_train.lr) == (0.05, 300, 1e-3)
+    assert (b.kl_coef, b.steps, b.policy_train.lr, b.policy_train.micro_batch_size) == (0.0, 500, 2e-3, 32)
+    assert b.per_domain == {} and a is cfg.specialists
+
+
+@pytest.mark.parametrize("per_domain, message", [
+    ({"c": {"steps": 5}}, "specialists.per_domain names domains that are not configured: ['c']"),
+    ({"a": {"stepz": 5}}, "specialists.per_domain.a: stepz: unknown key"),
+    ({"a": {"steps": -1}}, "specialists.per_domain.a: steps: Input should be greater than or equal to 0"),
+    ({"a": {"policy_train": {"lr": "fast"}}}, "specialists.per_domain.a: policy_train.lr:"),
+    ({"a": {"max_parallel": 4}}, "specialists.per_domain.a: ['max_parallel'] apply to the whole stage"),
+    ({"a": {"val_every": 0, "patience": 3}}, "specialists.per_domain.a: specialists.patience / specialists.stop_at need validations"),
+])
+def test_per_domain_errors_name_the_domain_and_field(per_domain, message):
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"domains": [{"name": "a"}], "specialists": {"per_domain": per_domain}})
+    assert message in str(err.value)
