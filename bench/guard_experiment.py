@@ -141,6 +141,9 @@ def specialist_config(root: Path, *, guard: bool, steps: int, batch: int, lr: fl
         "specialists": {"steps": steps, "batch_size": batch, "over_sampling": 1.0, "ppo_epochs": 4,
                         "kl_coef": kl_coef, "lam": lam, "critic_warmup_steps": warmup,
                         "checkpoint_every": max(steps, 1),
+                        # the experiment measures the trained (last) policy: best-policy selection validates in a
+                        # clean env, so for the guard-off arm it would pick the pre-shortcut policy and hide the hack
+                        "val_every": 0,
                         "log_every": max(steps, 1), "policy_train": {"lr": lr, "micro_batch_size": batch},
                         "critic_train": {"lr": lr, "micro_batch_size": batch},
                         "guard": {"enabled": guard}}})
