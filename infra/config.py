@@ -204,9 +204,8 @@ def _deep_merge(base: dict, over: Mapping) -> dict:
 
 
 def _problem(err: Mapping) -> str:
-    if err.get("type") == "extra_forbidden":
-        return "unknown key"
-    return str(err.get("msg")).removeprefix("Value error, ")
+    """One pydantic error's message as the config errors show it."""
+    return "unknown key" if err.get("type") == "extra_forbidden" else str(err.get("msg"))
 
 
 class SpecialistsConfig(_Strict):
@@ -275,7 +274,8 @@ class SpecialistsConfig(_Strict):
             try:
                 self.for_domain(name)
             except ValidationError as exc:
-                problems = "; ".join(": ".join(filter(None, (".".join(str(x) for x in e["loc"]), _problem(e))))
+                problems = "; ".join(": ".join(filter(None, (".".join(str(x) for x in e["loc"]),
+                                                             _problem(e).removeprefix("Value error, "))))
                                      for e in exc.errors())
                 raise ValueError(f"specialists.per_domain.{name}: {problems}") from None
         return self
@@ -382,9 +382,7 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}: {exc.error_count()} error(s)"]
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"]) or "<root>"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
+        msg = _problem(err)
         got = err.get("input")
         shown = "" if err["type"] == "missing" or isinstance(got, (dict, list)) else f" (got {got!r})"
         lines.append(f"  {path}: {msg}{shown}")
