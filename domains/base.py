@@ -6,8 +6,9 @@ A domain is a small verifiable task (`add:12+34=` → `46`). Subclasses implemen
 * `score(example, response) -> float`: the reward of a model response in [0, 1] (1.0 = exactly right).
 
 Everything else is shared and lives here: parameter validation, `verify` (the never-raising, clamped wrapper that
-trainers and evaluation call), and `split` (n distinct examples; an example is in *eval* iff the sha256 of its prompt
-falls in a fixed 20% bucket, so train and eval are disjoint by construction, for every seed).
+trainers and evaluation call), and `split` (n distinct examples of one of three splits, chosen by the sha256 of the
+prompt: *eval* is a fixed 20% bucket, *val* a fixed 5% bucket, *train* the other 75%; disjoint by construction, for
+every seed, and val and eval draw from the same generator distribution).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-SPLITS = ("train", "eval")
-EVAL_BUCKETS = 5  # eval = bucket 0 of 5 → 20% of the prompt space is held out
+SPLITS = ("train", "val", "eval")
+EVAL_BUCKETS = 5  # eval = bucket 0 of 5 → 20% of the prompt space is held out for the final measurement
+VAL_BUCKETS = 20  # val = bucket 1 of 20 (never eval: 1 % 5 != 0) → 5% held out for model selection during training
 MAX_BAD_ROWS = 20  # `split` stops drawing after this many malformed rows and reports them all in one ValueError
 
 
@@ -32,10 +34,19 @@ class Example:
     meta: dict = field(default_factory=dict, compare=False, hash=False)  # optional extras; not part of identity
 
 
+def prompt_split(prompt: str) -> str:
+    """The split a prompt belongs to, from a stable hash (sha256, not Python's salted `hash`): "eval" if it falls in
+    bucket 0 of 5, else "val" if in bucket 1 of 20, else "train". (Eval membership is the same as before the val split
+    existed, so eval scores stay comparable across versions.)"""
+    h = int.from_bytes(hashlib.sha256(prompt.encode("utf-8")).digest()[:8], "big")
+    if h % EVAL_BUCKETS == 0:
+        return "eval"
+    return "val" if h % VAL_BUCKETS == 1 else "train"
+
+
 def is_eval_prompt(prompt: str) -> bool:
-    """Whether a prompt belongs to the eval split: a stable hash (sha256, not Python's salted `hash`) into 5 buckets."""
-    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") % EVAL_BUCKETS == 0
+    """Whether a prompt belongs to the eval split."""
+    return prompt_split(prompt) == "eval"
 
 
 def positional_credit(answer: str, response: str, weight: float = 0.5) -> float:
@@ -140,11 +151,12 @@ class Domain(ABC):
         return example.prompt + example.answer
 
     def split(self, split: str, n: int, seed: int) -> list[Example]:
-        """n distinct examples (distinct prompts) of the "train" or "eval" split, deterministic in
-        (name, split, n, seed, difficulty, params).
+        """n distinct examples (distinct prompts) of the "train", "val" or "eval" split, deterministic in
+        (name, split, n, seed, difficulty, params), and prefix-stable (the first k of n are `split(.., k, ..)`).
 
-        Rejection sampling: draw, keep a prompt iff its eval bucket matches the split and it is new. Draws are
-        bounded (50·n + 5000 in all, ~10x what a 20% bucket needs, and 20,000 in a row without a new example), so a
+        Rejection sampling: draw, keep a prompt iff its hash bucket (`prompt_split`) is the split's and it is new. Draws are
+        bounded (50·n + 5000 in all for train and eval, 200·n + 5000 for the 5% val bucket: ~10x what the bucket needs;
+        and 20,000 in a row without a new example), so a
         prompt space too small for n distinct examples ends in a ValueError instead of a hang.
 
         Every drawn row is checked against the Example contract before it is used; the malformed ones are collected
@@ -157,11 +169,10 @@ class Domain(ABC):
         # A str seed is hashed with sha512 by `random.seed`: stable across processes (unlike Python's hash).
         params = repr(sorted(self.params.items()))
         rng = random.Random(f"{self.name}|{split}|{seed}|{self.difficulty}|{params}")
-        want_eval = split == "eval"
         seen: set[str] = set()
         out: list[Example] = []
         bad: list[tuple[int, object, str]] = []  # (draw number, row, problem) of every malformed row drawn
-        max_attempts, max_stall = 50 * n + 5000, 20_000
+        max_attempts, max_stall = (200 if split == "val" else 50) * n + 5000, 20_000
         attempts = stall = 0
         while len(out) < n and attempts < max_attempts and stall < max_stall and len(bad) < MAX_BAD_ROWS:
             row, attempts, stall = attempts, attempts + 1, stall + 1
@@ -170,7 +181,7 @@ class Domain(ABC):
             if problem:
                 bad.append((row, ex, problem))
                 continue
-            if ex.prompt in seen or is_eval_prompt(ex.prompt) != want_eval:
+            if ex.prompt in seen or prompt_split(ex.prompt) != split:
                 continue
             stall = 0
             seen.add(ex.prompt)

@@ -235,10 +235,11 @@ class SpecialistsConfig(_Strict):
     policy_train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=64))
     critic_train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=64))
     eval_n: int | None = Field(None, ge=1, description="Eval examples for the specialist's own score (None: eval.n_eval).")
-    val_every: int = Field(50, ge=0, description="Steps between validations (greedy, on val_n held-out train-split "
+    val_every: int = Field(50, ge=0, description="Steps between validations (greedy, on val_n val-split "
                                                  "prompts; also before the first step and after the last); 0: none "
                                                  "(the last policy is the specialist).")
-    val_n: int = Field(200, ge=1, description="Held-out train-split prompts per validation (never trained on).")
+    val_n: int = Field(200, ge=1, description="Val-split prompts per validation (a hash bucket never trained on, "
+                                              "disjoint from eval).")
     select: Literal["best", "last"] = Field("best", description="The specialist is the policy with the best "
                                             "validation score (best) or the last one (last).")
     patience: int = Field(0, ge=0, description="Stop after this many validations without a new best (0: never).")

@@ -73,7 +73,7 @@ class SpecialistTrainer:
         self.cursor = PromptCursor(domain, tokenizer, sc.n_prompts, seed)
         self.state = SpecialistState()
         self.selection = Selection()
-        self.val_examples = validation_examples(domain, sc.n_prompts, sc.val_n, seed) if sc.val_every else []
+        self.val_examples = validation_examples(domain, sc.val_n, seed) if sc.val_every else []
         self.last_checkpoint: str | None = None
 
     # -- resume / checkpoint -----------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def test_early_stop_and_the_best_validating_policy_is_the_specialist_per_domain_
     assert out["steps"] == 5 and "stop_at 0.01" in out["stopped"]  # the first validation after training stops it
     assert [v["step"] for v in out["validation"]] == [0, 5]
     final = Path(out["specialist_dir"])
-    val = validation_examples(dom, cfg.specialists.n_prompts, 60, cfg.run.seed)
+    val = validation_examples(dom, 60, cfg.run.seed)
     rescored = score_examples(load_model(final), load_tokenizer(final), {"reverse": dom}, {"reverse": val},
                               cfg.eval.max_new_tokens)["reverse"]
     assert sum(rescored) / len(rescored) == pytest.approx(out["best_val"])  # final/ holds the best policy's weights

@@ -3,6 +3,7 @@ robustness (never raises, always in [0, 1]), disjoint and deterministic train/ev
 import math
 import random
 import time
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -132,8 +133,23 @@ def test_brackets_flipped_answer_scores_zero_and_classes_are_balanced(samples):
     exs = dom.split("train", 1000, seed=0)
     for ex in exs[:100]:
         assert dom.verify(ex, "no" if ex.answer == "yes" else "yes") == 0.0
-    n_yes = sum(ex.answer == "yes" for ex in exs)
-    assert 400 <= n_yes <= 600  # a constant answer cannot score much above 0.5
+    # a constant answer cannot score much above 0.5, in any split at any size: the balanced strings are drawn
+    # uniformly, so distinct-prompt splits do not run out of "yes" (the old skewed draw gave the 5% val bucket
+    # 39% yes at n = 200 and eval 56%; a constant "no" validated 0.61 and scored 0.44)
+    for split, n in [("train", 1000), ("train", 6000), ("eval", 200), ("eval", 1000), ("val", 200), ("val", 600)]:
+        share = sum(ex.answer == "yes" for ex in dom.split(split, n, seed=0)) / n
+        assert 0.4 <= share <= 0.6, (split, n, share)
+
+
+def test_brackets_balanced_strings_are_uniform():
+    """All 3 + 18 = 21 balanced strings of 1-2 pairs, drawn with the exact weights Catalan(k)·3^k (3 : 18): each about
+    1/21 of 21,000 balanced draws (±30%, many standard deviations at ~1,000 per string)."""
+    dom = load_domain("brackets")
+    dom.max_pairs, dom.pair_weights = 2, [3, 18]
+    rng, counts = random.Random(0), Counter()
+    for _ in range(21_000):
+        counts["".join(dom._balanced(rng, rng.choices([1, 2], weights=dom.pair_weights)[0]))] += 1
+    assert len(counts) == 21 and all(700 <= c <= 1300 for c in counts.values()), counts
 
 
 # Junk that shares no character with any answer (answers use letters and digits only), so even partial credit is 0.
@@ -180,9 +196,11 @@ def test_splits_disjoint_distinct_deterministic(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_default_config_sizes_fit_at_difficulty_one(name):
-    """The default config draws 2,000 train and up to a few hundred eval examples per domain at difficulty 1."""
+    """The default config draws 2,000 train, 200 val (specialists.val_n) and up to a few hundred eval examples per
+    domain at difficulty 1."""
     dom = load_domain(name)
     assert len(dom.split("train", 2000, seed=0)) == 2000
+    assert len(dom.split("val", 200, seed=0)) == 200
     assert len(dom.split("eval", 300, seed=0)) == 300
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from domains.base import is_eval_prompt
+from domains.base import is_eval_prompt, prompt_split
 from domains.registry import load_domain
 from infra.config import ConfigError, config_from_dict
 from teachers.selection import Selection, validation_examples
@@ -44,14 +44,15 @@ def test_state_round_trip():
     assert back == s and Selection.from_state({}) == Selection() and Selection.from_state(None) == Selection()
 
 
-def test_validation_prompts_are_train_split_and_never_in_the_training_pool():
+def test_validation_prompts_are_the_val_split_never_trained_on_nor_eval():
     dom = load_domain("reverse", difficulty=3)
-    pool = {ex.prompt for ex in dom.split("train", 300, 0)}  # what PromptCursor(n=300, seed=0) trains on
-    val = validation_examples(dom, 300, 50, 0)
+    pool = {ex.prompt for ex in dom.split("train", 3000, 0)}  # what PromptCursor / SFT / distill draw from
+    val = validation_examples(dom, 50, 0)
     assert len(val) == 50 and len({ex.prompt for ex in val}) == 50
+    assert all(prompt_split(ex.prompt) == "val" for ex in val)
     assert not pool & {ex.prompt for ex in val}
     assert not any(is_eval_prompt(ex.prompt) for ex in val)  # disjoint from the eval split by construction
-    assert val == validation_examples(dom, 300, 50, 0)  # deterministic
+    assert val == validation_examples(dom, 50, 0)  # deterministic
 
 
 def test_config_needs_validations_for_patience_or_stop_at():
