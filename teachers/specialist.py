@@ -46,8 +46,15 @@ class SpecialistState:
     history: list[dict] = field(default_factory=list)  # per-step metrics (the progress artifact / report)
     guard_totals: dict[str, int] = field(default_factory=dict)
     verifier_errors: int = 0
-    selection: dict = field(default_factory=dict)  # teachers.selection.Selection.state_dict()
+    selection: Selection = field(default_factory=Selection)  # validation history and the best step
     stopped: str | None = None  # why training ended before `steps` (early stopping), else None
+
+    def to_json(self) -> dict:
+        return dict(vars(self), selection=self.selection.state_dict())
+
+    @classmethod
+    def from_json(cls, data: dict) -> SpecialistState:
+        return cls(**dict(data, selection=Selection.from_state(data.get("selection"))))
 
 
 def offpolicy_mask(samples: list[Sample], mask: torch.Tensor, version: int, max_lag: int) -> torch.Tensor:
@@ -72,7 +79,6 @@ class SpecialistTrainer:
         self.buffer = AprilBuffer(max_staleness=sc.max_staleness)
         self.cursor = PromptCursor(domain, tokenizer, sc.n_prompts, seed)
         self.state = SpecialistState()
-        self.selection = Selection()
         self.val_examples = validation_examples(domain, sc.val_n, seed) if sc.val_every else []
         self.last_checkpoint: str | None = None
 
@@ -89,8 +95,7 @@ class SpecialistTrainer:
         self.critic.load_state(local / "critic-state")
         data = json.loads((local / STATE_FILE).read_text())
         self.buffer.load_state_dict(data.pop("april"))
-        self.state = SpecialistState(**data)
-        self.selection = Selection.from_state(self.state.selection)
+        self.state = SpecialistState.from_json(data)
         self.cursor.cursor = self.state.cursor
         shutil.rmtree(self.best_dir, ignore_errors=True)
         if (local / BEST_DIR).is_dir():
@@ -110,8 +115,7 @@ class SpecialistTrainer:
         if self.best_dir.is_dir():
             shutil.copytree(self.best_dir, local / BEST_DIR)
         self.state.cursor = self.cursor.cursor
-        self.state.selection = self.selection.state_dict()
-        (local / STATE_FILE).write_text(json.dumps(dict(vars(self.state), april=self.buffer.state_dict())))
+        (local / STATE_FILE).write_text(json.dumps(dict(self.state.to_json(), april=self.buffer.state_dict())))
         url = save_checkpoint(str(local), join(self.out_url, checkpoint_name(self.state.step)), self.state.step,
                               meta={"stage": "specialist", "domain": self.domain.name})
         prune(self.out_url, keep_last=2)
@@ -126,7 +130,7 @@ class SpecialistTrainer:
 
     async def run(self) -> dict:
         sc = self.sc
-        if sc.val_every and not self.selection.history:
+        if sc.val_every and not self.state.selection.history:
             self.validate()
         while self.state.step < sc.steps and self.state.stopped is None:
             metrics = await self.train_step()
@@ -135,21 +139,21 @@ class SpecialistTrainer:
             step = self.state.step
             if sc.val_every and (step % sc.val_every == 0 or step == sc.steps):
                 self.validate()
-                self.state.stopped = self.selection.stop_reason(sc.patience, sc.stop_at)
+                self.state.stopped = self.state.selection.stop_reason(sc.patience, sc.stop_at)
                 if self.state.stopped:
                     log.info("specialist %s: stopping early at step %d/%d: %s", self.domain.name, step, sc.steps,
                              self.state.stopped)
             if step % sc.checkpoint_every == 0 and step < sc.steps and self.state.stopped is None:
                 self.checkpoint()
         self.checkpoint()
-        sel = self.selection
+        sel = self.state.selection
         return {"steps": self.state.step, "history": self.state.history, "guard": dict(self.state.guard_totals),
                 "april": self.buffer.counters, "verifier_errors": self.state.verifier_errors,
                 "checkpoint": self.last_checkpoint, "validation": sel.history, "best_step": sel.best_step,
                 "best_val": sel.best_score, "stopped": self.state.stopped}
 
     def validate(self) -> float:
-        """Greedy score of the current policy on the held-out train prompts; a new best is saved to `best_dir`."""
+        """Greedy score of the current policy on the val-split prompts; a new best is saved to `best_dir`."""
         from domains.evaluate import score_examples
 
         t0 = time.perf_counter()
@@ -159,13 +163,13 @@ class SpecialistTrainer:
                                      {self.domain.name: self.val_examples}, self.max_new_tokens)[self.domain.name]
         finally:
             self.policy.train_mode()
-        score, step = float(np.mean(rewards)), self.state.step
-        if self.selection.record(step, score):
+        score, step, sel = float(np.mean(rewards)), self.state.step, self.state.selection
+        if sel.record(step, score):
             shutil.rmtree(self.best_dir, ignore_errors=True)
             self.policy.save_hf(self.best_dir, tokenizer=self.tok)
-        self.tracker.log_metrics({"val/score": score, "val/best": self.selection.best_score}, step=step)
+        self.tracker.log_metrics({"val/score": score, "val/best": sel.best_score}, step=step)
         log.info("specialist %s step %d: validation %.3f on %d held-out prompts (best %.3f at step %d, %.1fs)",
-                 self.domain.name, step, score, len(rewards), self.selection.best_score, self.selection.best_step,
+                 self.domain.name, step, score, len(rewards), sel.best_score, sel.best_step,
                  time.perf_counter() - t0)
         return score
 

@@ -28,7 +28,8 @@ PER_STEP = {"reward", "policy_loss", "value_loss", "clip_frac", "kl", "entropy",
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return build_base(tmp_path_factory.mktemp("spec-base"), ["reverse", "sort_digits"], steps=250)
+    # 120 SFT steps: reverse 0.68 (at 250 it was 0.98 once the val bucket left the train split: no room for RL)
+    return build_base(tmp_path_factory.mktemp("spec-base"), ["reverse", "sort_digits"], steps=120)
 
 
 def cfg_dict(root, **spec):
