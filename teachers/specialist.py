@@ -139,7 +139,8 @@ class SpecialistTrainer:
             step = self.state.step
             if sc.val_every and (step % sc.val_every == 0 or step == sc.steps):
                 self.validate()
-                self.state.stopped = self.state.selection.stop_reason(sc.patience, sc.stop_at)
+                if step < sc.steps:  # at the last step nothing is stopped early
+                    self.state.stopped = self.state.selection.stop_reason(sc.patience, sc.stop_at)
                 if self.state.stopped:
                     log.info("specialist %s: stopping early at step %d/%d: %s", self.domain.name, step, sc.steps,
                              self.state.stopped)
