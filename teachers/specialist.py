@@ -6,7 +6,7 @@
         rewards = domain.verify(example, response)        a raising verifier gives 0 and is counted
         ppo_update(policy, critic, batch, rewards)        teachers/ppo_step.py (critic only during warm-up)
         push weights → engine (version k + 1); ledger += ids
-        every `val_every` (and before step 1): greedy score on held-out train prompts; a new best is kept
+        every `val_every` (and before step 1): greedy score on the val split's prompts; a new best is kept
         (teachers/selection.py); `patience` / `stop_at` end the loop early
         every `checkpoint_every`: policy HF + both DeepSpeed states + the best policy so far + trainer.json (APRIL
         buffer with the ledger, prompt cursor, step, metric history, validations) as ONE checkpoint
