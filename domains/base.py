@@ -154,10 +154,10 @@ class Domain(ABC):
         """n distinct examples (distinct prompts) of the "train", "val" or "eval" split, deterministic in
         (name, split, n, seed, difficulty, params), and prefix-stable (the first k of n are `split(.., k, ..)`).
 
-        Rejection sampling: draw, keep a prompt iff its hash bucket (`prompt_split`) is the split's and it is new. Draws are
-        bounded (50·n + 5000 in all for train and eval, 200·n + 5000 for the 5% val bucket: ~10x what the bucket needs;
-        and 20,000 in a row without a new example), so a
-        prompt space too small for n distinct examples ends in a ValueError instead of a hang.
+        Rejection sampling: draw, keep a prompt iff its hash bucket (`prompt_split`) is the split's and it is new.
+        Draws are bounded (50·n + 5000 in all for train and eval, 200·n + 5000 for the 5% val bucket: ~10x what the
+        bucket needs; and 20,000 in a row without a new example), so a prompt space too small for n distinct examples
+        ends in a ValueError instead of a hang.
 
         Every drawn row is checked against the Example contract before it is used; the malformed ones are collected
         (up to MAX_BAD_ROWS) and reported together in one ValueError naming each by its 0-based draw number.

@@ -173,7 +173,9 @@ class Brackets(Domain):
 
     def setup(self) -> None:
         self.max_pairs = self.difficulty + 4
-        self.pair_weights = [math.comb(2 * k, k) // (k + 1) * len(self.KINDS) ** k for k in range(1, self.max_pairs + 1)]
+        # the number of balanced strings of k pairs: Catalan(k) bracketings times a kind per pair
+        self.pair_weights = [math.comb(2 * k, k) // (k + 1) * len(self.KINDS) ** k
+                             for k in range(1, self.max_pairs + 1)]
 
     def _balanced(self, rng: random.Random, n_pairs: int) -> list[str]:
         """A uniform random balanced string of `n_pairs` pairs, as a list of chars: a uniform Dyck word (shuffle
