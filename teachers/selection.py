@@ -4,10 +4,10 @@ RL on a small policy does not climb monotonically: a domain can reach its peak a
 reward falls back below the base). Every `val_every` steps (and before the first) the trainer scores its policy,
 greedy, on `val_n` prompts of the domain's **val split** (`Domain.split("val")`, a 5% hash bucket): never trained
 on (no stage draws train prompts from it) and disjoint from the eval split by construction (the final score stays
-an unbiased measurement), yet drawn from the same generator distribution as eval, so a validation score predicts
-the eval score. (The first version validated on the train split's tail after the training pool; for a skewed
-generator such as brackets' that tail holds only the rarer prompts, and selection picked a policy that validated
-0.605 and scored 0.44 on eval.) The best-scoring policy is kept; with
+an unbiased measurement), drawn like eval. (The first version validated on the train split's tail after the
+training pool. Brackets then selected a policy that validated 0.605 and scored 0.44 on eval: its generator was
+skewed, so distinct-prompt splits of different sizes held different shares of "yes"; brackets now draws
+uniformly, see `domains.builtin.text.Brackets`.) The best-scoring policy is kept; with
 `select: best` it becomes the specialist. `patience` and `stop_at` end training early.
 
 The rules are pure (`Selection`), the scoring is `domains.evaluate.score_examples` on the trainer's own module.
@@ -15,11 +15,6 @@ The rules are pure (`Selection`), the scoring is `domains.evaluate.score_example
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-
-def validation_examples(domain, n_val: int, seed: int) -> list:
-    """`n_val` examples of the domain's val split."""
-    return domain.split("val", n_val, seed)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from teachers import ppo_math
 from teachers.april import AprilBuffer, Sample
 from teachers.ppo_step import build_batch, ppo_update, token_logprobs
 from teachers.rollout import PromptCursor, Roller, rollout_step
-from teachers.selection import Selection, validation_examples
+from teachers.selection import Selection
 
 log = logging.getLogger("alloy.specialist")
 STATE_FILE = "trainer.json"
@@ -79,7 +79,7 @@ class SpecialistTrainer:
         self.buffer = AprilBuffer(max_staleness=sc.max_staleness)
         self.cursor = PromptCursor(domain, tokenizer, sc.n_prompts, seed)
         self.state = SpecialistState()
-        self.val_examples = validation_examples(domain, sc.val_n, seed) if sc.val_every else []
+        self.val_examples = domain.split("val", sc.val_n, seed) if sc.val_every else []
         self.last_checkpoint: str | None = None
 
     # -- resume / checkpoint -----------------------------------------------------------------------------------

@@ -78,7 +78,6 @@ def test_early_stop_and_the_best_validating_policy_is_the_specialist_per_domain_
     from domains.evaluate import score_examples
     from infra.models import load_model, load_tokenizer
     from infra.tracking import NoopTracker
-    from teachers.selection import validation_examples
     from teachers.specialist_main import run_specialist
 
     # set through specialists.per_domain: the trainer must use the domain's merged settings
@@ -89,7 +88,7 @@ def test_early_stop_and_the_best_validating_policy_is_the_specialist_per_domain_
     assert out["steps"] == 5 and "stop_at 0.01" in out["stopped"]  # the first validation after training stops it
     assert [v["step"] for v in out["validation"]] == [0, 5]
     final = Path(out["specialist_dir"])
-    val = validation_examples(dom, 60, cfg.run.seed)
+    val = dom.split("val", 60, cfg.run.seed)
     rescored = score_examples(load_model(final), load_tokenizer(final), {"reverse": dom}, {"reverse": val},
                               cfg.eval.max_new_tokens)["reverse"]
     assert sum(rescored) / len(rescored) == pytest.approx(out["best_val"])  # final/ holds the best policy's weights

@@ -7,7 +7,7 @@ import pytest
 from domains.base import is_eval_prompt, prompt_split
 from domains.registry import load_domain
 from infra.config import ConfigError, config_from_dict
-from teachers.selection import Selection, validation_examples
+from teachers.selection import Selection
 
 pytestmark = pytest.mark.unit
 
@@ -47,12 +47,12 @@ def test_state_round_trip():
 def test_validation_prompts_are_the_val_split_never_trained_on_nor_eval():
     dom = load_domain("reverse", difficulty=3)
     pool = {ex.prompt for ex in dom.split("train", 3000, 0)}  # what PromptCursor / SFT / distill draw from
-    val = validation_examples(dom, 50, 0)
+    val = dom.split("val", 50, 0)
     assert len(val) == 50 and len({ex.prompt for ex in val}) == 50
     assert all(prompt_split(ex.prompt) == "val" for ex in val)
     assert not pool & {ex.prompt for ex in val}
     assert not any(is_eval_prompt(ex.prompt) for ex in val)  # disjoint from the eval split by construction
-    assert val == validation_examples(dom, 50, 0)  # deterministic
+    assert val == dom.split("val", 50, 0)  # deterministic
 
 
 def test_config_needs_validations_for_patience_or_stop_at():
