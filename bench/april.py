@@ -134,7 +134,7 @@ async def engine_stats(client: EngineClient) -> dict:
     info = await client.request("GET", "/get_server_info")
     return {k: info[k] for k in ("decode_steps", "decode_rows", "decode_seconds", "engine_cpu_seconds",
                                         "bucketed_decode_steps", "prefill_forwards", "prefill_tokens",
-                                        "prefill_padded_tokens", "prefill_seconds")}
+                                        "prefill_padded_tokens", "prefill_seconds", "idle_seconds")}
 
 
 def engine_delta(a: dict, b: dict, wall: float) -> dict:
@@ -149,7 +149,8 @@ def engine_delta(a: dict, b: dict, wall: float) -> dict:
             "prefill_forwards": d["prefill_forwards"], "prefill_s": round(d["prefill_seconds"], 3),
             "prefill_share_of_wall": round(d["prefill_seconds"] / wall, 3),
             "prefill_padding_frac": round(1 - d["prefill_tokens"] / max(d["prefill_padded_tokens"], 1), 3),
-            "engine_cpu_s": round(d["engine_cpu_seconds"], 3)}
+            "engine_cpu_s": round(d["engine_cpu_seconds"], 3), "idle_s": round(d["idle_seconds"], 3),
+            "idle_share_of_wall": round(d["idle_seconds"] / wall, 3)}
 
 
 def buffered_tokens(buffer: AprilBuffer) -> int:

@@ -119,7 +119,7 @@ class EngineConfig(_Strict):
     api_key: Secret = Field(None, description="Bearer key for launched servers and the client (or ALLOY_ENGINE_API_KEY).")
     threads: int = Field(1, ge=1, description="Torch threads per embedded server.")
     max_running_requests: int | None = Field(None, ge=1, description="Sequences a launched server decodes at once "
-                                             "(embedded --max-batch, default 64; SGLang --max-running-requests); "
+                                             "(embedded --max-batch, default 256; SGLang --max-running-requests); "
                                              "the rest queue.")
     sglang_args: dict[str, Any] = Field(default_factory=dict, description="Extra sglang.launch_server options (GPU).")
 

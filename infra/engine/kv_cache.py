@@ -114,23 +114,28 @@ class BatchKVCache(Cache):
             v[:, :, :n] = v_valid
             layer.set_buffers(k, v, n)
 
-    def merge(self, other: "BatchKVCache", spare: int = _MIN_SPARE, order: torch.Tensor | None = None) -> None:
-        """Append `other`'s rows below ours. The shorter side is left-padded with zero columns to T = max length.
-        `order` (Ba+Bb,) long: row r of the result is row `order[r]` of [ours; theirs] (None: ours, then theirs);
-        the rows are written straight to their places, so reordering costs no extra copy."""
-        ba, bb = self.layers[0]._k.shape[0], other.layers[0]._k.shape[0]
+    def merge(self, other: "BatchKVCache", spare: int = _MIN_SPARE, order: torch.Tensor | None = None,
+              keep: torch.Tensor | None = None, drop_left: int = 0) -> None:
+        """Append `other`'s rows below ours, in one copy. The shorter side is left-padded with zero columns to
+        T = max length. `keep` (1-D long, None = all): only these rows of ours survive (finished rows leave in the
+        same copy), and `drop_left` leading columns of ours (padding in every kept row) are dropped with them.
+        `order` (Ka+Bb,) long: row r of the result is row `order[r]` of [kept ours; theirs] (None: ours, then
+        theirs); the rows are written straight to their places, so reordering costs no extra copy."""
+        ba = self.layers[0]._k.shape[0] if keep is None else keep.shape[0]
+        bb = other.layers[0]._k.shape[0]
         dest_a, dest_b = slice(0, ba), slice(ba, ba + bb)  # destination rows of ours and of theirs
         if order is not None:
             dest = torch.empty_like(order)
             dest[order] = torch.arange(order.shape[0])
             dest_a, dest_b = dest[:ba], dest[ba:]
+        src_a = slice(None) if keep is None else keep
         for mine, theirs in zip(self.layers, other.layers):
-            la, lb = mine.length, theirs.length
+            la, lb = mine.length - drop_left, theirs.length
             t = max(la, lb)
             k = mine._k.new_zeros((ba + bb, mine._k.shape[1], t + spare, mine._k.shape[3]))
             v = mine._v.new_zeros((ba + bb, mine._v.shape[1], t + spare, mine._v.shape[3]))
-            k[dest_a, :, t - la : t] = mine._k[:, :, :la]
-            v[dest_a, :, t - la : t] = mine._v[:, :, :la]
+            k[dest_a, :, t - la : t] = mine._k[src_a, :, drop_left : mine.length]
+            v[dest_a, :, t - la : t] = mine._v[src_a, :, drop_left : mine.length]
             k[dest_b, :, t - lb : t] = theirs._k[:, :, :lb]
             v[dest_b, :, t - lb : t] = theirs._v[:, :, :lb]
             mine.set_buffers(k, v, t)

@@ -72,7 +72,7 @@ class Engine:
     """Owns the model and the scheduler thread. Thread-safe API: `start`, `stop`, `submit`, `abort`,
     `update_weights`; read-only properties once `ready` is set."""
 
-    def __init__(self, model_dir: str, *, max_batch: int = 64, max_total_tokens: int = 65536,
+    def __init__(self, model_dir: str, *, max_batch: int = 256, max_total_tokens: int = 65536,
                  max_prefill_tokens: int = 16384, threads: int | None = None, weight_version: str = "default",
                  seed: int = 0):
         self.model_path = self.tokenizer_path = str(model_dir)
@@ -111,6 +111,7 @@ class Engine:
         self.prefill_seconds = 0.0
         self.bucketed_steps = 0  # decode steps whose attention was split by row width (batching.attention_buckets)
         self.engine_cpu_seconds = 0.0  # CPU time of the engine thread in _step (vs wall: GIL/CPU contention)
+        self.idle_seconds = 0.0  # wall time the engine thread waited for work (nothing running or queued)
 
     # -- thread-safe API --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -230,7 +231,9 @@ class Engine:
             self._decode_step()
             worked = True
         if not worked:
+            t0 = time.perf_counter()
             self._wake.wait(1.0)  # every inbox sets _wake; the timeout is only a safety net
+            self.idle_seconds += time.perf_counter() - t0
 
     def _admission_limit(self) -> float:
         """Serial number below which waiting sequences may start; a pending weight update pauses later arrivals
@@ -413,14 +416,24 @@ class Engine:
             self._run = survivors
             self._set_mask(mask)
         else:  # rows stay sorted by leading padding, descending (shortest first): decode attention buckets need it
+            # finished rows (holes) leave in the same copy as the merge, with the padding columns no live row uses
+            keep = drop = None
+            mine = self._full_mask()  # before the cache merge changes seq_len
+            run, old_pos, old_last = self._run, self._pos, self._last
             if self._holes:
-                self._compact()
-            merged = merge_masks(self._full_mask(), mask.bool())  # before the cache merge changes seq_len
+                live = [i for i in range(len(self._run)) if i not in self._holes]
+                keep = torch.tensor(live, dtype=torch.long)
+                mine = mine[keep]
+                drop = leading_pad_columns(mine)
+                mine = mine[:, drop:]
+                run, old_pos, old_last = [self._run[i] for i in live], old_pos[keep], old_last[keep]
+                self._holes = set()
+            merged = merge_masks(mine, mask.bool())
             order = torch.argsort(row_leads(merged), descending=True, stable=True)
             if bool((order == torch.arange(order.shape[0])).all()):
                 order = None
-            self._cache.merge(cache, order=order)
-            rows_all, pos, last = self._run + survivors, torch.cat([self._pos, pos]), torch.cat([self._last, last])
+            self._cache.merge(cache, order=order, keep=keep, drop_left=drop or 0)
+            rows_all, pos, last = run + survivors, torch.cat([old_pos, pos]), torch.cat([old_last, last])
             if order is not None:
                 merged, pos, last = merged[order], pos[order], last[order]
                 rows_all = [rows_all[i] for i in order.tolist()]

@@ -1,6 +1,6 @@
 """Alloy's embedded engine server: the SGLang native HTTP API (subset) over a HF causal LM on CPU.
 
-    python -m infra.engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-batch 64]
+    python -m infra.engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-batch 256]
         [--max-total-tokens N] [--log-level info] [--weight-version V] [--threads T]
 
 Endpoints (DESIGN.md, "The engine protocol"): POST /generate, GET /health, GET /health_generate,
@@ -43,7 +43,11 @@ TOKEN_TEXT = web.AppKey("token_text", dict)
 WAKEUPS = web.AppKey("wakeups", dict)
 LIMITS = web.AppKey("limits", dict)
 HEALTH_CHECK_TIMEOUT_S = 20.0
-DEFAULTS = dict(max_batch=64, max_total_tokens=65536, max_prefill_tokens=16384, threads=None,
+# max_batch: running sequences; admission is bounded by max_total_tokens (reserved prompt + max_new_tokens) anyway.
+# 256 is vLLM's max_num_seqs default (SGLang sizes it as max_total_tokens // 2). At 64 a rollout step of the
+# pipeline's default (B = 64 at 1.25x over-sampling: 80 requests) queued 16 requests, each joining the batch later
+# through its own prefill and cache merge (bench/april.py at B = 64: 0.92x sync at 64, ~1.3x at 256).
+DEFAULTS = dict(max_batch=256, max_total_tokens=65536, max_prefill_tokens=16384, threads=None,
                 weight_version="default", seed=0, max_body_mb=64.0, max_seqs=4096)
 
 
@@ -277,6 +281,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "prefill_forwards": engine.prefill_forwards, "prefill_tokens": engine.prefill_tokens,
         "prefill_padded_tokens": engine.prefill_padded_tokens, "prefill_seconds": round(engine.prefill_seconds, 6),
         "decode_seconds": round(engine.decode_seconds, 6), "engine_cpu_seconds": round(engine.engine_cpu_seconds, 6),
+        "idle_seconds": round(engine.idle_seconds, 6),
     })
 
 

@@ -178,3 +178,41 @@ def test_an_abort_never_hits_requests_submitted_after_it(tiny_model_dir):
             eng._step()
     assert old.result.finish_reason["type"] == "abort"
     assert new.result.finish_reason == {"type": "length", "length": 6} and len(new.result.output_ids) == 6
+
+
+def test_finished_rows_leave_in_the_same_copy_as_a_merge(tiny_model_dir, model, monkeypatch):
+    """A row that finished (a hole in the batch) when new rows arrive: the merge drops it and the padding columns
+    only it used in the one cache copy it makes (no compaction first), keeps the rows sorted by padding, and every
+    sequence still gets exactly its single-sequence greedy tokens and log-probs."""
+    eng = Engine(str(tiny_model_dir), max_batch=16)
+    eng._load_initial()  # driven step by step, so the batch state is checked at the exact merge
+    g = torch.Generator().manual_seed(5)
+
+    def seq(i: int, n_prompt: int, n_new: int) -> Seq:
+        prompt = tuple([1] + torch.randint(4, 100, (n_prompt - 1,), generator=g).tolist())
+        return Seq(SeqSpec(rid=f"h{i}", input_ids=prompt, return_logprob=True, logprob_start=n_prompt,
+                           sampling=SamplingSpec(max_new_tokens=n_new, temperature=0.0, ignore_eos=True)))
+
+    # the 24-token row finishes first; its 8 columns of padding for the others stay (8 pad < half the width)
+    wave1 = [seq(0, 24, 3), seq(1, 5, 40), seq(2, 9, 40), seq(3, 16, 40)]
+    wave2 = [seq(4, 4, 20), seq(5, 12, 25)]
+    with torch.inference_mode():
+        eng.submit(wave1)
+        while wave1[0].result.finish_reason is None:
+            eng._step()
+        assert eng._holes and len(eng._run) == 4  # a hole; the finished row's columns are still in the cache
+        assert eng._cache.seq_len == 24 + 2
+        eng.submit(wave2)
+        copies = []  # select_rows = a compaction copy; the merge must not need one
+        select_rows = BatchKVCache.select_rows
+        monkeypatch.setattr(BatchKVCache, "select_rows", lambda *a, **k: copies.append(1) or select_rows(*a, **k))
+        eng._step()  # prefill + merge (+ one decode step)
+        assert copies == []
+        assert not eng._holes and len(eng._run) == 5
+        assert wave1[0] not in eng._run
+        # the finished row's 8 leading columns left with it: the widest live row is 16 prompt + 3 tokens
+        assert eng._cache.seq_len == 16 + 3
+        assert eng._lead == sorted(eng._lead, reverse=True)
+        while any(s.result.finish_reason is None for s in wave1 + wave2):
+            eng._step()
+    _assert_single_sequence_outputs(model, wave1 + wave2)
