@@ -358,9 +358,17 @@ async def collect_batch(submit: Callable[[int], Awaitable[Any]], abort_all: Call
             else:
                 raise ValueError(f"collect_batch: request {tasks[t]} returned finish_reason {res.finish_reason!r}")
 
+    # completions arrive through one queue (a done-callback per task): O(1) per completion, where a loop of
+    # asyncio.wait(FIRST_COMPLETED) re-registers a callback on every pending task at each wake-up (O(n) each)
+    completed: asyncio.Queue = asyncio.Queue()
+    for t in tasks:
+        t.add_done_callback(completed.put_nowait)
     try:
         while pending and not aborted:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done = {await completed.get()}
+            while not completed.empty():  # everything else that completed meanwhile, in index order (as before)
+                done.add(completed.get_nowait())
+            pending -= done
             take(done)
             if len(finished) >= batch_target and pending:
                 await abort()

@@ -257,7 +257,7 @@ class EngineClient:
         body, or the text when the body is not JSON."""
         url = f"{self.base_url}{path}"
         retries = self.max_retries if retries is None else retries
-        delays = backoff_delays(retries, self.backoff_base, self.backoff_max)
+        delays: list[float] | None = None  # drawn on the first retry (a fresh RNG per call costs an os.urandom)
         kw: dict[str, Any] = {}
         if payload is not None:
             kw = {"data": orjson.dumps(payload), "headers": {"Content-Type": "application/json"}}
@@ -283,6 +283,7 @@ class EngineClient:
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
                 last = f"{type(e).__name__}: {e}"
             if attempt < retries:
+                delays = delays or backoff_delays(retries, self.backoff_base, self.backoff_max)
                 self._counts["retries"] += 1
                 log.debug("engine %s %s failed (%s); retry %d/%d in %.2fs", method, url, last, attempt + 1, retries, delays[attempt])
                 await asyncio.sleep(delays[attempt])

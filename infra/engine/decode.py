@@ -1,4 +1,5 @@
-"""The engine's decode step for Llama-family models, computed from the model's own weights (see `FusedDecoder`)."""
+"""The engine's decode step and prefill for Llama-family models, computed from the model's own weights (see
+`FusedDecoder`)."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,7 @@ class FusedDecoder:
     layer, output dataclasses, mask preprocessing), not by the matmuls. This does the same arithmetic as
     `LlamaDecoderLayer` with SDPA, in the same order and dtypes, with q/k/v and gate/up fused into one matmul each
     (every output element is still the same dot product), so the logits match the HF forward (tested to 1e-5;
-    bitwise in practice). Prefill and scoring stay on the HF forward.
+    bitwise in practice). `prefill` runs prompts of different lengths the same way (see there).
 
     Per layer, x (B, 1, H):  h = x + W_o · SDPA(RoPE(W_q n), RoPE(W_k n), W_v n) with n = RMSNorm(x);
                              out = h + W_down (silu(W_gate m) ⊙ W_up m) with m = RMSNorm(h).
@@ -46,7 +47,11 @@ class FusedDecoder:
                 groups=a.num_key_value_groups,
                 post_norm=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
                 gate_up=(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), gu_b),
-                inter=mlp.gate_proj.out_features, down=(mlp.down_proj.weight, mlp.down_proj.bias)))
+                inter=mlp.gate_proj.out_features, down=(mlp.down_proj.weight, mlp.down_proj.bias),
+                # the model's own (unfused) projections: for many-token prefills separate matmuls are faster
+                q=(a.q_proj.weight, a.q_proj.bias), k=(a.k_proj.weight, a.k_proj.bias),
+                v=(a.v_proj.weight, a.v_proj.bias), gate=(mlp.gate_proj.weight, mlp.gate_proj.bias),
+                up=(mlp.up_proj.weight, mlp.up_proj.bias)))
 
     @classmethod
     def for_model(cls, model) -> "FusedDecoder | None":
@@ -120,3 +125,64 @@ class FusedDecoder:
             gate, up = lin(m, *p["gate_up"]).split(p["inter"], dim=-1)
             h = h + lin(torch.nn.functional.silu(gate) * up, *p["down"])
         return lin(self._rms(h, self.final_norm)[:, -1], *self.lm_head)
+
+    def prefill(self, prompts: list, keep: int, cache: BatchKVCache | None,
+                spare: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward of G prompts of different lengths → (logits of the last `keep` columns (G, keep, V), mask (G, L)
+        long), filling `cache` (if given) with their left-padded keys/values `(G, H_kv, L, D)`, L = longest prompt.
+
+        The same result as the left-padded HF forward the engine used before (tested to 1e-5), cheaper: the
+        projections and the MLP run on the N = Σ L_i real tokens packed into one `(N, H)` matrix, so padding costs
+        nothing there (a 400-token resumed partial and fifteen 20-token prompts are 700 rows, not 16 × 400); only
+        attention runs on the padded `(G, H, L, D)` layout (causal mask ∧ real keys), and a single prompt takes
+        SDPA's mask-free causal path (so do prompts of equal length). No per-module dispatch either, which was ~0.8 ms of every HF forward here.
+        Logit rows of a prompt shorter than `keep` are 0 in its padding columns (the engine reads only real ones).
+        """
+        lin, emb_f = torch.nn.functional.linear, torch.nn.functional.embedding
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        g, L = len(prompts), int(lens.max())
+        row = torch.repeat_interleave(torch.arange(g), lens)  # (N,) prompt of each packed token
+        pos = torch.arange(row.shape[0]) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)  # (N,) 0 … L_i-1
+        col = pos + (L - lens)[row]  # (N,) its column in the left-padded layout
+        mask = torch.zeros((g, L), dtype=torch.long)
+        mask[row, col] = 1
+        h = emb_f(torch.tensor([t for p in prompts for t in p], dtype=torch.long), self.embed)  # (N, H)
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # (N, D/2), fp32 as HF
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]  # (N, 1, D)
+        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
+        n_tok, width = row.shape[0], L + spare
+        dense = n_tok == g * L  # no padding: the packed rows already are the (G, L) layout
+        attn_mask = None  # no padding: SDPA's mask-free causal path
+        if not dense:  # query i attends to key j ≤ i that is a real token (a padding query attends to itself: no NaN)
+            causal = torch.ones((L, L), dtype=torch.bool).tril_()
+            attn_mask = (causal[None] & mask.bool()[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]
+            attn_mask = attn_mask[:, None]  # (G, 1, L, L)
+        at_q, at_kv = row * L + col, row * width + col  # (N,) flat (prompt, column) of each token
+        for i, p in enumerate(self.layers):
+            d, groups = p["head_dim"], p["groups"]
+            n = self._rms(h, p["in_norm"])
+            q, k, v = lin(n, *p["q"]), lin(n, *p["k"]), lin(n, *p["v"])
+            q, k, v = q.view(n_tok, -1, d), k.view(n_tok, -1, d), v.view(n_tok, -1, d)  # (N, heads, D)
+            q1, q2 = q.chunk(2, dim=-1)
+            k1, k2 = k.chunk(2, dim=-1)
+            q = q * cos + torch.cat((-q2, q1), dim=-1) * sin
+            k = k * cos + torch.cat((-k2, k1), dim=-1) * sin
+            # (G, L(+spare), heads, D) buffers, left-padded with zeros; attention reads them as (G, heads, L, D)
+            kp = k.new_zeros((g * width, k.shape[1], d)).index_copy_(0, at_kv, k).view(g, width, -1, d)
+            vp = v.new_zeros((g * width, v.shape[1], d)).index_copy_(0, at_kv, v).view(g, width, -1, d)
+            qp = q.view(g, L, -1, d) if dense else q.new_zeros((g * L, q.shape[1], d)).index_copy_(0, at_q, q).view(g, L, -1, d)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qp.transpose(1, 2), kp[:, :L].transpose(1, 2), vp[:, :L].transpose(1, 2), attn_mask=attn_mask,
+                is_causal=attn_mask is None, scale=p["scaling"], enable_gqa=groups > 1)  # (G, Hq, L, D)
+            if cache is not None:  # the cache's layout (G, H_kv, L + spare, D), contiguous
+                cache.layers[i].set_buffers(kp.transpose(1, 2).contiguous(), vp.transpose(1, 2).contiguous(), L)
+            o = o.transpose(1, 2).reshape(g * L, -1)
+            h = h + lin(o if dense else o.index_select(0, at_q), *p["o"])
+            m = self._rms(h, p["post_norm"])
+            h = h + lin(torch.nn.functional.silu(lin(m, *p["gate"])) * lin(m, *p["up"]), *p["down"])
+        tail = col >= L - keep  # packed tokens whose logits are kept
+        logits_tail = lin(self._rms(h[tail], self.final_norm), *self.lm_head)
+        logits = logits_tail.new_zeros((g, keep, logits_tail.shape[-1]))
+        logits[row[tail], col[tail] - (L - keep)] = logits_tail
+        return logits, mask

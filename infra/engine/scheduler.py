@@ -312,7 +312,10 @@ class Engine:
 
     # -- forward passes ---------------------------------------------------------------------------------------------
     def _forward_prompts(self, seqs: list[Seq], keep: int, cache: BatchKVCache | None):
-        """Left-padded forward of prompts. Returns (logits of the last `keep` columns (G, keep, V), mask (G, L))."""
+        """Left-padded forward of prompts. Returns (logits of the last `keep` columns (G, keep, V), mask (G, L)).
+        Llama/Qwen2: the fused, packed prefill (`FusedDecoder.prefill`); other models: the HF forward."""
+        if self._fused is not None:
+            return self._fused.prefill([s.spec.input_ids for s in seqs], keep, cache)
         L = max(len(s.spec.input_ids) for s in seqs)
         ids = torch.zeros((len(seqs), L), dtype=torch.long)
         mask = torch.zeros((len(seqs), L), dtype=torch.long)

@@ -2,7 +2,8 @@
 
 - `FusedDecoder` (the engine's decode step for Llama/Qwen2, bypassing transformers' module dispatch) gives the
   same logits and writes the same KV columns as the HF forward, with and without left padding, with GQA and
-  with q/k/v biases (Qwen2); it declines models it does not cover.
+  with q/k/v biases (Qwen2); so does its packed prefill of prompts of different lengths; it declines models it
+  does not cover.
 - An in-process `Engine` fed staggered arrivals of different prompt lengths and different output lengths (so
   rows are merged into a running batch, leave it, and padding lives longer than the mask buffer's head-room)
   produces, per sequence, the greedy tokens and log-probs of a plain single-sequence HF forward, and the same
@@ -74,6 +75,38 @@ def test_fused_decoder_matches_hf_forward(model, arch, padded):
             assert a.length == b.length == L + steps
             torch.testing.assert_close(b.keys, a.keys, rtol=0, atol=1e-6)
             torch.testing.assert_close(b.values, a.values, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("lens,keep", [([7], 1), ([5, 5, 5], 2), ([3, 12, 5], 1), ([3, 12, 5], 8), ([40, 4], 3)])
+def test_fused_prefill_matches_left_padded_hf_forward(model, arch, lens, keep):
+    """The packed prefill gives the left-padded HF forward's logits (real positions) and writes the same keys and
+    values into the cache (real columns), for one prompt, equal lengths (no mask) and mixed lengths."""
+    m = model if arch == "llama" else _qwen2_model()
+    dec = FusedDecoder.for_model(m)
+    g = torch.Generator().manual_seed(len(lens) + keep)
+    prompts = [torch.randint(4, 100, (n,), generator=g).tolist() for n in lens]
+    L = max(lens)
+    ids = torch.zeros((len(lens), L), dtype=torch.long)
+    mask = torch.zeros((len(lens), L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):], mask[i, L - len(p):] = torch.tensor(p), 1
+    with torch.inference_mode():
+        want_cache, got_cache = BatchKVCache(2), BatchKVCache(2)
+        want = m(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                 past_key_values=want_cache, use_cache=True, logits_to_keep=keep).logits
+        got, got_mask = dec.prefill(prompts, keep, got_cache)
+    assert torch.equal(got_mask, mask) and got.shape == want.shape == (len(lens), keep, m.config.vocab_size)
+    real = torch.zeros((len(lens), keep), dtype=torch.bool)
+    for i, n in enumerate(lens):
+        real[i, max(0, keep - n):] = True
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
+    cols = mask.bool()[:, None, :, None]
+    for a, b in zip(want_cache.layers, got_cache.layers):
+        assert b.length == L and b._k.shape[2] > L  # decode head-room allocated
+        torch.testing.assert_close(b.keys[cols.expand_as(b.keys)], a.keys[cols.expand_as(a.keys)], rtol=0, atol=1e-6)
+        torch.testing.assert_close(b.values[cols.expand_as(b.values)], a.values[cols.expand_as(a.values)],
+                                   rtol=0, atol=1e-6)
 
 
 def test_fused_decoder_declines_uncovered_models(tiny_model_dir):

@@ -245,7 +245,8 @@ def test_topk_kl_finite_when_teacher_tail_is_empty(direction, dtype):
     loss, m = topk_kl_loss(s_logits, ids, tlogp, torch.ones(1, 2, dtype=dtype), direction=direction)
     (grad,) = torch.autograd.grad(loss, s_logits)
     assert math.isfinite(loss.item()) and bool(torch.isfinite(grad).all()) and grad.abs().sum() > 0
-    assert m["teacher_tail_mass"] <= 1e-11
+    # 1 − Σ p over the top-k is 0 up to rounding: a few float32 ulps of 1 (how many depends on the CPU's exp kernel)
+    assert m["teacher_tail_mass"] <= (1e-11 if dtype == torch.float64 else 4 * torch.finfo(torch.float32).eps)
     # -inf student logits (a masked vocabulary entry that the teacher ranks in its top-k) stay finite too
     z = s_logits.detach().clone()
     z[0, 0, 3] = float("-inf")
