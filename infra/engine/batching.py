@@ -66,3 +66,28 @@ def attention_buckets(lead: Sequence[int], t: int, max_buckets: int = 4, min_sav
     cost = sum((e - s) * (t - c) for s, e, c in out)
     full = b * (t - min(lead))
     return out if cost <= (1.0 - min_saving) * full else None
+
+
+def attention_groups(lengths: Sequence[int], long_from: int = 64, pad_allowance: int = 256) -> list[list[int]]:
+    """Partition all sequences of one packed prefill into attention groups (indices into `lengths`), shortest first.
+
+    The projections and the MLP of a packed prefill run on every real token at once; only attention needs a
+    sequence's own tokens together. Short prompts of similar length attend together in one padded call (groups cut
+    as in `prefill_group`, padding ≤ `pad_allowance` tokens or a third); a sequence of `long_from` tokens or more
+    attends alone, with SDPA's mask-free causal kernel, since padding a long row costs O(L²) in attention and a
+    masked call materialises an (L, L) mask per row. Equal lengths never need a mask, whatever their length.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    short = [i for i in order if lengths[i] < long_from]
+    groups: list[list[int]] = []
+    while short:
+        pick = set(prefill_group([lengths[i] for i in short], 1 << 62, pad_allowance))
+        groups.append([i for j, i in enumerate(short) if j in pick])
+        short = [i for j, i in enumerate(short) if j not in pick]
+    for i in order:  # long: alone, or with the ones of exactly its length (no mask needed)
+        if lengths[i] >= long_from:
+            if groups and groups[-1] and lengths[groups[-1][0]] == lengths[i] >= long_from:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+    return groups

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from infra.engine.kv_cache import BatchKVCache
+from infra.engine.prefill import grouped_causal_attention, plan
 
 
 class FusedDecoder:
@@ -133,9 +134,9 @@ class FusedDecoder:
 
         The same result as the left-padded HF forward the engine used before (tested to 1e-5), cheaper: the
         projections and the MLP run on the N = Σ L_i real tokens packed into one `(N, H)` matrix, so padding costs
-        nothing there (a 400-token resumed partial and fifteen 20-token prompts are 700 rows, not 16 × 400); only
-        attention runs on the padded `(G, H, L, D)` layout (causal mask ∧ real keys), and a single prompt takes
-        SDPA's mask-free causal path (so do prompts of equal length). No per-module dispatch either, which was ~0.8 ms of every HF forward here.
+        nothing there (a 400-token resumed partial and fifteen 20-token prompts are 700 rows, not 16 × 400), and
+        attention runs by groups of similar length (`infra.engine.prefill`), so it does not either. No per-module
+        dispatch, which was ~0.8 ms of every HF forward here. So one prefill takes every waiting prompt.
         Logit rows of a prompt shorter than `keep` are 0 in its padding columns (the engine reads only real ones).
         """
         lin, emb_f = torch.nn.functional.linear, torch.nn.functional.embedding
@@ -152,15 +153,9 @@ class FusedDecoder:
         cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]  # (N, 1, D)
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
         n_tok, width = row.shape[0], L + spare
-        dense = n_tok == g * L  # no padding: the packed rows already are the (G, L) layout
-        attn_mask = None  # no padding: SDPA's mask-free causal path
-        if not dense:  # query i attends to key j ≤ i that is a real token (a padding query attends to itself: no NaN)
-            causal = torch.ones((L, L), dtype=torch.bool).tril_()
-            attn_mask = (causal[None] & mask.bool()[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]
-            attn_mask = attn_mask[:, None]  # (G, 1, L, L)
-        at_q, at_kv = row * L + col, row * width + col  # (N,) flat (prompt, column) of each token
+        groups = plan(lens.tolist())
         for i, p in enumerate(self.layers):
-            d, groups = p["head_dim"], p["groups"]
+            d = p["head_dim"]
             n = self._rms(h, p["in_norm"])
             q, k, v = lin(n, *p["q"]), lin(n, *p["k"]), lin(n, *p["v"])
             q, k, v = q.view(n_tok, -1, d), k.view(n_tok, -1, d), v.view(n_tok, -1, d)  # (N, heads, D)
@@ -168,17 +163,13 @@ class FusedDecoder:
             k1, k2 = k.chunk(2, dim=-1)
             q = q * cos + torch.cat((-q2, q1), dim=-1) * sin
             k = k * cos + torch.cat((-k2, k1), dim=-1) * sin
-            # (G, L(+spare), heads, D) buffers, left-padded with zeros; attention reads them as (G, heads, L, D)
-            kp = k.new_zeros((g * width, k.shape[1], d)).index_copy_(0, at_kv, k).view(g, width, -1, d)
-            vp = v.new_zeros((g * width, v.shape[1], d)).index_copy_(0, at_kv, v).view(g, width, -1, d)
-            qp = q.view(g, L, -1, d) if dense else q.new_zeros((g * L, q.shape[1], d)).index_copy_(0, at_q, q).view(g, L, -1, d)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qp.transpose(1, 2), kp[:, :L].transpose(1, 2), vp[:, :L].transpose(1, 2), attn_mask=attn_mask,
-                is_causal=attn_mask is None, scale=p["scaling"], enable_gqa=groups > 1)  # (G, Hq, L, D)
-            if cache is not None:  # the cache's layout (G, H_kv, L + spare, D), contiguous
-                cache.layers[i].set_buffers(kp.transpose(1, 2).contiguous(), vp.transpose(1, 2).contiguous(), L)
-            o = o.transpose(1, 2).reshape(g * L, -1)
-            h = h + lin(o if dense else o.index_select(0, at_q), *p["o"])
+            if cache is not None:  # (G, H_kv, L + spare, D), left-padded with zeros, decode head-room after L
+                kp, vp = k.new_zeros((g, k.shape[1], width, d)), v.new_zeros((g, v.shape[1], width, d))
+                kp.transpose(1, 2)[row, col] = k  # writes only the N real tokens
+                vp.transpose(1, 2)[row, col] = v
+                cache.layers[i].set_buffers(kp, vp, L)
+            o = grouped_causal_attention(q, k, v, groups, p["scaling"])  # (N, Hq, D)
+            h = h + lin(o.reshape(n_tok, -1), *p["o"])
             m = self._rms(h, p["post_norm"])
             h = h + lin(torch.nn.functional.silu(lin(m, *p["gate"])) * lin(m, *p["up"]), *p["down"])
         tail = col >= L - keep  # packed tokens whose logits are kept

@@ -372,9 +372,11 @@ class Engine:
     def _run_prefill(self, limit: float) -> bool:
         """Prefill a group of waiting generation sequences, sample their first token, merge them into the batch.
 
-        Admission is FIFO (serial order, `max_batch` rows, `max_total_tokens` reserved); among the admitted, the
-        group is the shortest ones of similar length (`batching.prefill_group`): the rest wait for the next step,
-        so a long resumed partial never pads a group of short prompts to its length."""
+        Admission is FIFO (serial order, `max_batch` rows, `max_total_tokens` reserved). Llama/Qwen2 (the packed
+        `FusedDecoder.prefill`, where padding costs nothing): all the admitted, shortest first, up to
+        `max_prefill_tokens` real tokens. Other models (a left-padded HF forward): the shortest ones of similar
+        length (`batching.prefill_group`), so a long resumed partial never pads a group of short prompts to its
+        length; the rest wait for the next step."""
         cand: list[Seq] = []
         reserved = self._reserved
         live = len(self._run) - len(self._holes)
@@ -387,7 +389,16 @@ class Engine:
             reserved += need
         if not cand:
             return False
-        pick = prefill_group([len(s.spec.input_ids) for s in cand], self.max_prefill_tokens)
+        lengths = [len(s.spec.input_ids) for s in cand]
+        if self._fused is not None:  # packed prefill: no padding cost, so every candidate within the token budget
+            pick, total = [], 0
+            for i in sorted(range(len(cand)), key=lambda i: (lengths[i], i)):
+                if pick and total + lengths[i] > self.max_prefill_tokens:
+                    break
+                pick.append(i)
+                total += lengths[i]
+        else:
+            pick = prefill_group(lengths, self.max_prefill_tokens)
         chosen = set(pick)
         self._wait_gen.extendleft(reversed([s for i, s in enumerate(cand) if i not in chosen]))
         group = [cand[i] for i in pick]  # shortest first: left-padded, so leading padding descends down the rows

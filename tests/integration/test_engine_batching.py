@@ -78,7 +78,8 @@ def test_fused_decoder_matches_hf_forward(model, arch, padded):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("lens,keep", [([7], 1), ([5, 5, 5], 2), ([3, 12, 5], 1), ([3, 12, 5], 8), ([40, 4], 3)])
+@pytest.mark.parametrize("lens,keep", [([7], 1), ([5, 5, 5], 2), ([3, 12, 5], 1), ([3, 12, 5], 8), ([40, 4], 3),
+                                       ([100, 6, 70, 70, 5, 130], 2)])  # long ones attend alone / equal together
 def test_fused_prefill_matches_left_padded_hf_forward(model, arch, lens, keep):
     """The packed prefill gives the left-padded HF forward's logits (real positions) and writes the same keys and
     values into the cache (real columns), for one prompt, equal lengths (no mask) and mixed lengths."""

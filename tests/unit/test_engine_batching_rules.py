@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from infra.engine.batching import attention_buckets, prefill_group
+from infra.engine.batching import attention_buckets, attention_groups, prefill_group
+from infra.engine.prefill import plan
 
 pytestmark = pytest.mark.unit
 
@@ -51,3 +52,31 @@ def test_attention_buckets_cap_the_number_of_buckets():
     got = attention_buckets(lead, t, max_buckets=4)
     assert [(s, e) for s, e, _ in got] == [(0, 1), (1, 2), (2, 3), (3, 6)]
     assert got[-1][2] == 0  # the widest row's lead
+
+
+def test_attention_groups_pad_only_short_prompts_of_similar_length():
+    # 12, 13, 15, 16 share one padded call (4 padding tokens); 70, 90, 400 (≥ 64) each alone; the two 300s together
+    # (equal lengths need no mask); shortest first throughout
+    assert attention_groups([15, 12, 400, 16, 300, 300, 13, 70, 90]) == [[1, 6, 0, 3], [7], [8], [4, 5], [2]]
+    # 10, 60, 63 pad 56 tokens: one group; the two 64s are long and equal: together, unpadded
+    assert attention_groups([10, 60, 63, 64, 64]) == [[0, 1, 2], [3, 4]]
+    # 10 × 3 + 200 (short of long_from=250) would pad 570 > 256 and > a third: two groups
+    assert attention_groups([10, 10, 10, 200], long_from=250) == [[0, 1, 2], [3]]
+    assert attention_groups([]) == []
+    # every index exactly once
+    lens = [3, 80, 80, 5, 7, 300, 64, 63, 1]
+    assert sorted(i for g in attention_groups(lens) for i in g) == list(range(len(lens)))
+
+
+def test_prefill_plan_indexes_each_prompts_packed_tokens():
+    # prompts of 2, 3, 2 tokens packed as [a a b b b c c]: one group (2 padding tokens), shortest first (prompts 0
+    # and 2, then 1), left-padded to 3 columns
+    (gr,) = plan([2, 3, 2])
+    assert gr.tokens.tolist() == [0, 1, 5, 6, 2, 3, 4] and (gr.g, gr.length) == (3, 3)
+    assert gr.at.tolist() == [1, 2, 4, 5, 6, 7, 8]  # row r's tokens at r·3 + (3 − n) …
+    # causal ∧ real keys, padding queries attend to themselves: row 0 (1 pad column)
+    assert gr.mask[0, 0].tolist() == [[True, False, False], [False, True, False], [False, True, True]]
+    # equal lengths: no padding, no mask (the causal kernel); a long prompt alone
+    a, b = plan([4, 4, 100])
+    assert a.at is None and a.mask is None and a.tokens.tolist() == list(range(8))
+    assert b.at is None and b.tokens.tolist() == list(range(8, 108))

@@ -1,0 +1,70 @@
+"""Causal self-attention for a packed prefill: prompts of different lengths whose tokens are concatenated in one
+`(N, heads, D)` tensor, attended group by group (`infra.engine.batching.attention_groups`), never padded to the
+longest prompt of the whole prefill.
+
+Why: the engine's prefill runs the projections and the MLP of all waiting prompts at once on their N real
+tokens (`FusedDecoder.prefill`). Attention is the only part that needs a prompt's tokens laid out together; a
+left-padded `(G, H, L, L)` call over all of them costs every short prompt the longest one's L² and needs a
+materialised mask, which on CPU selects SDPA's slower math kernel. Here prompts of equal length (any length) and
+long prompts attend with the mask-free causal kernel, and only short prompts of similar length share a padded,
+masked call (a padding query attends to itself, so no row is all -inf).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infra.engine.batching import attention_groups
+
+
+@dataclass
+class _Group:
+    tokens: torch.Tensor  # (n,) packed indices of the group's tokens, prompt by prompt
+    g: int  # prompts
+    length: int  # the longest prompt's length
+    at: torch.Tensor | None  # (n,) flat index in the left-padded (g * length) layout; None = no padding
+    mask: torch.Tensor | None  # (g, 1, L, L) bool, True = attend; None = causal
+
+
+def plan(lens: list[int], long_from: int = 64) -> list[_Group]:
+    """The attention groups of prompts with lengths `lens` (packed in this order), with their gather indices."""
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    out = []
+    for group in attention_groups(lens, long_from):
+        glens = [lens[i] for i in group]
+        L = max(glens)
+        tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in group])
+        if min(glens) == L:
+            out.append(_Group(tokens, len(group), L, None, None))
+            continue
+        at = torch.cat([r * L + torch.arange(L - n, L) for r, n in enumerate(glens)])
+        real = torch.zeros((len(group), L), dtype=torch.bool)
+        real.view(-1)[at] = True
+        causal = torch.ones((L, L), dtype=torch.bool).tril_()
+        mask = (causal[None] & real[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]
+        out.append(_Group(tokens, len(group), L, at, mask[:, None]))
+    return out
+
+
+def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[_Group],
+                             scaling: float) -> torch.Tensor:
+    """q (N, Hq, D), k/v (N, Hkv, D) packed (RoPE applied) → attention output (N, Hq, D): each token attends to
+    the tokens of its own prompt up to itself, softmax(q·kᵀ · scaling) v, with grouped-query heads (Hq = g · Hkv)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gqa = q.shape[1] != k.shape[1]
+    out = q.new_empty(q.shape)
+    for gr in groups:
+        qs, ks, vs = q.index_select(0, gr.tokens), k.index_select(0, gr.tokens), v.index_select(0, gr.tokens)
+        if gr.at is not None:  # left-pad into (g · L, heads, D)
+            qs = qs.new_zeros((gr.g * gr.length,) + qs.shape[1:]).index_copy_(0, gr.at, qs)
+            ks = ks.new_zeros((gr.g * gr.length,) + ks.shape[1:]).index_copy_(0, gr.at, ks)
+            vs = vs.new_zeros((gr.g * gr.length,) + vs.shape[1:]).index_copy_(0, gr.at, vs)
+        shape = (gr.g, gr.length, -1, q.shape[2])  # (G, L, heads, D) → SDPA's (G, heads, L, D)
+        o = sdpa(qs.view(shape).transpose(1, 2), ks.view(shape).transpose(1, 2), vs.view(shape).transpose(1, 2),
+                 attn_mask=gr.mask, is_causal=gr.mask is None, scale=scaling, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(gr.g * gr.length, q.shape[1], q.shape[2])
+        out.index_copy_(0, gr.tokens, o if gr.at is None else o.index_select(0, gr.at))
+    return out
