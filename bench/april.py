@@ -10,10 +10,11 @@ honestly on a real engine: every request is sent with `ignore_eos` and `max_new_
 budget (L_i minus the tokens it already has), so a sample finishes exactly when it has L_i tokens, having paid
 for every token by decoding it (the bench checks each finished sample: `len(output_ids) == L_i`, finish "length").
 
-Server. One embedded engine server (`python -m infra.engine.server`, one torch thread, defaults otherwise:
-max 64 running sequences) on loopback serving the `tiny` preset (`init_model_dir("tiny", dir, seed=0)`, with
-`max_position_embeddings` raised from 256 to 1024 in its config so a 512-token sample fits; RoPE has no position
-weights, so no weight changes), shared by all arms; sampling at temperature 1.
+Server. One embedded engine server (`python -m infra.engine.server`, one torch thread, defaults otherwise: max
+256 running sequences, so a step's ⌈1.25 B⌉ requests all run at once up to B = 204) on loopback serving the
+`tiny` preset (`init_model_dir("tiny", dir, seed=0)`, with `max_position_embeddings` raised from 256 to 1024 in
+its config so a 512-token sample fits; RoPE has no position weights, so no weight changes), shared by all arms;
+sampling at temperature 1.
 
 Arms — all run the real rollout code, `teachers.rollout.rollout_step` with a `Roller` (one `/generate` per
 request, aborts through `/abort_request`), an `AprilBuffer`, and `plan_requests` / `collect_batch` /
@@ -22,7 +23,8 @@ request, aborts through `/abort_request`), an `AprilBuffer`, and `plan_requests`
   all B (the B-th finished is the last one), nothing is ever aborted, the buffer stays empty: the classic
   synchronous rollout.
 - `april`: over_sampling = the first `--over-sampling` (1.25, the pipeline's default `specialists.over_sampling`):
-  ⌈1.25 B⌉ requests, resumed partials first, stop at B finished, abort the rest, keep them as partials and resume
+  max(⌈1.25 B⌉, B + 4) requests (`specialists.min_extra_requests` = 4, the pipeline's default, binds below B = 16),
+  resumed partials first, stop at B finished, abort the rest, keep them as partials and resume
   them next step with the remaining budget. `max_staleness` = 64, larger than any sample's age here, so nothing
   is dropped and every long sample is eventually finished (its staleness is reported instead). This arm is the
   target's. `april_os<x>`: the same at the other over-samplings (1.5, 2.0).
@@ -74,11 +76,14 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from teacher_scaling import REPO, exit_on_sigterm, machine_info, tree_cpu_s, write_outputs  # noqa: E402
 
+from infra.config import SpecialistsConfig  # noqa: E402
 from infra.engine.client import EngineClient  # noqa: E402
 from teachers.april import AprilBuffer, Partial  # noqa: E402
 from teachers.rollout import Roller, rollout_step  # noqa: E402
 
 TARGET = 1.5
+# APRIL arms over-provision at least this many requests beyond B (the pipeline's default; sync ignores it)
+MIN_EXTRA = SpecialistsConfig.model_fields["min_extra_requests"].default
 CONTEXT = 1024
 DOMAIN = "longtail"
 
@@ -167,7 +172,7 @@ def dist(xs: list[float]) -> dict:
 
 
 async def run_arm(url: str, tokenizer, *, name: str, batch: int, over_sampling: float, max_staleness: int,
-                  steps: int, warmup: int, cursor_kw: dict, max_new_tokens: int) -> dict:
+                  steps: int, warmup: int, cursor_kw: dict, max_new_tokens: int, min_extra: int = 0) -> dict:
     """`warmup + steps` calls of `rollout_step`; statistics over the last `steps`."""
     client = FixedLengthClient(url, timeout=600.0)
     roller = Roller(client, SimpleNamespace(name=DOMAIN), tokenizer, temperature=1.0)
@@ -184,7 +189,7 @@ async def run_arm(url: str, tokenizer, *, name: str, batch: int, over_sampling: 
             dec0, pre0 = client.decoded, client.prefilled
             t0 = time.perf_counter()
             samples, c = await rollout_step(roller, buffer, cursor, batch_size=batch, over_sampling=over_sampling,
-                                            max_new_tokens=max_new_tokens, version=version)
+                                            max_new_tokens=max_new_tokens, version=version, min_extra=min_extra)
             dt = time.perf_counter() - t0
             for s in samples:  # the workload is realised honestly: each sample decoded exactly its natural length
                 if s.finish_reason != "length" or len(s.output_ids) != s.example["natural_len"]:
@@ -366,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                     k = rep % len(arms)
                     for name, os_, ms in arms[k:] + arms[:k]:  # rotated: load drift hits every arm alike
                         r = asyncio.run(run_arm(url, tok, name=name, batch=b, over_sampling=os_, max_staleness=ms,
+                                                min_extra=MIN_EXTRA,
                                                 steps=args.steps, warmup=args.warmup, cursor_kw=cursor_kw,
                                                 max_new_tokens=tail[1]))
                         runs.append({"repeat": rep, "batch": b, **r})
@@ -386,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick, "machine": machine_info(), "loadavg": {"before": loadavg_before, "after": loadavg_after},
         "config": {**vars(args), "batches": batches,
                    "arms": [{"arm": a, "over_sampling": o, "max_staleness": m} for a, o, m in arms],
+                   "min_extra_requests": MIN_EXTRA,
                    "model": f"tiny (init_model_dir seed 0), max_position_embeddings {CONTEXT}", "temperature": 1.0,
-                   "server_threads": 1, "server_max_batch": 64,
+                   "server_threads": 1, "server_max_batch": 256,
                    "same": "steps per arm (warmup dropped); wall = sum of the measured rollout_step calls"},
         "workload": {"body_uniform": body, "tail_loguniform": tail, "p_tail": args.p_tail,
                      "natural_length_first_2000": dist(lens),

@@ -214,6 +214,9 @@ class SpecialistsConfig(_Strict):
     steps: int = Field(200, ge=0, description="PPO steps per specialist (one rollout batch each).")
     batch_size: int = Field(64, ge=1, description="Finished samples per step (APRIL batch target).")
     over_sampling: float = Field(1.25, ge=1.0, description="Requests per step = ceil(batch_size · over_sampling).")
+    min_extra_requests: int = Field(4, ge=0, description="With over_sampling > 1, at least this many requests beyond "
+                                    "batch_size (1.25 · 8 leaves two spare: bench/april.py measured 1.43x sync at "
+                                    "B = 8, 1.67x with four).")
     max_staleness: int = Field(2, ge=0, description="Partials with tokens older than this many versions are dropped.")
     mask_offpolicy: bool = Field(False, description="Mask resumed tokens older than max_staleness instead of TIS only.")
     max_new_tokens: int | None = Field(None, ge=1, le=512, description="Response budget (None: eval.max_new_tokens).")

@@ -3,7 +3,7 @@
 One rollout step, as the trainer runs it around the engine client:
 
     buffer.drop_stale(version)                                     # counted in buffer.dropped_stale
-    n_resume, n_fresh = plan_requests(batch_target, over_sampling, len(buffer))
+    n_resume, n_fresh = plan_requests(batch_target, over_sampling, len(buffer), min_extra)
     requests = buffer.take_resumable(version, n_resume) + [Partial.fresh(...) for _ in range(n_fresh)]
     finished, aborted = await collect_batch(submit, abort_all, batch_target, len(requests))
     for i, gen in finished + aborted:                              # gen: the new tokens of request i only
@@ -122,10 +122,15 @@ class GenResult:
     finish_reason: str
 
 
-def plan_requests(batch_target: int, over_sampling: float, n_resumable: int) -> tuple[int, int]:
-    """How many requests to submit: N = ceil(batch_target · over_sampling) in all, resumed partials first.
+def plan_requests(batch_target: int, over_sampling: float, n_resumable: int,
+                  min_extra: int = 0) -> tuple[int, int]:
+    """How many requests to submit, resumed partials first:
 
+        N = max(ceil(batch_target · over_sampling), batch_target + min_extra)   if over_sampling > 1, else batch_target
         n_resume = min(n_resumable, N),   n_fresh = N − n_resume
+
+    `min_extra`: over-provisioning by a fraction leaves few spare requests at small batches (ceil(1.25 · 8) = 10:
+    two), and a step then waits for its slowest 8 of 10; over_sampling = 1 (synchronous rollouts) adds none.
     """
     if isinstance(batch_target, bool) or not isinstance(batch_target, int) or batch_target < 1:
         raise ValueError(f"plan_requests: batch_target must be an int >= 1, got {batch_target!r}")
@@ -133,7 +138,11 @@ def plan_requests(batch_target: int, over_sampling: float, n_resumable: int) -> 
         raise ValueError(f"plan_requests: over_sampling must be >= 1.0, got {over_sampling!r}")
     if n_resumable < 0:
         raise ValueError(f"plan_requests: n_resumable must be >= 0, got {n_resumable!r}")
+    if isinstance(min_extra, bool) or not isinstance(min_extra, int) or min_extra < 0:
+        raise ValueError(f"plan_requests: min_extra must be an int >= 0, got {min_extra!r}")
     total = math.ceil(batch_target * over_sampling - 1e-9)  # 8 · 1.5 is 12, not 13 from rounding noise
+    if total > batch_target:
+        total = max(total, batch_target + min_extra)
     n_resume = min(n_resumable, total)
     return n_resume, total - n_resume
 

@@ -1,7 +1,7 @@
 """One APRIL rollout step of a specialist through its engine server (plain and tool-use domains).
 
     buffer.drop_stale(version)
-    n_resume, n_fresh = plan_requests(batch_size, over_sampling, len(buffer))
+    n_resume, n_fresh = plan_requests(batch_size, over_sampling, len(buffer), min_extra)
     requests = buffer.take_resumable(version, n_resume) + fresh prompts from the stream
     finished, aborted = collect_batch(submit, abort_all, batch_size, len(requests))
     each result → merge_continuation → Sample (train) or Partial (back into the buffer)
@@ -120,11 +120,12 @@ class Roller:
 
 
 async def rollout_step(roller: Roller, buffer: AprilBuffer, cursor: PromptCursor, *, batch_size: int,
-                       over_sampling: float, max_new_tokens: int, version: int) -> tuple[list[Sample], dict]:
+                       over_sampling: float, max_new_tokens: int, version: int,
+                       min_extra: int = 0) -> tuple[list[Sample], dict]:
     """One APRIL step: returns (finished samples, counters {requests, resumed, fresh, finished, partials,
     dropped_stale}). Partials go back into `buffer`; finished samples are not yet checked against the ledger."""
     stale = buffer.drop_stale(version)
-    n_resume, n_fresh = plan_requests(batch_size, over_sampling, len(buffer))
+    n_resume, n_fresh = plan_requests(batch_size, over_sampling, len(buffer), min_extra)
     requests = buffer.take_resumable(version, n_resume) + cursor.take(n_fresh, max_new_tokens, version)
     roller._aborting = False
 

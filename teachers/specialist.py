@@ -180,7 +180,7 @@ class SpecialistTrainer:
         roller = Roller(self.server.client, self.domain, self.tok, temperature=sc.temperature, guard=self.guard)
         samples, april = await rollout_step(roller, self.buffer, self.cursor, batch_size=sc.batch_size,
                                             over_sampling=sc.over_sampling, max_new_tokens=self.max_new_tokens,
-                                            version=version)
+                                            version=version, min_extra=sc.min_extra_requests)
         rollout_s = time.perf_counter() - t0
         samples = self.buffer.filter_untrained(samples)
         errors0 = self.domain.verifier_errors

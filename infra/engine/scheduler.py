@@ -2,11 +2,12 @@
 
 Loop (one iteration, `Engine._step`):
   1. take new sequences, aborts and weight-update jobs from thread-safe inboxes;
-  2. **scoring** (max_new_tokens = 0): every waiting scoring sequence (up to a padded-token budget) in ONE padded
+  2. **scoring** (max_new_tokens = 0): every waiting scoring sequence (up to a padded-token budget) in ONE
      forward, no KV cache; prompt log-probs read off the logits; done;
   3. **prefill**: waiting generation sequences (up to `max_batch` running and `max_total_tokens` reserved) in one
-     left-padded forward that fills a fresh KV cache; their first token is sampled; survivors are merged into the
-     running batch (`BatchKVCache.merge`);
+     forward that fills a fresh left-padded KV cache (Llama/Qwen2: `FusedDecoder.prefill`, packed, so padding
+     costs no projection or MLP work); their first token is sampled; survivors are merged into the running batch
+     (`BatchKVCache.merge`, which also drops finished rows);
   4. **decode**: ONE forward of one token for every running sequence, sharing the batch KV cache (for Llama/Qwen2
      the `FusedDecoder` step: the same arithmetic without transformers' per-module dispatch, which dominates a
      tiny model's step on CPU); sample; sequences that hit a stop condition leave the batch (`select_rows`), and

@@ -27,7 +27,12 @@ def test_plan_requests_hand_numbers():
     assert plan_requests(8, 1.0, 0) == (0, 8)
     assert plan_requests(3, 1.1, 1) == (1, 3)  # ceil(3.3) = 4
     assert plan_requests(10, 1.3, 0) == (0, 13)  # 10 · 1.3 = 13.000000000000002 in floats: still 13
-    for bad in [(0, 1.5, 0), (8, 0.9, 0), (8, 1.5, -1)]:
+    # min_extra: at least B + 4 once over-sampling at all; a fraction that already gives more wins; none when sync
+    assert plan_requests(8, 1.25, 0, min_extra=4) == (0, 12)  # ceil(10) = 10 < 8 + 4
+    assert plan_requests(64, 1.25, 16, min_extra=4) == (16, 64)  # ceil(80) = 80 > 68: unchanged
+    assert plan_requests(8, 1.0, 0, min_extra=4) == (0, 8)
+    assert plan_requests(8, 1.01, 30, min_extra=4) == (12, 0)
+    for bad in [(0, 1.5, 0), (8, 0.9, 0), (8, 1.5, -1), (8, 1.5, 0, -1), (8, 1.5, 0, True)]:
         with pytest.raises(ValueError, match="plan_requests"):
             plan_requests(*bad)
 
