@@ -77,6 +77,19 @@ class FusedDecoder:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return w * xf.to(x.dtype)
 
+    def _cos_sin(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for positions `pos` (any shape S) → cos, sin (S, 1, D), computed in fp32 like HF."""
+        freqs = pos.float()[..., None] * self.inv_freq  # (S, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+        return cos[..., None, :], sin[..., None, :]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply_rotary_pos_emb` for one of q/k: x · cos + rotate_half(x) · sin (last dim D)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
     @staticmethod
     def _attend(q, keys, values, mask, scaling: float, g: int) -> torch.Tensor:
         """SDPA of one query token per row: q (B, Hq, 1, D), keys/values (B, Hkv, T, D), mask None or
@@ -99,10 +112,7 @@ class FusedDecoder:
         lin = torch.nn.functional.linear
         b = ids.shape[0]
         h = torch.nn.functional.embedding(ids[:, None], self.embed)  # (B, 1, H)
-        freqs = pos.float()[:, None, None] * self.inv_freq[None, None, :]  # (B, 1, D/2), as HF: fp32, no autocast
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]  # (B, 1, 1, D)
-        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
+        cos, sin = self._cos_sin(pos[:, None], h.dtype)  # (B, 1, 1, D): broadcast over heads of (B, heads, 1, D)
         for i, p in enumerate(self.layers):
             d, g = p["head_dim"], p["groups"]
             n = self._rms(h, p["in_norm"])
@@ -110,10 +120,7 @@ class FusedDecoder:
             q = q.view(b, 1, -1, d).transpose(1, 2)  # (B, Hq, 1, D)
             k = k.view(b, 1, -1, d).transpose(1, 2)  # (B, Hkv, 1, D)
             v = v.view(b, 1, -1, d).transpose(1, 2)
-            q1, q2 = q.chunk(2, dim=-1)
-            k1, k2 = k.chunk(2, dim=-1)
-            q = q * cos + torch.cat((-q2, q1), dim=-1) * sin
-            k = k * cos + torch.cat((-k2, k1), dim=-1) * sin
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             keys, values = cache.layers[i].update(k, v)
             if mask is None or not buckets:
                 o = self._attend(q, keys, values, mask, p["scaling"], g)
@@ -148,10 +155,7 @@ class FusedDecoder:
         mask = torch.zeros((g, L), dtype=torch.long)
         mask[row, col] = 1
         h = emb_f(torch.tensor([t for p in prompts for t in p], dtype=torch.long), self.embed)  # (N, H)
-        freqs = pos.float()[:, None] * self.inv_freq[None, :]  # (N, D/2), fp32 as HF
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]  # (N, 1, D)
-        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
+        cos, sin = self._cos_sin(pos, h.dtype)  # (N, 1, D): broadcast over the heads of (N, heads, D)
         n_tok, width = row.shape[0], L + spare
         groups = plan(lens.tolist())
         for i, p in enumerate(self.layers):
@@ -159,10 +163,7 @@ class FusedDecoder:
             n = self._rms(h, p["in_norm"])
             q, k, v = lin(n, *p["q"]), lin(n, *p["k"]), lin(n, *p["v"])
             q, k, v = q.view(n_tok, -1, d), k.view(n_tok, -1, d), v.view(n_tok, -1, d)  # (N, heads, D)
-            q1, q2 = q.chunk(2, dim=-1)
-            k1, k2 = k.chunk(2, dim=-1)
-            q = q * cos + torch.cat((-q2, q1), dim=-1) * sin
-            k = k * cos + torch.cat((-k2, k1), dim=-1) * sin
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             if cache is not None:  # (G, H_kv, L + spare, D), left-padded with zeros, decode head-room after L
                 kp, vp = k.new_zeros((g, k.shape[1], width, d)), v.new_zeros((g, v.shape[1], width, d))
                 kp.transpose(1, 2)[row, col] = k  # writes only the N real tokens

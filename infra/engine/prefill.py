@@ -29,30 +29,31 @@ class _Group:
 
 def plan(lens: list[int], long_from: int = 64) -> list[_Group]:
     """The attention groups of prompts with lengths `lens` (packed in this order), with their gather indices."""
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    starts = lens_t.cumsum(0) - lens_t
     out = []
     for group in attention_groups(lens, long_from):
-        glens = [lens[i] for i in group]
-        L = max(glens)
-        tokens = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in group])
-        if min(glens) == L:
-            out.append(_Group(tokens, len(group), L, None, None))
+        idx = torch.tensor(group, dtype=torch.long)
+        glens = lens_t[idx]
+        g, L = len(group), int(glens.max())
+        local = torch.arange(int(glens.sum())) - torch.repeat_interleave(glens.cumsum(0) - glens, glens)  # 0…n-1
+        tokens = torch.repeat_interleave(starts[idx], glens) + local
+        if int(glens.min()) == L:
+            out.append(_Group(tokens, g, L, None, None))
             continue
-        at = torch.cat([r * L + torch.arange(L - n, L) for r, n in enumerate(glens)])
-        real = torch.zeros((len(group), L), dtype=torch.bool)
+        at = torch.repeat_interleave(torch.arange(g) * L + (L - glens), glens) + local
+        real = torch.zeros((g, L), dtype=torch.bool)
         real.view(-1)[at] = True
         causal = torch.ones((L, L), dtype=torch.bool).tril_()
         mask = (causal[None] & real[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]
-        out.append(_Group(tokens, len(group), L, at, mask[:, None]))
+        out.append(_Group(tokens, g, L, at, mask[:, None]))
     return out
 
 
 def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[_Group],
                              scaling: float) -> torch.Tensor:
     """q (N, Hq, D), k/v (N, Hkv, D) packed (RoPE applied) → attention output (N, Hq, D): each token attends to
-    the tokens of its own prompt up to itself, softmax(q·kᵀ · scaling) v, with grouped-query heads (Hq = g · Hkv)."""
+    the tokens of its own prompt up to itself, softmax(q·kᵀ · scaling) v, with grouped-query heads (Hq = g·Hkv)."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     gqa = q.shape[1] != k.shape[1]
     out = q.new_empty(q.shape)
