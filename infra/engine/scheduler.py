@@ -432,23 +432,13 @@ class Engine:
             self._set_mask(mask)
         else:  # rows stay sorted by leading padding, descending (shortest first): decode attention buckets need it
             # finished rows (holes) leave in the same copy as the merge, with the padding columns no live row uses
-            keep = drop = None
-            mine = self._full_mask()  # before the cache merge changes seq_len
-            run, old_pos, old_last = self._run, self._pos, self._last
-            if self._holes:
-                live = [i for i in range(len(self._run)) if i not in self._holes]
-                keep = torch.tensor(live, dtype=torch.long)
-                mine = mine[keep]
-                drop = leading_pad_columns(mine)
-                mine = mine[:, drop:]
-                run, old_pos, old_last = [self._run[i] for i in live], old_pos[keep], old_last[keep]
-                self._holes = set()
+            keep, drop, mine = self._take_live_rows() if self._holes else (None, 0, self._full_mask())
             merged = merge_masks(mine, mask.bool())
             order = torch.argsort(row_leads(merged), descending=True, stable=True)
             if bool((order == torch.arange(order.shape[0])).all()):
                 order = None
-            self._cache.merge(cache, order=order, keep=keep, drop_left=drop or 0)
-            rows_all, pos, last = run + survivors, torch.cat([old_pos, pos]), torch.cat([old_last, last])
+            self._cache.merge(cache, order=order, keep=keep, drop_left=drop)
+            rows_all, pos, last = self._run + survivors, torch.cat([self._pos, pos]), torch.cat([self._last, last])
             if order is not None:
                 merged, pos, last = merged[order], pos[order], last[order]
                 rows_all = [rows_all[i] for i in order.tolist()]
@@ -550,15 +540,23 @@ class Engine:
         """Leading columns that are padding for every live row (what a compaction would trim)."""
         return min(lead for i, lead in enumerate(self._lead) if i not in self._holes)
 
+    def _take_live_rows(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Drop the holes from the running rows' bookkeeping (`_run`, `_pos`, `_last`). Returns the kept rows (K,)
+        long, the leading columns that are padding in every kept row, and the kept rows' mask without them; the
+        caller drops the same rows and columns from the cache, in its one copy (`select_rows` or `merge`)."""
+        live = [i for i in range(len(self._run)) if i not in self._holes]
+        idx = torch.tensor(live, dtype=torch.long)
+        mask = self._full_mask()[idx]
+        drop = leading_pad_columns(mask)
+        self._run, self._holes = [self._run[i] for i in live], set()
+        self._pos, self._last = self._pos[idx], self._last[idx]
+        return idx, drop, mask[:, drop:]
+
     def _compact(self) -> None:
         """Remove the holes from the batch and trim padding columns no remaining row uses (one cache copy)."""
-        keep = [i for i in range(len(self._run)) if i not in self._holes]
-        self._run, self._holes = [self._run[i] for i in keep], set()
-        idx = torch.tensor(keep, dtype=torch.long)
-        mask, self._pos, self._last = self._full_mask()[idx], self._pos[idx], self._last[idx]
-        drop = leading_pad_columns(mask)
+        idx, drop, mask = self._take_live_rows()
         self._cache.select_rows(idx, drop)
-        self._set_mask(mask[:, drop:])
+        self._set_mask(mask)
         self._refresh_params()
 
     # -- sampling and stop conditions -------------------------------------------------------------------------------
