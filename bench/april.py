@@ -49,7 +49,8 @@ Finished samples/s = samples finished in the measured steps / wall time of those
 Also: samples/s counting at most B per step (`capped`), finished tokens/s (tokens of finished samples), engine
 tokens/s (every token the engine decoded, including those of partials), input tokens the engine had to prefill
 per finished sample (a resumed partial re-sends its prompt + output so far), the engine's own decode counters
-(`/get_server_info`: decode forwards, rows per forward, ms per forward, their share of the wall time),
+(`/get_server_info`: decode forwards, rows per forward (and how many of them were finished rows not yet
+compacted away, and the running batch's segments), ms per forward, their share of the wall time),
 process-tree CPU seconds (bench + server), the buffer's tokens at the window's start and end (a growing buffer
 would mean APRIL deferred work out of the window), the length distribution of the finished samples, and the
 staleness of finished samples: versions behind = finishing version − version of their oldest token, and the
@@ -139,7 +140,8 @@ async def engine_stats(client: EngineClient) -> dict:
     info = await client.request("GET", "/get_server_info")
     return {k: info[k] for k in ("decode_steps", "decode_rows", "decode_seconds", "engine_cpu_seconds",
                                         "bucketed_decode_steps", "prefill_forwards", "prefill_tokens",
-                                        "prefill_padded_tokens", "prefill_seconds", "idle_seconds")}
+                                        "prefill_padded_tokens", "prefill_seconds", "idle_seconds",
+                                        "decode_segments", "decode_holes")}
 
 
 def engine_delta(a: dict, b: dict, wall: float) -> dict:
@@ -148,6 +150,8 @@ def engine_delta(a: dict, b: dict, wall: float) -> dict:
     d = {k: b[k] - a[k] for k in a}
     steps = max(d["decode_steps"], 1)
     return {"decode_steps": d["decode_steps"], "rows_per_decode_step": round(d["decode_rows"] / steps, 2),
+            "holes_per_step": round(d["decode_holes"] / steps, 2),
+            "segments_per_step": round(d["decode_segments"] / steps, 2),
             "ms_per_decode_step": round(1000 * d["decode_seconds"] / steps, 3),
             "decode_s": round(d["decode_seconds"], 3), "decode_share_of_wall": round(d["decode_seconds"] / wall, 3),
             "bucketed_share": round(d["bucketed_decode_steps"] / steps, 3),

@@ -91,3 +91,29 @@ def attention_groups(lengths: Sequence[int], long_from: int = 64, pad_allowance:
             else:
                 groups.append([i])
     return groups
+
+
+def width_segments(lengths: Sequence[int], min_width: int = 48, ratio: float = 2.0) -> list[list[int]]:
+    """Split sequences sorted by length (ascending) into contiguous groups of similar width, for the running
+    batch's segments (`infra.engine.running`): a group ends before the first sequence longer than `ratio` times
+    its first one (widths under `min_width` count as `min_width`, so short prompts stay together).
+
+    Why: each segment has its own left-padded KV cache, so a short row never carries a long row's columns (no
+    zero-filled padding to copy on every merge and compaction, no bucket slicing in decode attention)."""
+    groups: list[list[int]] = []
+    base = 0
+    for i, n in enumerate(lengths):
+        if i and n < lengths[i - 1]:
+            raise ValueError(f"width_segments needs ascending lengths; lengths[{i}] = {n} < {lengths[i - 1]}")
+        w = max(n, min_width)
+        if not groups or w > ratio * base:
+            groups.append([])
+            base = w
+        groups[-1].append(i)
+    return groups
+
+
+def similar_width(a: int, b: int, min_width: int = 48, ratio: float = 2.0) -> bool:
+    """Whether segments of widths `a` and `b` belong together by the rule of `width_segments`."""
+    lo, hi = sorted((max(a, min_width), max(b, min_width)))
+    return hi <= ratio * lo

@@ -103,12 +103,18 @@ class FusedDecoder:
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, cache: BatchKVCache,
                  mask: torch.Tensor | None, buckets: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
-        """ids (B,) long, pos (B,) long positions of the new tokens, mask None or (B, 1, 1, T+1) bool (True =
-        attend) → logits (B, V). Appends each layer's new key/value column to `cache`.
+        """One decode step of a batch in one cache: `step` with a single part."""
+        return self.step(ids, pos, [(0, ids.shape[0], cache, mask, buckets)])
 
-        `buckets` (with a mask; `infra.engine.batching.attention_buckets`): rows `start:end` attend only over
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, parts: list[tuple]) -> torch.Tensor:
+        """ids (B,) long, pos (B,) long positions of the new tokens → logits (B, V). `parts`: the batch's segments
+        (`infra.engine.running`) as `(start, end, cache, mask, buckets)`: rows `start:end` keep their keys and
+        values in `cache` (each layer's new column is appended to it) and attend under `mask`, None or
+        (end-start, 1, 1, T+1) bool (True = attend). Projections and the MLP run once over all B rows.
+
+        `buckets` (with a mask; `infra.engine.batching.attention_buckets`): rows `s:e` of the part attend only over
         columns `first_column:` — every column before it is padding for those rows, so the softmax is the same
-        (masked columns weigh exactly 0) while short rows stop paying for the batch's longest row."""
+        (masked columns weigh exactly 0) while short rows stop paying for the part's longest row."""
         lin = torch.nn.functional.linear
         b = ids.shape[0]
         h = torch.nn.functional.embedding(ids[:, None], self.embed)  # (B, 1, H)
@@ -121,12 +127,17 @@ class FusedDecoder:
             k = k.view(b, 1, -1, d).transpose(1, 2)  # (B, Hkv, 1, D)
             v = v.view(b, 1, -1, d).transpose(1, 2)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            keys, values = cache.layers[i].update(k, v)
-            if mask is None or not buckets:
-                o = self._attend(q, keys, values, mask, p["scaling"], g)
-            else:
-                o = torch.cat([self._attend(q[s:e], keys[s:e, :, c:], values[s:e, :, c:], mask[s:e, :, :, c:],
-                                            p["scaling"], g) for s, e, c in buckets])
+            outs = []
+            for start, end, cache, mask, buckets in parts:
+                qs = q[start:end]
+                keys, values = cache.layers[i].update(k[start:end], v[start:end])
+                if mask is None or not buckets:
+                    outs.append(self._attend(qs, keys, values, mask, p["scaling"], g))
+                else:
+                    outs += [self._attend(qs[s:e], keys[s:e, :, c:], values[s:e, :, c:], mask[s:e, :, :, c:],
+                                          p["scaling"], g) for s, e, c in buckets]
+            # (rows, Hq, 1, D) or, with a mask, (rows, Hkv, g, D): the same memory order of the query heads
+            o = outs[0] if len(outs) == 1 else torch.cat([x.reshape(x.shape[0], -1, 1, d) for x in outs])
             o = o.reshape(b, -1, 1, d).transpose(1, 2).reshape(b, 1, -1)
             h = h + lin(o, *p["o"])
             m = self._rms(h, p["post_norm"])
@@ -134,10 +145,14 @@ class FusedDecoder:
             h = h + lin(torch.nn.functional.silu(gate) * up, *p["down"])
         return lin(self._rms(h, self.final_norm)[:, -1], *self.lm_head)
 
-    def prefill(self, prompts: list, keep: int, cache: BatchKVCache | None,
-                spare: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward of G prompts of different lengths → (logits of the last `keep` columns (G, keep, V), mask (G, L)
-        long), filling `cache` (if given) with their left-padded keys/values `(G, H_kv, L, D)`, L = longest prompt.
+    def prefill(self, prompts: list, keep: int, caches: list[tuple[list[int], BatchKVCache]] | None = None,
+                spare: int = 32) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Forward of G prompts of different lengths → (logits of the last `keep` positions of each prompt
+        (G, keep, V), right-aligned like a left-padded batch; a mask (g_s, L_s) long per entry of `caches`).
+
+        `caches` (None: no KV kept, e.g. scoring): `(indices, cache)` pairs, one per segment of the running batch
+        (`infra.engine.running`); each cache gets the keys/values of its prompts, left-padded to its own longest
+        prompt L_s, `(g_s, H_kv, L_s + spare, D)`, zeros in the padding, decode head-room after L_s.
 
         The same result as the left-padded HF forward the engine used before (tested to 1e-5), cheaper: the
         projections and the MLP run on the N = Σ L_i real tokens packed into one `(N, H)` matrix, so padding costs
@@ -149,14 +164,24 @@ class FusedDecoder:
         lin, emb_f = torch.nn.functional.linear, torch.nn.functional.embedding
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         g, L = len(prompts), int(lens.max())
+        starts = lens.cumsum(0) - lens
         row = torch.repeat_interleave(torch.arange(g), lens)  # (N,) prompt of each packed token
-        pos = torch.arange(row.shape[0]) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)  # (N,) 0 … L_i-1
-        col = pos + (L - lens)[row]  # (N,) its column in the left-padded layout
-        mask = torch.zeros((g, L), dtype=torch.long)
-        mask[row, col] = 1
+        pos = torch.arange(row.shape[0]) - torch.repeat_interleave(starts, lens)  # (N,) 0 … L_i-1
         h = emb_f(torch.tensor([t for p in prompts for t in p], dtype=torch.long), self.embed)  # (N, H)
         cos, sin = self._cos_sin(pos, h.dtype)  # (N, 1, D): broadcast over the heads of (N, heads, D)
-        n_tok, width = row.shape[0], L + spare
+        n_tok = row.shape[0]
+        segs, masks = [], []  # per cache: its packed tokens, their (row, column) in its left-padded layout
+        for idx, cache in caches or []:
+            ix = torch.tensor(idx, dtype=torch.long)
+            sl = lens[ix]
+            ls = int(sl.max())
+            local = torch.arange(int(sl.sum())) - torch.repeat_interleave(sl.cumsum(0) - sl, sl)
+            r = torch.repeat_interleave(torch.arange(len(idx)), sl)
+            c = local + (ls - sl)[r]
+            mask = torch.zeros((len(idx), ls), dtype=torch.long)
+            mask[r, c] = 1
+            segs.append((torch.repeat_interleave(starts[ix], sl) + local, r, c, ls, len(idx), cache))
+            masks.append(mask)
         groups = plan(lens.tolist())
         for i, p in enumerate(self.layers):
             d = p["head_dim"]
@@ -164,17 +189,19 @@ class FusedDecoder:
             q, k, v = lin(n, *p["q"]), lin(n, *p["k"]), lin(n, *p["v"])
             q, k, v = q.view(n_tok, -1, d), k.view(n_tok, -1, d), v.view(n_tok, -1, d)  # (N, heads, D)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            if cache is not None:  # (G, H_kv, L + spare, D), left-padded with zeros, decode head-room after L
-                kp, vp = k.new_zeros((g, k.shape[1], width, d)), v.new_zeros((g, v.shape[1], width, d))
-                kp.transpose(1, 2)[row, col] = k  # writes only the N real tokens
-                vp.transpose(1, 2)[row, col] = v
-                cache.layers[i].set_buffers(kp, vp, L)
+            for tok, r, c, ls, gs, cache in segs:  # (g_s, H_kv, L_s + spare, D), zeros but for the real tokens
+                kp = k.new_zeros((gs, k.shape[1], ls + spare, d))
+                vp = v.new_zeros((gs, v.shape[1], ls + spare, d))
+                kp.transpose(1, 2)[r, c] = k[tok]
+                vp.transpose(1, 2)[r, c] = v[tok]
+                cache.layers[i].set_buffers(kp, vp, ls)
             o = grouped_causal_attention(q, k, v, groups, p["scaling"])  # (N, Hq, D)
             h = h + lin(o.reshape(n_tok, -1), *p["o"])
             m = self._rms(h, p["post_norm"])
             h = h + lin(torch.nn.functional.silu(lin(m, *p["gate"])) * lin(m, *p["up"]), *p["down"])
+        col = pos + (L - lens)[row]  # (N,) column in a left-padded (G, L) layout
         tail = col >= L - keep  # packed tokens whose logits are kept
         logits_tail = lin(self._rms(h[tail], self.final_norm), *self.lm_head)
         logits = logits_tail.new_zeros((g, keep, logits_tail.shape[-1]))
         logits[row[tail], col[tail] - (L - keep)] = logits_tail
-        return logits, mask
+        return logits, masks

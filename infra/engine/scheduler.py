@@ -5,14 +5,16 @@ Loop (one iteration, `Engine._step`):
   2. **scoring** (max_new_tokens = 0): every waiting scoring sequence (up to a padded-token budget) in ONE
      forward, no KV cache; prompt log-probs read off the logits; done;
   3. **prefill**: waiting generation sequences (up to `max_batch` running and `max_total_tokens` reserved) in one
-     forward that fills a fresh left-padded KV cache (Llama/Qwen2: `FusedDecoder.prefill`, packed, so padding
-     costs no projection or MLP work); their first token is sampled; survivors are merged into the running batch
-     (`BatchKVCache.merge`, which also drops finished rows);
-  4. **decode**: ONE forward of one token for every running sequence, sharing the batch KV cache (for Llama/Qwen2
-     the `FusedDecoder` step: the same arithmetic without transformers' per-module dispatch, which dominates a
-     tiny model's step on CPU); sample; sequences that hit a stop condition leave the batch (`select_rows`), and
-     padding columns no row needs are trimmed. A padded batch keeps its attention mask in a preallocated bool
-     buffer handed to SDPA as a ready 4-D mask, so a step neither concatenates nor rebuilds a mask.
+     forward (Llama/Qwen2: `FusedDecoder.prefill`, packed, so padding costs no projection or MLP work) that fills
+     one fresh left-padded KV cache per width class of the prompts; their first token is sampled; survivors join
+     the running batch (`running.RunningBatch`: segments of similar width, each with its own cache; new rows
+     merge into the segment of their width, in one copy that also drops its finished rows, or start one);
+  4. **decode**: ONE forward of one token for every running sequence (for Llama/Qwen2 the `FusedDecoder` step:
+     the same arithmetic without transformers' per-module dispatch, which dominates a tiny model's step on CPU;
+     attention per segment); sample; sequences that hit a stop condition become holes of their segment until it
+     compacts (`select_rows`, trimming padding columns no row needs). A segment keeps its attention mask in a
+     preallocated bool buffer handed to SDPA as a ready 4-D mask, so a step neither concatenates nor rebuilds it.
+     Models without the fused step run the HF forward over one segment.
 
 The HTTP side never touches the model: it submits `Seq`s and is called back (`Seq.on_done`, `Seq.on_token`) from
 this thread, so /health and /abort_request stay responsive while a forward runs (torch releases the GIL in ops).
@@ -30,14 +32,14 @@ from typing import Callable
 
 import torch
 
-from infra.engine.batching import attention_buckets, prefill_group
+from infra.engine.batching import prefill_group, width_segments
 from infra.engine.decode import FusedDecoder
-from infra.engine.kv_cache import BatchKVCache, leading_pad_columns, merge_masks, row_leads
+from infra.engine.kv_cache import BatchKVCache, leading_pad_columns
+from infra.engine.running import RunningBatch, Segment
 from infra.engine.protocol import ProtocolError, SeqResult, SeqSpec
 from infra.engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
 
 log = logging.getLogger("alloy.engine")
-_MASK_SPARE = 64  # mask columns allocated ahead, so decode steps only slice the mask buffer
 
 
 @dataclass(eq=False)
@@ -75,7 +77,7 @@ class Engine:
 
     def __init__(self, model_dir: str, *, max_batch: int = 256, max_total_tokens: int = 65536,
                  max_prefill_tokens: int = 16384, threads: int | None = None, weight_version: str = "default",
-                 seed: int = 0):
+                 seed: int = 0, max_segments: int = 4):
         self.model_path = self.tokenizer_path = str(model_dir)
         self.max_batch, self.max_total_tokens, self.max_prefill_tokens = max_batch, max_total_tokens, max_prefill_tokens
         self.threads = threads
@@ -98,12 +100,8 @@ class Engine:
         # engine-thread state
         self._wait_score: collections.deque[Seq] = collections.deque()
         self._wait_gen: collections.deque[Seq] = collections.deque()
-        self._run: list[Seq] = []
-        self._holes: set[int] = set()  # rows of _run that finished but still sit in the batch (see _drop_rows)
-        self._cache: BatchKVCache | None = None
-        self._mask = self._pos = self._last = None
-        self._lead: list[int] = []  # leading padding columns per row (set with the mask)
-        self._buckets: list[tuple[int, int, int]] | None = None  # decode attention split by row width (batching.py)
+        self._batch = RunningBatch(max_segments)  # the decoding rows, in segments of similar width (running.py)
+        self.max_segments = max_segments
         self._reserved = 0
         self.steps = 0  # decode steps run; with decode_rows / decode_seconds: batch occupancy and step time
         self.decode_rows = 0
@@ -111,6 +109,8 @@ class Engine:
         self.prefill_forwards = self.prefill_tokens = self.prefill_padded_tokens = 0  # generation prefills
         self.prefill_seconds = 0.0
         self.bucketed_steps = 0  # decode steps whose attention was split by row width (batching.attention_buckets)
+        self.decode_segments = 0  # Σ over decode steps of the running batch's segments (running.py)
+        self.decode_holes = 0  # Σ over decode steps of finished rows still decoded along (RunningBatch.drop)
         self.engine_cpu_seconds = 0.0  # CPU time of the engine thread in _step (vs wall: GIL/CPU contention)
         self.idle_seconds = 0.0  # wall time the engine thread waited for work (nothing running or queued)
 
@@ -201,6 +201,7 @@ class Engine:
         # turns it off); None → the plain HF forward
         fused_ok = os.environ.get("ALLOY_ENGINE_FUSED_DECODE", "1").lower() not in ("0", "false", "no")
         self._fused = FusedDecoder.for_model(model) if fused_ok else None
+        self._batch.max_segments = self.max_segments if self._fused is not None else 1  # the HF forward: one cache
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.context_len = int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
         self.num_layers = int(cfg.num_hidden_layers)
@@ -228,7 +229,7 @@ class Engine:
             self._apply_abort(*self._aborts.popleft())
         limit = self._admission_limit()
         worked = self._run_scoring(limit) | self._run_prefill(limit)
-        if self._run:
+        if self._batch:
             self._decode_step()
             worked = True
         if not worked:
@@ -246,7 +247,7 @@ class Engine:
             job.aborted = True
             self._apply_abort(None, True, "Aborted by update_weights_from_disk (abort_all_requests).", job.cutoff)
         pending_old = any(s.serial < job.cutoff for s in self._wait_gen) or any(s.serial < job.cutoff for s in self._wait_score)
-        if not self._run and not pending_old:
+        if not self._batch and not pending_old:
             self._updates.popleft()
             job.future.set_result(self._load_weights(job))
             return self._admission_limit()
@@ -287,10 +288,11 @@ class Engine:
             if hit(s):  # not yet drained: drain happens first in each step, so this is rare
                 self._inbox.remove(s)
                 self._finish(s, fr)
-        rows = [i for i, s in enumerate(self._run) if i not in self._holes and hit(s)]
+        run, holes = self._batch.seqs, self._batch.holes
+        rows = [i for i, s in enumerate(run) if i not in holes and hit(s)]
         if rows:
             for i in rows:
-                self._finish(self._run[i], fr)
+                self._finish(run[i], fr)
             self._drop_rows(set(rows))
 
     def _finish(self, s: Seq, finish_reason: dict) -> None:
@@ -307,16 +309,21 @@ class Engine:
         while self._inbox:
             self._wait_gen.append(self._inbox.popleft())
         self._apply_abort(None, True, message)
-        self._run, self._cache, self._reserved, self._holes = [], None, 0, set()
+        self._batch.clear()
+        self._reserved = 0
         while self._updates:
             self._updates.popleft().future.set_result((False, message))
 
     # -- forward passes ---------------------------------------------------------------------------------------------
-    def _forward_prompts(self, seqs: list[Seq], keep: int, cache: BatchKVCache | None):
-        """Left-padded forward of prompts. Returns (logits of the last `keep` columns (G, keep, V), mask (G, L)).
-        Llama/Qwen2: the fused, packed prefill (`FusedDecoder.prefill`); other models: the HF forward."""
+    def _forward_prompts(self, seqs: list[Seq], keep: int, caches: list[tuple[list[int], BatchKVCache]] | None):
+        """Forward of prompts. Returns (logits of the last `keep` positions of each prompt (G, keep, V), right-
+        aligned; one left-padded mask (g_s, L_s) per `(indices, cache)` entry of `caches`, whose cache it fills).
+        Llama/Qwen2: the fused, packed prefill (`FusedDecoder.prefill`); other models: the HF forward, which
+        fills one cache (so `caches` is None or one entry with every prompt)."""
         if self._fused is not None:
-            return self._fused.prefill([s.spec.input_ids for s in seqs], keep, cache)
+            return self._fused.prefill([s.spec.input_ids for s in seqs], keep, caches)
+        if caches and (len(caches) > 1 or list(caches[0][0]) != list(range(len(seqs)))):
+            raise ValueError("the HF forward fills one cache holding every prompt in order")
         L = max(len(s.spec.input_ids) for s in seqs)
         ids = torch.zeros((len(seqs), L), dtype=torch.long)
         mask = torch.zeros((len(seqs), L), dtype=torch.long)
@@ -325,9 +332,10 @@ class Engine:
             ids[i, L - n:] = torch.tensor(s.spec.input_ids)
             mask[i, L - n:] = 1
         pos = (mask.cumsum(dim=1) - 1).clamp_(min=0)
+        cache = caches[0][1] if caches else None
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          use_cache=cache is not None, logits_to_keep=keep)
-        return out.logits, mask
+        return out.logits, [mask] if caches else []
 
     def _fill_input_logprobs(self, s: Seq, logits: torch.Tensor) -> None:
         """Prompt log-probs of tokens start … n-1 from one row's kept logits (K, V) (the last K prompt columns).
@@ -363,7 +371,7 @@ class Engine:
         need = [s for s in batch if s.spec.return_logprob and s.spec.logprob_start < len(s.spec.input_ids)]
         if need:
             keep = max(len(s.spec.input_ids) - s.spec.logprob_start for s in need)
-            logits, _ = self._forward_prompts(need, keep, cache=None)
+            logits, _ = self._forward_prompts(need, keep, None)
             for i, s in enumerate(need):
                 self._fill_input_logprobs(s, logits[i])
         for s in batch:
@@ -371,7 +379,9 @@ class Engine:
         return True
 
     def _run_prefill(self, limit: float) -> bool:
-        """Prefill a group of waiting generation sequences, sample their first token, merge them into the batch.
+        """Prefill a group of waiting generation sequences, sample their first token, add them to the running
+        batch: one new segment (its own KV cache) per width class of the group (`batching.width_segments`), each
+        joining the running segment of its width or starting one (`RunningBatch.add`).
 
         Admission is FIFO (serial order, `max_batch` rows, `max_total_tokens` reserved). Llama/Qwen2 (the packed
         `FusedDecoder.prefill`, where padding costs nothing): all the admitted, shortest first, up to
@@ -380,11 +390,11 @@ class Engine:
         length; the rest wait for the next step."""
         cand: list[Seq] = []
         reserved = self._reserved
-        live = len(self._run) - len(self._holes)
+        live = self._batch.live
         while self._wait_gen and self._wait_gen[0].serial < limit and live + len(cand) < self.max_batch:
             s = self._wait_gen[0]
             need = len(s.spec.input_ids) + s.spec.sampling.max_new_tokens
-            if (self._run or cand) and reserved + need > self.max_total_tokens:
+            if (self._batch or cand) and reserved + need > self.max_total_tokens:
                 break
             cand.append(self._wait_gen.popleft())
             reserved += need
@@ -404,160 +414,86 @@ class Engine:
         self._wait_gen.extendleft(reversed([s for i, s in enumerate(cand) if i not in chosen]))
         group = [cand[i] for i in pick]  # shortest first: left-padded, so leading padding descends down the rows
         keep = max([1] + [len(s.spec.input_ids) - s.spec.logprob_start for s in group if s.spec.return_logprob])
-        cache = BatchKVCache(self.num_layers)
+        if self._fused is not None:  # one cache per width class: short rows never carry a long row's columns
+            plan = width_segments([len(s.spec.input_ids) for s in group])
+        else:
+            plan = [list(range(len(group)))]
+        caches = [(idx, BatchKVCache(self.num_layers)) for idx in plan]
         t0 = time.perf_counter()
-        logits, mask = self._forward_prompts(group, keep, cache)
+        logits, masks = self._forward_prompts(group, keep, caches)
         self.prefill_seconds += time.perf_counter() - t0
         self.prefill_forwards += 1
-        self.prefill_tokens += int(mask.sum())
-        self.prefill_padded_tokens += mask.numel()
+        self.prefill_tokens += sum(int(m.sum()) for m in masks)
+        self.prefill_padded_tokens += sum(m.numel() for m in masks)
         for i, s in enumerate(group):
             self._fill_input_logprobs(s, logits[i])
         alive, _ = self._sample_and_check(group, logits[:, -1])
-        rows = [i for i in range(len(group)) if alive[i]]
-        if not rows:
-            return True
-        pos = torch.tensor([len(group[i].spec.input_ids) for i in rows], dtype=torch.long)
-        last = torch.tensor([group[i].result.output_ids[-1] for i in rows], dtype=torch.long)
-        if len(rows) < len(group):
-            idx = torch.tensor(rows, dtype=torch.long)
-            mask = mask[idx]
-            drop = leading_pad_columns(mask)
-            cache.select_rows(idx, drop)
-            mask = mask[:, drop:]
-        survivors = [group[i] for i in rows]
-        if not self._run:
-            self._cache, self._pos, self._last = cache, pos, last
-            self._run = survivors
-            self._set_mask(mask)
-        else:  # rows stay sorted by leading padding, descending (shortest first): decode attention buckets need it
-            # finished rows (holes) leave in the same copy as the merge, with the padding columns no live row uses
-            keep, drop, mine = self._take_live_rows() if self._holes else (None, 0, self._full_mask())
-            merged = merge_masks(mine, mask.bool())
-            order = torch.argsort(row_leads(merged), descending=True, stable=True)
-            if bool((order == torch.arange(order.shape[0])).all()):
-                order = None
-            self._cache.merge(cache, order=order, keep=keep, drop_left=drop)
-            rows_all, pos, last = self._run + survivors, torch.cat([self._pos, pos]), torch.cat([self._last, last])
-            if order is not None:
-                merged, pos, last = merged[order], pos[order], last[order]
-                rows_all = [rows_all[i] for i in order.tolist()]
-            self._run, self._pos, self._last = rows_all, pos, last
-            self._set_mask(merged)
-        self._reserved += sum(len(s.spec.input_ids) + s.spec.sampling.max_new_tokens for s in survivors)
-        self._refresh_params()
+        for (idx, cache), mask in zip(caches, masks):
+            rows = [r for r, i in enumerate(idx) if alive[i]]
+            if not rows:
+                continue
+            survivors = [group[idx[r]] for r in rows]
+            pos = torch.tensor([len(s.spec.input_ids) for s in survivors], dtype=torch.long)
+            last = torch.tensor([s.result.output_ids[-1] for s in survivors], dtype=torch.long)
+            if len(rows) < len(idx):
+                sel = torch.tensor(rows, dtype=torch.long)
+                mask = mask[sel]
+                drop = leading_pad_columns(mask)
+                cache.select_rows(sel, drop)
+                mask = mask[:, drop:]
+            self._reserved += sum(len(s.spec.input_ids) + s.spec.sampling.max_new_tokens for s in survivors)
+            self._batch.add(Segment(survivors, cache, mask, pos, last, buckets=self._fused is not None))
         return True
 
-    def _full_mask(self) -> torch.Tensor:
-        """The running batch's attention mask (B, T) bool (True = real token); `_mask is None` means no padding."""
-        if self._mask is None:
-            return torch.ones((self._pos.shape[0], self._cache.seq_len), dtype=torch.bool)
-        return self._mask[:, : self._cache.seq_len]
-
-    def _set_mask(self, mask: torch.Tensor | None) -> None:
-        """Adopt the running batch's mask (B, T) (any dtype, nonzero = real token; T = the cache's seq_len).
-
-        Stored as a bool buffer (B, T + spare) whose columns ≥ T are already True: every decode step appends one
-        real token per row, so a step only slices the buffer (no per-step `cat` of the mask) and passes it to SDPA
-        as a ready 4-D mask (B, 1, 1, T+1), which skips transformers' per-step mask construction. No padding at
-        all → None: decode steps then take attention's unmasked path.
-        """
-        self._buckets = None
-        if mask is None or bool(mask.all()):
-            self._mask = None
-            self._lead = [0] * len(self._run)
-            return
-        b, t = mask.shape
-        buf = torch.ones((b, t + _MASK_SPARE), dtype=torch.bool)
-        buf[:, :t] = mask
-        self._mask = buf
-        self._lead = row_leads(buf[:, :t]).tolist()
-        if self._fused is not None:
-            self._buckets = attention_buckets(self._lead, t + 1)
-
-    def _step_mask(self) -> torch.Tensor | None:
-        """The attention mask for a decode step over T cached + 1 new column: (B, 1, 1, T+1) bool for SDPA, else
-        the 2-D (B, T+1) long mask that any attention implementation builds its own mask from."""
-        if self._mask is None:
-            return None
-        need = self._cache.seq_len + 1
-        if need > self._mask.shape[1]:
-            self._set_mask(self._mask[:, : need - 1].clone())
-            if self._mask is None:
-                return None
-        if self._sdpa:
-            return self._mask[:, None, None, :need]
-        return self._mask[:, :need].long()
-
-    def _refresh_params(self) -> None:
-        """Per-row sampling tensors; recomputed only when the batch membership changes."""
-        sp = [s.spec.sampling for s in self._run]
-        self._temp = torch.tensor([p.temperature for p in sp], dtype=torch.float32)
-        self._top_p = torch.tensor([p.top_p for p in sp], dtype=torch.float32)
-        self._top_k = torch.tensor([p.top_k for p in sp], dtype=torch.long)
-        self._any_sampled = any(p.temperature >= 1e-6 for p in sp)
+    def _params(self) -> tuple:
+        """Per-row sampling tensors of the running batch; rebuilt only when its membership changed."""
+        if self._batch.changed:
+            sp = [s.spec.sampling for s in self._batch.seqs]
+            self._sampling = (torch.tensor([p.temperature for p in sp], dtype=torch.float32),
+                              torch.tensor([p.top_p for p in sp], dtype=torch.float32),
+                              torch.tensor([p.top_k for p in sp], dtype=torch.long),
+                              any(p.temperature >= 1e-6 for p in sp))
+            self._batch.changed = False
+        return self._sampling
 
     def _decode_step(self) -> None:
         t0 = time.perf_counter()
-        B = len(self._run)
+        batch = self._batch
+        ids, pos = batch.inputs()
+        B, holes = ids.shape[0], batch.holes
         if self._fused is not None:
-            mask = self._step_mask()  # may re-grow the mask buffer (and re-derive the buckets)
-            self.bucketed_steps += self._buckets is not None
-            logits = self._fused(self._last, self._pos, self._cache, mask, self._buckets)
-        else:
-            logits = self.model(input_ids=self._last[:, None], attention_mask=self._step_mask(),
-                                position_ids=self._pos[:, None], past_key_values=self._cache, use_cache=True,
+            # step_mask may re-grow a segment's mask buffer (and re-derive its buckets): before reading buckets
+            parts = [(a, b, s.cache, s.step_mask(self._sdpa), s.buckets) for a, b, s in batch.spans()]
+            self.bucketed_steps += any(p[4] is not None for p in parts)
+            logits = self._fused.step(ids, pos, parts)
+        else:  # the HF forward: one segment (RunningBatch(max_segments=1))
+            seg = batch.segs[0]
+            logits = self.model(input_ids=ids[:, None], attention_mask=seg.step_mask(self._sdpa),
+                                position_ids=pos[:, None], past_key_values=seg.cache, use_cache=True,
                                 logits_to_keep=1).logits[:, -1]
-        self._pos = self._pos + 1
         self.steps += 1
-        alive, self._last = self._sample_and_check(self._run, logits, skip=self._holes,
-                                                   params=(self._temp, self._top_p, self._top_k, self._any_sampled))
-        dead = {i for i, a in enumerate(alive) if not a} - self._holes
+        self.decode_segments += len(batch.segs)
+        self.decode_holes += len(holes)
+        alive, new = self._sample_and_check(batch.seqs, logits, skip=holes, params=self._params())
+        batch.advance(new)
+        dead = {i for i, a in enumerate(alive) if not a} - holes
         if dead:
             self._drop_rows(dead)
         self.decode_rows += B
         self.decode_seconds += time.perf_counter() - t0
 
     def _drop_rows(self, dead: set[int]) -> None:
-        """Finished/aborted rows leave the batch lazily: they become holes (decoded along, their tokens ignored)
-        until holes are half the batch, the live rows could drop half the columns, or a prefill merges (which
-        copies the cache anyway). Compacting copies the whole cache: doing it per finished row cost more than
-        decoding a few dead rows (bench/april.py, where rows finish at nearly every step)."""
+        """Finished/aborted rows leave the batch lazily: they become holes of their segment (decoded along, their
+        tokens ignored) until the segment compacts (`Segment.wants_compaction`) or absorbs new rows (a copy
+        anyway). Compacting copies the segment: doing it per finished row cost more than decoding a few dead rows
+        (bench/april.py, where rows finish at nearly every step)."""
+        run = self._batch.seqs
         for i in dead:
-            s = self._run[i]
+            s = run[i]
             self._reserved -= len(s.spec.input_ids) + s.spec.sampling.max_new_tokens
-        self._holes |= dead
-        n = len(self._run)
-        if len(self._holes) >= n:
-            self._run, self._holes = [], set()
-            self._cache = self._mask = self._pos = self._last = None
-            self._buckets, self._reserved = None, 0
-            return
-        if 2 * len(self._holes) >= n or 2 * self._live_pad_columns() >= self._cache.seq_len:
-            self._compact()
-
-    def _live_pad_columns(self) -> int:
-        """Leading columns that are padding for every live row (what a compaction would trim)."""
-        return min(lead for i, lead in enumerate(self._lead) if i not in self._holes)
-
-    def _take_live_rows(self) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """Drop the holes from the running rows' bookkeeping (`_run`, `_pos`, `_last`). Returns the kept rows (K,)
-        long, the leading columns that are padding in every kept row, and the kept rows' mask without them; the
-        caller drops the same rows and columns from the cache, in its one copy (`select_rows` or `merge`)."""
-        live = [i for i in range(len(self._run)) if i not in self._holes]
-        idx = torch.tensor(live, dtype=torch.long)
-        mask = self._full_mask()[idx]
-        drop = leading_pad_columns(mask)
-        self._run, self._holes = [self._run[i] for i in live], set()
-        self._pos, self._last = self._pos[idx], self._last[idx]
-        return idx, drop, mask[:, drop:]
-
-    def _compact(self) -> None:
-        """Remove the holes from the batch and trim padding columns no remaining row uses (one cache copy)."""
-        idx, drop, mask = self._take_live_rows()
-        self._cache.select_rows(idx, drop)
-        self._set_mask(mask)
-        self._refresh_params()
+        self._batch.drop(dead)
+        if not self._batch:
+            self._reserved = 0
 
     # -- sampling and stop conditions -------------------------------------------------------------------------------
     def _sample_and_check(self, seqs: list[Seq], logits: torch.Tensor, params=None,

@@ -278,6 +278,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "max_running_requests": engine.max_batch, "max_total_tokens": engine.max_total_tokens,
         "context_length": engine.context_len, "vocab_size": engine.vocab_size, "version": "alloy-embedded",
         "decode_steps": engine.steps, "decode_rows": engine.decode_rows, "bucketed_decode_steps": engine.bucketed_steps,
+        "decode_segments": engine.decode_segments, "decode_holes": engine.decode_holes,
         "prefill_forwards": engine.prefill_forwards, "prefill_tokens": engine.prefill_tokens,
         "prefill_padded_tokens": engine.prefill_padded_tokens, "prefill_seconds": round(engine.prefill_seconds, 6),
         "decode_seconds": round(engine.decode_seconds, 6), "engine_cpu_seconds": round(engine.engine_cpu_seconds, 6),

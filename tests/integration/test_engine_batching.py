@@ -1,4 +1,4 @@
-"""Continuous batching internals of the embedded engine: the fused decode step and the padded running batch.
+"""Continuous batching internals of the embedded engine: the fused decode step and the running batch's segments.
 
 - `FusedDecoder` (the engine's decode step for Llama/Qwen2, bypassing transformers' module dispatch) gives the
   same logits and writes the same KV columns as the HF forward, with and without left padding, with GQA and
@@ -20,7 +20,7 @@ import torch
 from infra.engine.decode import FusedDecoder
 from infra.engine.kv_cache import BatchKVCache
 from infra.engine.protocol import SamplingSpec, SeqSpec
-from infra.engine import scheduler
+from infra.engine import running
 from infra.engine.scheduler import Engine, Seq
 
 pytestmark = pytest.mark.integration
@@ -41,9 +41,20 @@ def _qwen2_model():
     return model
 
 
+def _split(cache: BatchKVCache, rows: list[int]) -> BatchKVCache:
+    """A copy of `rows` of a cache (the same columns), as a segment of the running batch holds them."""
+    out = BatchKVCache(len(cache.layers))
+    for a, b in zip(cache.layers, out.layers):
+        b.set_buffers(a._k[rows].clone(), a._v[rows].clone(), a.length)
+    return out
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_fused_decoder_matches_hf_forward(model, arch, padded):
+@pytest.mark.parametrize("segments", [False, True])
+def test_fused_decoder_matches_hf_forward(model, arch, padded, segments):
+    """The fused decode step gives the HF forward's logits and KV columns; with `segments`, rows 0 and 1–2 keep
+    their KV in two caches (two segments of the running batch) and attend each over their own, in one step."""
     m = model if arch == "llama" else _qwen2_model()
     dec = FusedDecoder.for_model(m)
     assert dec is not None
@@ -60,6 +71,7 @@ def test_fused_decoder_matches_hf_forward(model, arch, padded):
         for c in caches:
             m(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=c, use_cache=True)
         last, p = ids[:, -1].clone(), pos[:, -1] + 1
+        parts_cache = [_split(caches[1], [0]), _split(caches[1], [1, 2])] if segments else None
         for step in range(steps):
             t = caches[0].seq_len + 1
             m4 = None
@@ -67,10 +79,17 @@ def test_fused_decoder_matches_hf_forward(model, arch, padded):
                 m4 = torch.cat([mask.bool(), torch.ones((B, t - L), dtype=torch.bool)], 1)[:, None, None, :]
             want = m(input_ids=last[:, None], attention_mask=m4, position_ids=p[:, None], past_key_values=caches[0],
                      use_cache=True).logits[:, -1]
-            got = dec(last, p, caches[1], m4)
+            if segments:
+                got = dec.step(last, p, [(0, 1, parts_cache[0], None if m4 is None else m4[:1], None),
+                                         (1, 3, parts_cache[1], None if m4 is None else m4[1:], None)])
+            else:
+                got = dec(last, p, caches[1], m4)
             assert got.shape == want.shape == (B, m.config.vocab_size)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
             last, p = want.argmax(-1), p + 1
+        if segments:  # the two segments' columns, stacked, are the one cache's
+            for a, b0, b1 in zip(caches[1].layers, parts_cache[0].layers, parts_cache[1].layers):
+                a.set_buffers(torch.cat([b0.keys, b1.keys]), torch.cat([b0.values, b1.values]), b0.length)
         for a, b in zip(caches[0].layers, caches[1].layers):
             assert a.length == b.length == L + steps
             torch.testing.assert_close(b.keys, a.keys, rtol=0, atol=1e-6)
@@ -82,7 +101,8 @@ def test_fused_decoder_matches_hf_forward(model, arch, padded):
                                        ([100, 6, 70, 70, 5, 130], 2)])  # long ones attend alone / equal together
 def test_fused_prefill_matches_left_padded_hf_forward(model, arch, lens, keep):
     """The packed prefill gives the left-padded HF forward's logits (real positions) and writes the same keys and
-    values into the cache (real columns), for one prompt, equal lengths (no mask) and mixed lengths."""
+    values into the cache (real columns), for one prompt, equal lengths (no mask) and mixed lengths; split into
+    two caches (segments: even and odd prompts), each is left-padded to its own longest prompt only."""
     m = model if arch == "llama" else _qwen2_model()
     dec = FusedDecoder.for_model(m)
     g = torch.Generator().manual_seed(len(lens) + keep)
@@ -96,8 +116,24 @@ def test_fused_prefill_matches_left_padded_hf_forward(model, arch, lens, keep):
         want_cache, got_cache = BatchKVCache(2), BatchKVCache(2)
         want = m(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                  past_key_values=want_cache, use_cache=True, logits_to_keep=keep).logits
-        got, got_mask = dec.prefill(prompts, keep, got_cache)
+        got, (got_mask,) = dec.prefill(prompts, keep, [(list(range(len(lens))), got_cache)])
+        halves = [list(range(0, len(lens), 2)), list(range(1, len(lens), 2))]
+        halves = [(idx, BatchKVCache(2)) for idx in halves if idx]
+        got_split, split_masks = dec.prefill(prompts, keep, halves)
     assert torch.equal(got_mask, mask) and got.shape == want.shape == (len(lens), keep, m.config.vocab_size)
+    torch.testing.assert_close(got_split, got, rtol=0, atol=0)
+    for (idx, cache), seg_mask in zip(halves, split_masks):
+        ls = max(lens[i] for i in idx)
+        want_mask = mask[idx][:, L - ls:]
+        assert torch.equal(seg_mask, want_mask) and not bool(mask[idx][:, : L - ls].any())
+        rows = mask[idx].bool()[:, None, :, None]
+        cols = want_mask.bool()[:, None, :, None]
+        for a, b in zip(want_cache.layers, cache.layers):
+            assert b.length == ls and b._k.shape[2] > ls
+            ak, bk = a.keys[idx], b.keys
+            torch.testing.assert_close(bk[cols.expand_as(bk)], ak[rows.expand_as(ak)], rtol=0, atol=1e-6)
+            av, bv = a.values[idx], b.values
+            torch.testing.assert_close(bv[cols.expand_as(bv)], av[rows.expand_as(av)], rtol=0, atol=1e-6)
     real = torch.zeros((len(lens), keep), dtype=torch.bool)
     for i, n in enumerate(lens):
         real[i, max(0, keep - n):] = True
@@ -119,13 +155,13 @@ def test_fused_decoder_declines_uncovered_models(tiny_model_dir):
     assert FusedDecoder.for_model(gpt2) is None
 
 
-def _run_engine(model_dir, monkeypatch, fused: bool, waves=None) -> tuple[Engine, list[Seq]]:
+def _run_engine(model_dir, monkeypatch, fused: bool, waves=None, max_segments: int = 4) -> tuple[Engine, list[Seq]]:
     """Two waves of greedy sequences: the second arrives while the first is decoding (merge into a padded batch);
     prompt lengths 3..19 and output lengths 5..90, so rows leave at different steps and padding lives to the end.
     The fused run also shrinks the mask buffer's head-room to 4 columns, so decode steps keep regrowing it."""
     monkeypatch.setenv("ALLOY_ENGINE_FUSED_DECODE", "1" if fused else "0")
-    monkeypatch.setattr(scheduler, "_MASK_SPARE", 4 if fused else 64)
-    eng = Engine(str(model_dir), max_batch=16)
+    monkeypatch.setattr(running, "_MASK_SPARE", 4 if fused else 64)
+    eng = Engine(str(model_dir), max_batch=16, max_segments=max_segments)
     eng.start()
     assert eng.ready.wait(60), eng.load_error
     assert (eng._fused is not None) == fused
@@ -179,15 +215,20 @@ def test_staggered_padded_batch_matches_single_sequence_forward(tiny_model_dir, 
                                    rtol=0, atol=1e-5)
 
 
-def test_long_and_short_rows_prefill_apart_and_attend_in_width_buckets(tiny_model_dir, model, monkeypatch):
-    """A 150-token prompt decoding when short prompts arrive (and a 160-token one): the short ones prefill in
-    their own group, are merged *above* the long row (rows stay sorted by padding: a reordering merge), and decode
-    attention runs in width buckets. Every sequence still gets exactly its single-sequence greedy tokens."""
+@pytest.mark.parametrize("max_segments", [4, 1])
+def test_long_and_short_rows_decode_in_segments_or_width_buckets(tiny_model_dir, model, monkeypatch, max_segments):
+    """A 150-token prompt decoding when short prompts arrive (and a 160-token one). With segments, the short ones
+    get their own cache (the 160-token one joins the long row's): two segments decode in each step. With one
+    segment (the cap), the short rows are merged *above* the long row (a reordering merge) and attention runs in
+    width buckets. Either way every sequence gets exactly its single-sequence greedy tokens."""
     waves = ([(150, 60)], [(4, 50), (160, 30), (6, 40)])
-    eng, seqs = _run_engine(tiny_model_dir, monkeypatch, fused=True, waves=waves)
-    assert eng.bucketed_steps > 20, eng.bucketed_steps
+    eng, seqs = _run_engine(tiny_model_dir, monkeypatch, fused=True, waves=waves, max_segments=max_segments)
+    if max_segments > 1:
+        assert eng.decode_segments - eng.steps > 20, (eng.decode_segments, eng.steps)  # steps with 2 segments
+    else:
+        assert eng.decode_segments == eng.steps and eng.bucketed_steps > 20, eng.bucketed_steps
     _assert_single_sequence_outputs(model, seqs)
-    _, plain = _run_engine(tiny_model_dir, monkeypatch, fused=False, waves=waves)  # HF forward: one bucket
+    _, plain = _run_engine(tiny_model_dir, monkeypatch, fused=False, waves=waves)  # HF forward: one segment
     for a, b in zip(seqs, plain):
         assert a.result.output_ids == b.result.output_ids
         torch.testing.assert_close(torch.tensor(a.result.out_logprobs), torch.tensor(b.result.out_logprobs),
@@ -227,26 +268,29 @@ def test_finished_rows_leave_in_the_same_copy_as_a_merge(tiny_model_dir, model, 
         return Seq(SeqSpec(rid=f"h{i}", input_ids=prompt, return_logprob=True, logprob_start=n_prompt,
                            sampling=SamplingSpec(max_new_tokens=n_new, temperature=0.0, ignore_eos=True)))
 
-    # the 24-token row finishes first; its 8 columns of padding for the others stay (8 pad < half the width)
-    wave1 = [seq(0, 24, 3), seq(1, 5, 40), seq(2, 9, 40), seq(3, 16, 40)]
+    # the 24-token row finishes first; its 8 columns of padding for the others stay (8 pad < half the width),
+    # and one hole in five rows is under the quarter that compacts a segment
+    wave1 = [seq(0, 24, 3), seq(1, 5, 40), seq(2, 9, 40), seq(3, 16, 40), seq(6, 7, 40)]
     wave2 = [seq(4, 4, 20), seq(5, 12, 25)]
     with torch.inference_mode():
         eng.submit(wave1)
         while wave1[0].result.finish_reason is None:
             eng._step()
-        assert eng._holes and len(eng._run) == 4  # a hole; the finished row's columns are still in the cache
-        assert eng._cache.seq_len == 24 + 2
+        (seg,) = eng._batch.segs  # prompts of 5..24 tokens: one width class
+        assert seg.holes and len(seg) == 5  # a hole; the finished row's columns are still in the cache
+        assert seg.width == 24 + 2
         eng.submit(wave2)
         copies = []  # select_rows = a compaction copy; the merge must not need one
         select_rows = BatchKVCache.select_rows
         monkeypatch.setattr(BatchKVCache, "select_rows", lambda *a, **k: copies.append(1) or select_rows(*a, **k))
         eng._step()  # prefill + merge (+ one decode step)
         assert copies == []
-        assert not eng._holes and len(eng._run) == 5
-        assert wave1[0] not in eng._run
+        assert eng._batch.segs == [seg]  # the new rows joined the segment of their width
+        assert not seg.holes and len(seg) == 6
+        assert wave1[0] not in seg.seqs
         # the finished row's 8 leading columns left with it: the widest live row is 16 prompt + 3 tokens
-        assert eng._cache.seq_len == 16 + 3
-        assert eng._lead == sorted(eng._lead, reverse=True)
+        assert seg.width == 16 + 3
+        assert seg.lead == sorted(seg.lead, reverse=True)
         while any(s.result.finish_reason is None for s in wave1 + wave2):
             eng._step()
     _assert_single_sequence_outputs(model, wave1 + wave2)

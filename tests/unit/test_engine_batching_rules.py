@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.engine.batching import attention_buckets, attention_groups, prefill_group
+from infra.engine.batching import attention_buckets, attention_groups, prefill_group, similar_width, width_segments
 from infra.engine.prefill import plan
 
 pytestmark = pytest.mark.unit
@@ -80,3 +80,20 @@ def test_prefill_plan_indexes_each_prompts_packed_tokens():
     a, b = plan([4, 4, 100])
     assert a.at is None and a.mask is None and a.tokens.tolist() == list(range(8))
     assert b.at is None and b.tokens.tolist() == list(range(8, 108))
+
+
+def test_width_segments_group_prompts_of_similar_width():
+    # widths under 48 count as 48: 5 … 90 stay together (90 ≤ 2 · 48); 97 > 96 starts a segment based at 97,
+    # which takes up to 194; 400 starts a third
+    assert width_segments([5, 12, 40, 90, 97, 150, 194, 400]) == [[0, 1, 2, 3], [4, 5, 6], [7]]
+    assert width_segments([13] * 5) == [[0, 1, 2, 3, 4]]
+    assert width_segments([]) == []
+    assert width_segments([10, 30], min_width=8, ratio=2.0) == [[0], [1]]  # 30 > 2 · 10
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 3 < 7"):
+        width_segments([7, 3])
+
+
+def test_similar_width_is_the_segment_rule_both_ways():
+    assert similar_width(20, 96) and similar_width(96, 20)  # 96 ≤ 2 · 48
+    assert not similar_width(20, 97) and not similar_width(97, 20)
+    assert similar_width(300, 600) and not similar_width(300, 601)
