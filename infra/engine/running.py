@@ -212,7 +212,9 @@ class RunningBatch:
         while len(self.segs) > self.max_segments:
             i = min(range(len(self.segs) - 1),
                     key=lambda j: len(self.segs[j]) * (self.segs[j + 1].width - self.segs[j].width))
-            self.segs[i + 1].absorb(self.segs.pop(i))
+            narrow = self.segs.pop(i)
+            self.segs[i].absorb(narrow)  # the next wider one, now at i
+            self.segs.sort(key=lambda s: s.width)
         self._membership_changed()
 
     def drop(self, dead: set[int]) -> None:
