@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from infra.engine.kv_cache import BatchKVCache
-from infra.engine.prefill import grouped_causal_attention, plan
+from infra.engine.prefill import grouped_causal_attention, left_padded, plan
 
 
 class FusedDecoder:
@@ -172,15 +172,10 @@ class FusedDecoder:
         n_tok = row.shape[0]
         segs, masks = [], []  # per cache: its packed tokens, their (row, column) in its left-padded layout
         for idx, cache in caches or []:
-            ix = torch.tensor(idx, dtype=torch.long)
-            sl = lens[ix]
-            ls = int(sl.max())
-            local = torch.arange(int(sl.sum())) - torch.repeat_interleave(sl.cumsum(0) - sl, sl)
-            r = torch.repeat_interleave(torch.arange(len(idx)), sl)
-            c = local + (ls - sl)[r]
+            tok, r, c, ls = left_padded(lens, torch.tensor(idx, dtype=torch.long))
             mask = torch.zeros((len(idx), ls), dtype=torch.long)
             mask[r, c] = 1
-            segs.append((torch.repeat_interleave(starts[ix], sl) + local, r, c, ls, len(idx), cache))
+            segs.append((tok, r, c, ls, len(idx), cache))
             masks.append(mask)
         groups = plan(lens.tolist())
         for i, p in enumerate(self.layers):

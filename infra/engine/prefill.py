@@ -27,21 +27,30 @@ class _Group:
     mask: torch.Tensor | None  # (g, 1, L, L) bool, True = attend; None = causal
 
 
+def left_padded(lens: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Prompts `idx` of a packed prefill (all prompts' lengths `lens`, packed in that order), laid out left-padded
+    to their longest, L. For each of their tokens, prompt by prompt: its index in the packed order, its row (the
+    prompt's place in `idx`) and its column; and L."""
+    glens = lens[idx]
+    ln = int(glens.max())
+    local = torch.arange(int(glens.sum())) - torch.repeat_interleave(glens.cumsum(0) - glens, glens)  # 0…n_i-1
+    rows = torch.repeat_interleave(torch.arange(idx.shape[0]), glens)
+    tokens = torch.repeat_interleave((lens.cumsum(0) - lens)[idx], glens) + local
+    return tokens, rows, local + (ln - glens)[rows], ln
+
+
 def plan(lens: list[int], long_from: int = 64) -> list[_Group]:
     """The attention groups of prompts with lengths `lens` (packed in this order), with their gather indices."""
     lens_t = torch.tensor(lens, dtype=torch.long)
-    starts = lens_t.cumsum(0) - lens_t
     out = []
     for group in attention_groups(lens, long_from):
         idx = torch.tensor(group, dtype=torch.long)
-        glens = lens_t[idx]
-        g, L = len(group), int(glens.max())
-        local = torch.arange(int(glens.sum())) - torch.repeat_interleave(glens.cumsum(0) - glens, glens)  # 0…n-1
-        tokens = torch.repeat_interleave(starts[idx], glens) + local
-        if int(glens.min()) == L:
+        tokens, rows, cols, L = left_padded(lens_t, idx)
+        g = len(group)
+        if int(lens_t[idx].min()) == L:
             out.append(_Group(tokens, g, L, None, None))
             continue
-        at = torch.repeat_interleave(torch.arange(g) * L + (L - glens), glens) + local
+        at = rows * L + cols
         real = torch.zeros((g, L), dtype=torch.bool)
         real.view(-1)[at] = True
         causal = torch.ones((L, L), dtype=torch.bool).tril_()

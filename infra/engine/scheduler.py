@@ -34,7 +34,7 @@ import torch
 
 from infra.engine.batching import prefill_group, width_segments
 from infra.engine.decode import FusedDecoder
-from infra.engine.kv_cache import BatchKVCache, leading_pad_columns
+from infra.engine.kv_cache import BatchKVCache
 from infra.engine.running import RunningBatch, Segment
 from infra.engine.protocol import ProtocolError, SeqResult, SeqSpec
 from infra.engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
@@ -429,20 +429,17 @@ class Engine:
             self._fill_input_logprobs(s, logits[i])
         alive, _ = self._sample_and_check(group, logits[:, -1])
         for (idx, cache), mask in zip(caches, masks):
-            rows = [r for r, i in enumerate(idx) if alive[i]]
-            if not rows:
+            if not any(alive[i] for i in idx):
                 continue
-            survivors = [group[idx[r]] for r in rows]
-            pos = torch.tensor([len(s.spec.input_ids) for s in survivors], dtype=torch.long)
-            last = torch.tensor([s.result.output_ids[-1] for s in survivors], dtype=torch.long)
-            if len(rows) < len(idx):
-                sel = torch.tensor(rows, dtype=torch.long)
-                mask = mask[sel]
-                drop = leading_pad_columns(mask)
-                cache.select_rows(sel, drop)
-                mask = mask[:, drop:]
-            self._reserved += sum(len(s.spec.input_ids) + s.spec.sampling.max_new_tokens for s in survivors)
-            self._batch.add(Segment(survivors, cache, mask, pos, last, buckets=self._fused is not None))
+            seqs = [group[i] for i in idx]
+            pos = torch.tensor([len(s.spec.input_ids) for s in seqs], dtype=torch.long)
+            last = torch.tensor([s.result.output_ids[-1] for s in seqs], dtype=torch.long)
+            seg = Segment(seqs, cache, mask, pos, last, buckets=self._fused is not None)
+            seg.holes = {r for r, i in enumerate(idx) if not alive[i]}
+            if seg.holes:  # finished at their first token: they leave before the segment joins the batch
+                seg.compact()
+            self._reserved += sum(len(s.spec.input_ids) + s.spec.sampling.max_new_tokens for s in seg.seqs)
+            self._batch.add(seg)
         return True
 
     def _params(self) -> tuple:

@@ -235,6 +235,31 @@ def test_long_and_short_rows_decode_in_segments_or_width_buckets(tiny_model_dir,
                                    rtol=0, atol=1e-5)
 
 
+def test_rows_finished_by_their_first_token_leave_before_joining(tiny_model_dir, model):
+    """A one-token request finishes in its prefill: its segment drops it (and the padding columns only it used)
+    before joining the batch, so no hole is decoded for it; the others get their single-sequence greedy tokens."""
+    eng = Engine(str(tiny_model_dir), max_batch=16)
+    eng._load_initial()  # driven step by step, so the batch is checked right after the prefill
+    g = torch.Generator().manual_seed(7)
+
+    def seq(i: int, n_prompt: int, n_new: int) -> Seq:
+        prompt = tuple([1] + torch.randint(4, 100, (n_prompt - 1,), generator=g).tolist())
+        return Seq(SeqSpec(rid=f"f{i}", input_ids=prompt, return_logprob=True, logprob_start=n_prompt,
+                           sampling=SamplingSpec(max_new_tokens=n_new, temperature=0.0, ignore_eos=True)))
+
+    wave = [seq(0, 5, 12), seq(1, 20, 1), seq(2, 9, 15)]
+    with torch.inference_mode():
+        eng.submit(wave)
+        eng._step()  # prefill (+ one decode step)
+        (seg,) = eng._batch.segs
+        assert wave[1].result.finish_reason == {"type": "length", "length": 1}
+        assert seg.seqs == [wave[0], wave[2]] and not seg.holes
+        assert seg.width == 9 + 1  # the 20-token prompt's columns left with it
+        while any(s.result.finish_reason is None for s in wave):
+            eng._step()
+    _assert_single_sequence_outputs(model, wave)
+
+
 def test_an_abort_never_hits_requests_submitted_after_it(tiny_model_dir):
     """`abort_all` queued while the engine thread is busy: the sequence submitted right after it (the next APRIL
     step's fresh request) must run to its end, the one submitted before it is aborted."""
