@@ -35,5 +35,15 @@ test: setup
 test-unit: setup
 	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)
 
+# Tests write screenshots to a temp folder (the tree stays clean); this refreshes the README's images in docs/img.
+.PHONY: screenshots
+screenshots: setup
+	ALLOY_SCREENSHOTS_DIR=docs/img $(BIN)/python -m pytest tests/e2e/test_browser.py $(PYTEST_ARGS)
+
+# docs/config.md is generated from infra/config.py's field descriptions (a unit test checks it is current).
+.PHONY: config-docs
+config-docs: setup
+	$(BIN)/python scripts/gen_config_docs.py
+
 clean-runs:
 	rm -rf runs

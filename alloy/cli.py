@@ -1,4 +1,4 @@
-"""The `alloy` command line. Exit codes: 0 success, 1 the job failed, 2 bad input (config, arguments)."""
+"""The `alloy` command line. Exit codes: 0 success, 1 the job failed, 2 bad input (config, arguments), 130 interrupted."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +30,17 @@ def env_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
+def version() -> str:
+    """The installed package's version (pyproject's project `alloy-opd`), or "unknown" when not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("alloy-opd")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 # ------------------------------------------------------------------------------------------ commands
 
 
@@ -44,10 +55,19 @@ def cmd_run(args) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.dry_run:  # check everything that can be checked without training, print the plan (alloy/plan.py)
+        from alloy.plan import dry_run
+
+        return dry_run(args.config, overrides)
+    from alloy.interrupt import EXIT_INTERRUPTED, interruptible, resume_command
     from flows.pipeline import pipeline
 
-    try:
-        report = pipeline(config=args.config, overrides=overrides, report_path=args.report)
+    try:  # Ctrl-C: a clean stop, then KeyboardInterrupt (twice: killed at once); alloy/interrupt.py
+        report = interruptible(pipeline, config=args.config, overrides=overrides, report_path=args.report)
+    except KeyboardInterrupt:
+        print(f"interrupted; to resume from the last checkpoints: {resume_command(args.config, args.set, args.report)}",
+              file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except ConfigError as exc:  # e.g. a domain plugin that does not load
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -63,9 +83,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_config(args) -> int:
+    from domains.registry import load_domains
     from infra.config import ConfigError, load_config
-
-    from tasks.context import load_domains
 
     try:
         cfg = load_config(args.config, args.set)
@@ -92,8 +111,8 @@ def cmd_model_init(args) -> int:
 
 def cmd_eval(args) -> int:
     from domains.evaluate import evaluate
+    from domains.registry import load_domains
     from infra.config import ConfigError, load_config
-    from tasks.context import load_domains
 
     try:
         cfg = load_config(args.config, args.set)
@@ -114,7 +133,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from infra.report import render_table
+    from infra.report import render_table, report_problems
 
     p = Path(args.path)
     try:
@@ -124,6 +143,11 @@ def cmd_report(args) -> int:
         return EXIT_USAGE
     except json.JSONDecodeError as exc:
         print(f"error: {p} is not valid JSON: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    problems = report_problems(report)
+    if problems:
+        print(f"error: {p} is not a report.json (infra/report.py, REPORT_SHAPE):\n  " + "\n  ".join(problems),
+              file=sys.stderr)
         return EXIT_USAGE
     print(render_table(report))
     return EXIT_OK
@@ -135,12 +159,15 @@ def cmd_report(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="alloy", description="Alloy: RL specialists merged into one student by on-policy distillation.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"alloy {version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="run the pipeline for a config (a Prefect flow run)")
     r.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. base.steps=50")
     r.add_argument("--report", default=None, metavar="PATH", help="also write report.json here")
+    r.add_argument("--dry-run", action="store_true", help="check the config, model, domains, storage, ports and "
+                   "external teachers, print what would be reused and what trained (with time estimates); train nothing")
     r.set_defaults(fn=cmd_run)
 
     c = sub.add_parser("config", help="validate a config and print it with defaults filled in")
@@ -185,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(False)
         from infra.engine.server import main as serve_main
 
-        serve_main(argv[1:] or ["--help"])
+        serve_main(argv[1:] or ["--help"], prog="alloy serve")
         return EXIT_OK
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -18,198 +18,22 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-import psutil
+from alloy.detached import (HOST, REPO_ROOT, StackError, http_get, http_post_json, is_alive, pick_port, read_state,
+                            spawn, stack_env, stop_entries, wait_until, write_state)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 POOL = "alloy-local"
 WORKER_NAME = "alloy-local-worker"
-HOST = "127.0.0.1"
 STATE_FILE = "stack.json"
 COMPONENTS = ("prefect-server", "mlflow", "prefect-worker")
 
 
-class StackError(RuntimeError):
-    """Something a user can act on (a busy port, a component that did not come up); the message says what."""
-
-
-# ------------------------------------------------------------------------------------------ processes and state
-
-
 def default_home() -> Path:
     return Path(os.environ.get("ALLOY_STACK_HOME") or REPO_ROOT / "runs" / "stack").resolve()
-
-
-def port_in_use(port: int, host: str = HOST) -> bool:
-    """Whether binding host:port fails (SO_REUSEADDR as servers set it, so TIME_WAIT sockets do not count)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def pick_port(port: int, component: str, host: str = HOST) -> int:
-    """`port`, or a free one when it is 0; a busy port raises naming the component and the flag to change."""
-    if port == 0:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
-    if port_in_use(port, host):
-        raise StackError(f"port {port} ({component}) is already in use on {host}; stop what uses it or pass another "
-                         f"port (0 picks a free one)")
-    return port
-
-
-def log_tail(path: str | Path, n_lines: int = 25) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - 16384))
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-n_lines:])
-    except OSError:
-        return "(no log)"
-
-
-def spawn(name: str, cmd: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> dict:
-    """Start `cmd` detached (its own session, so it outlives this process and `down` can signal its group);
-    returns the state entry {name, pid, create_time, log, cmd}."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as logf:
-        logf.write(f"\n=== alloy {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n".encode())
-        logf.flush()
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=str(cwd), start_new_session=True, close_fds=True)
-    return {"name": name, "pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
-            "log": str(log_path), "cmd": cmd}
-
-
-def _process(entry: dict | None) -> psutil.Process | None:
-    """The live process an entry recorded, or None (gone, a zombie, or a recycled pid)."""
-    if not entry or not entry.get("pid"):
-        return None
-    try:
-        p = psutil.Process(entry["pid"])
-        if abs(p.create_time() - entry["create_time"]) > 0.05 or p.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return p
-    except psutil.Error:
-        return None
-
-
-def is_alive(entry: dict | None) -> bool:
-    return _process(entry) is not None
-
-
-def _reap(pid: int) -> None:
-    try:  # only succeeds for our own children (e.g. `up` called in-process); avoids zombies
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
-def stop_entries(entries: list[dict], grace_s: float = 10.0) -> list[int]:
-    """SIGTERM each live entry's process group and all its descendants, SIGKILL what is left after `grace_s`.
-    Returns the pids that were signalled."""
-    procs: dict[int, psutil.Process] = {}
-    groups: set[int] = set()
-    for e in entries:
-        p = _process(e)
-        if p is None:
-            continue
-        for q in [p] + p.children(recursive=True):  # collected first: a dying parent orphans its children
-            procs[q.pid] = q
-        groups.add(p.pid)  # spawn() made it a session (and group) leader
-
-    def send(sig: int) -> None:
-        for g in groups:
-            try:
-                os.killpg(g, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for q in procs.values():
-            try:
-                q.send_signal(sig)  # psutil checks the pid still belongs to the same process
-            except psutil.Error:
-                pass
-
-    def gone(q: psutil.Process) -> bool:
-        _reap(q.pid)
-        try:
-            return not q.is_running() or q.status() == psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return True
-
-    send(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and not all(gone(q) for q in procs.values()):
-        time.sleep(0.2)
-    if not all(gone(q) for q in procs.values()):
-        send(signal.SIGKILL)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and not all(gone(q) for q in procs.values()):
-            time.sleep(0.1)
-    return sorted(procs)
-
-
-def read_state(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError as exc:
-        raise StackError(f"state file {path} is not valid JSON ({exc}); delete it after checking nothing runs") from exc
-
-
-def write_state(path: Path, state: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
-    os.replace(tmp, path)  # atomic: a concurrent `status` never reads half a file
-
-
-def http_get(url: str, timeout: float = 3.0) -> tuple[int, bytes]:
-    """(status, body); status 0 when nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except (OSError, ValueError):
-        return 0, b""
-
-
-def http_post_json(url: str, body: dict, timeout: float = 5.0):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"null")
-
-
-def wait_until(check, entry: dict, what: str, timeout_s: float) -> None:
-    """Poll `check()` until true; raise with the log tail if the process exits or the timeout passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if check():
-                return
-        except (OSError, ValueError):  # connection refused, half-started server, bad JSON
-            pass
-        if not is_alive(entry):
-            raise StackError(f"{what} exited before it was ready; last lines of {entry['log']}:\n{log_tail(entry['log'])}")
-        if time.monotonic() > deadline:
-            raise StackError(f"{what} not ready after {timeout_s:.0f}s; last lines of {entry['log']}:\n"
-                             f"{log_tail(entry['log'])}")
-        time.sleep(0.5)
 
 
 # ------------------------------------------------------------------------------------------ the stack
@@ -219,22 +43,6 @@ def _bin(name: str) -> list[str]:
     """The console script next to this interpreter (the venv's), else `python -m name`."""
     script = Path(sys.executable).parent / name
     return [str(script)] if script.exists() else [sys.executable, "-m", name]
-
-
-def stack_env(home: Path, api_url: str, tracking_uri: str, ui_url: str | None) -> dict[str, str]:
-    """The environment of every stack process: Prefect state under home, the repo importable, runs tracked in
-    the MLflow store the UI serves."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_PROFILE", "PREFECT_API_KEY")}
-    pdir = home / "prefect"
-    env.update(
-        PREFECT_HOME=str(pdir), PREFECT_PROFILES_PATH=str(pdir / "profiles.toml"), PREFECT_API_URL=api_url,
-        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{pdir / 'prefect.db'}",
-        PREFECT_SERVER_ANALYTICS_ENABLED="false", ALLOY_HOME=str(REPO_ROOT), MLFLOW_TRACKING_URI=tracking_uri,
-        PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
-        PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    if ui_url:
-        env["ALLOY_MLFLOW_UI_URL"] = ui_url  # lets a flow link its Prefect artifacts to the MLflow run page
-    return env
 
 
 def _prefect_health(url: str) -> bool:

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from alloy.stack import (HOST, REPO_ROOT, StackError, http_get, is_alive, log_tail, pick_port, read_state, spawn,
-                         stack_env, stop_entries, write_state)
+from alloy.detached import (HOST, REPO_ROOT, StackError, http_get, is_alive, log_tail, pick_port, read_state, spawn,
+                            stack_env, stop_entries, write_state)
 
 STATE_FILE = "teachers.json"
 

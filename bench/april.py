@@ -78,6 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from teacher_scaling import REPO, exit_on_sigterm, machine_info, tree_cpu_s, write_outputs  # noqa: E402
 
 from infra.config import SpecialistsConfig  # noqa: E402
+from infra.engine.backends import MAX_RUNNING_REQUESTS  # noqa: E402
 from infra.engine.client import EngineClient  # noqa: E402
 from teachers.april import AprilBuffer, Partial  # noqa: E402
 from teachers.rollout import Roller, rollout_step  # noqa: E402
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                    "arms": [{"arm": a, "over_sampling": o, "max_staleness": m} for a, o, m in arms],
                    "min_extra_requests": MIN_EXTRA,
                    "model": f"tiny (init_model_dir seed 0), max_position_embeddings {CONTEXT}", "temperature": 1.0,
-                   "server_threads": 1, "server_max_batch": 256,
+                   "server_threads": 1, "server_max_running_requests": MAX_RUNNING_REQUESTS,
                    "same": "steps per arm (warmup dropped); wall = sum of the measured rollout_step calls"},
         "workload": {"body_uniform": body, "tail_loguniform": tail, "p_tail": args.p_tail,
                      "natural_length_first_2000": dist(lens),

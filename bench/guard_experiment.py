@@ -1,4 +1,4 @@
-"""Benchmark: the anti-hack guard experiment on the tool domain `tool_add` (DESIGN.md "Anti-hack guard").
+"""Benchmark: the anti-hack guard experiment on the tool domain `tool_add` (docs/architecture.md, "Anti-hack guard").
 
     python bench/guard_experiment.py --out runs/bench/guard.json [--steps 40] [--batch 32] [--seed 0]
 
@@ -138,7 +138,10 @@ def specialist_config(root: Path, *, guard: bool, steps: int, batch: int, lr: fl
         "run": {"name": "guard-" + ("on" if guard else "off"), "root": str(root), "seed": seed},
         "domains": [{"name": "tool_add", "difficulty": difficulty}],
         "eval": {"n_eval": n_eval},
-        "specialists": {"steps": steps, "batch_size": batch, "over_sampling": 1.0, "ppo_epochs": 4,
+        # deterministic_rollouts: seeded sampling per call, so an arm's numbers do not depend on the machine's load
+        # (with over_sampling = 1 it costs nothing)
+        "specialists": {"steps": steps, "batch_size": batch, "over_sampling": 1.0, "deterministic_rollouts": True,
+                        "ppo_epochs": 4,
                         "kl_coef": kl_coef, "lam": lam, "critic_warmup_steps": warmup,
                         "checkpoint_every": max(steps, 1),
                         # the experiment measures the trained (last) policy: best-policy selection validates in a

@@ -122,7 +122,7 @@ def worker_specialist(spec: dict, name: str, work: Path) -> dict:
 def worker_opd(spec: dict, work: Path) -> dict:
     from infra.tracking import NoopTracker
     from student.distill_main import run_distillation
-    from tasks.context import load_domains
+    from domains.registry import load_domains
     from tasks.teachers import start_teachers
 
     d = spec["distill"]

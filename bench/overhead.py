@@ -148,7 +148,7 @@ def compute_parts(base: Path, teacher: Path, domains: dict, batch: int, max_new_
 def pipeline(base: Path, teacher: Path, specs: list[dict], root: Path, args) -> dict:
     from infra.tracking import NoopTracker
     from student.distill_main import run_distillation
-    from tasks.context import load_domains
+    from domains.registry import load_domains
     from tasks.teachers import start_teachers
 
     cfg = make_cfg(root / "pipe", specs, steps=args.steps, batch_size=args.batch, max_new_tokens=args.max_new_tokens)
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         args.base_steps, args.teacher_steps = 2, 2
     import torch
 
-    from tasks.context import load_domains
+    from domains.registry import load_domains
 
     torch.set_num_threads(1)
     exit_on_sigterm()

@@ -168,7 +168,7 @@ def run_one(n: int, urls: dict[str, str], base: Path, root: Path, args, rnd: int
     """One distillation run whose n domains route to n distinct teacher servers; returns the step-time record."""
     from infra.tracking import NoopTracker
     from student.distill_main import run_distillation
-    from tasks.context import load_domains
+    from domains.registry import load_domains
 
     specs = domain_specs(n)
     names = [s["name"] for s in specs]
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: batch {args.batch} is not divisible by every N in {ns}; domains get ±1 prompt", file=sys.stderr)
     import torch
 
-    from tasks.context import load_domains
+    from domains.registry import load_domains
     from tasks.teachers import start_teachers
 
     torch.set_num_threads(1)  # the trainer process's default (distill.threads = 1); servers use 1 thread each

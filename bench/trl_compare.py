@@ -125,7 +125,7 @@ def run_alloy(spec: dict, names: list[str], seed: int, work: Path, overrides: di
     from infra.models import load_model, load_tokenizer
     from infra.tracking import NoopTracker
     from student.distill_main import run_distillation
-    from tasks.context import load_domains
+    from domains.registry import load_domains
     from tasks.teachers import start_teachers
 
     overrides = dict(overrides or {})

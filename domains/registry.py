@@ -70,3 +70,19 @@ def load_domain(name: str, impl: str | None = None, difficulty: int = 1, params:
                               f"failed: {type(exc).__name__}: {exc}") from exc
     domain.name = name
     return domain
+
+
+def load_domains(cfg) -> dict[str, Domain]:
+    """Instantiate every domain configured in `cfg.domains` (an `infra.config.AlloyConfig`), keyed by name; a bad
+    plugin fails with a `ConfigError` naming the config path (`domains.<i>.impl` or `domains.<i>.name`)."""
+    from infra.config import ConfigError
+
+    out = {}
+    for i, d in enumerate(cfg.domains):
+        try:
+            out[d.name] = load_domain(d.name, impl=d.impl, difficulty=d.difficulty, params=dict(d.params))
+        except Exception as exc:  # DomainLoadError or anything a plugin raises
+            where = f"domains.{i}" + (".impl" if d.impl else ".name")
+            raise ConfigError(f"{where}: cannot load domain {d.name!r}"
+                              + (f" from plugin {d.impl!r}" if d.impl else "") + f": {exc}") from exc
+    return out

@@ -17,15 +17,21 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from infra.config import refuse_secret_overrides
+from infra.procs import stop_requested
 from tasks.context import RunContext, open_context, stage_timer
 from tasks.specialist import specialist_prefix, train_specialist
 
 log = logging.getLogger("alloy")
 
 
+def _unless_stopped(task, task_run, state) -> bool:
+    """Retry a failed specialist, except after a stop request (Ctrl-C of `alloy run`): it would only be refused."""
+    return not stop_requested()
+
+
 def _local(ctx: RunContext, base_dir: str) -> dict[str, dict]:
     sc = ctx.cfg.specialists
-    task = train_specialist.with_options(retries=sc.retries, retry_delay_seconds=2)
+    task = train_specialist.with_options(retries=sc.retries, retry_delay_seconds=2, retry_condition_fn=_unless_stopped)
     futures = {d: task.submit(ctx, d, base_dir) for d in ctx.domains}
     return {d: f.result() for d, f in futures.items()}
 

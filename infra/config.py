@@ -23,7 +23,13 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, ValidationError, field_validator,
                       model_validator)
 
+from infra.engine.backends import BACKEND_NAMES, MAX_RUNNING_REQUESTS
 from infra.tracking import REDACTED, flatten_config, is_secret
+
+# The OPD losses `distill.loss` may name. They are implemented above infra (student/losses.py, which config must not
+# import); that registry is keyed by this tuple and refuses, at import, any name missing here or any name here
+# without an implementation, so this is the one list of names.
+OPD_LOSSES = ("sampled_rkl", "topk_kl")
 
 
 class ConfigError(ValueError):
@@ -43,13 +49,57 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def ops_field(default: Any = ..., **kw) -> Any:
+    """A `Field` for a setting that changes how a stage runs (scheduling, logging, serving, credentials, fault
+    handling), not what it trains: `AlloyConfig.fingerprint` leaves it out, so changing it moves no checkpoint
+    prefix and a rerun reuses the checkpoints."""
+    return Field(default, json_schema_extra={"fingerprint": False}, **kw)
+
+
+def result_settings(model_cls: type[BaseModel], data: Mapping) -> dict:
+    """`data` (a dump of `model_cls`, or part of one) without its `ops_field`s, recursively (nested sections, lists
+    of them, and `specialists.per_domain` overrides, which are partial SpecialistsConfigs; an override left empty
+    is dropped): what a stage's fingerprint hashes."""
+    out = {}
+    for key, value in data.items():
+        field = model_cls.model_fields.get(key)
+        if field is None:
+            out[key] = value
+            continue
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and extra.get("fingerprint") is False:
+            continue
+        if model_cls is SpecialistsConfig and key == "per_domain":
+            value = {d: kept for d, over in value.items() if (kept := result_settings(SpecialistsConfig, over))}
+        else:
+            sub = _model_in(field.annotation)
+            if sub is not None and isinstance(value, Mapping):
+                value = result_settings(sub, value)
+            elif sub is not None and isinstance(value, list):
+                value = [result_settings(sub, v) if isinstance(v, Mapping) else v for v in value]
+        out[key] = value
+    return out
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The config model class in a field's annotation (`TrainConfig`, `list[DomainConfig]`), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
 class RunConfig(_Strict):
+    """Run identity and where its files go."""
     name: str = Field("alloy", description="Run name; used for the run directory and the MLflow parent run.")
-    root: str = Field("runs", description="Local working directory for runs (logs, local copies of checkpoints).")
-    storage: str | None = Field(None, description="fsspec URL where checkpoints and reports go: file://… or s3://bucket/prefix. "
+    root: str = ops_field("runs", description="Local working directory for runs (logs, local copies of checkpoints).")
+    storage: str | None = ops_field(None, description="fsspec URL where checkpoints and reports go: file://… or s3://bucket/prefix. "
                                                  "Default: file://<root>/<name>.")
     seed: int = Field(0, description="Global seed (model init, data order, sampling).")
-    resume: bool = Field(True, description="Reuse complete checkpoints of an earlier run with the same name and config.")
+    resume: bool = ops_field(True, description="Reuse complete checkpoints of an earlier run with the same name and config.")
 
     @field_validator("name")
     @classmethod
@@ -60,11 +110,34 @@ class RunConfig(_Strict):
 
 
 class ModelConfig(_Strict):
+    """The model every stage starts from: a fresh preset model, or a local HF checkpoint."""
     preset: Literal["nano", "tiny", "small", "base"] = Field("tiny", description="Size preset of the freshly built tiny model.")
     path: str | None = Field(None, description="A local HF causal-LM checkpoint to start from instead of a fresh preset model.")
 
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, v: str | None) -> str | None:
+        """A local path must be a directory; a value like `org/name` that names nothing here may be a Hub id (found
+        in the local HF cache or not: `alloy run --dry-run` checks it)."""
+        if v is None:
+            return v
+        if not v.strip():
+            raise ValueError("must not be empty (leave model.path out to build a fresh preset model)")
+        p = Path(v).expanduser()
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(f"{v} is not a directory (expected an HF checkpoint directory)")
+            return v
+        first = v.split("/", 1)[0]
+        looks_local = (v.startswith(("/", ".", "~")) or "\\" in v or v.count("/") > 1
+                       or ("/" in v and Path(first).expanduser().is_dir()))
+        if looks_local:
+            raise ValueError(f"no such directory: {v}")
+        return v
+
 
 class DomainConfig(_Strict):
+    """One domain of the run: a built-in by name, or a plugin class (domains/README.md)."""
     name: str = Field(..., description="Built-in domain name, or the name of a plugin domain.")
     impl: str | None = Field(None, description='Plugin class as "package.module:ClassName" (any importable module).')
     difficulty: int = Field(1, ge=1, le=10, description="Difficulty knob of the domain's generator.")
@@ -81,14 +154,17 @@ class DomainConfig(_Strict):
 class TrainConfig(_Strict):
     """DeepSpeed settings shared by every trainer (base SFT, specialists, student)."""
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (torch AdamW).")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip (0 = off).")
-    zero_stage: Literal[0, 1, 2, 3] = 0
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    micro_batch_size: int = Field(32, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage (2/3 shard optimizer "
+                                                                   "state, gradients, weights).")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Training precision; bf16 keeps fp32 "
+                                                   "master weights, fp16 uses dynamic loss scaling.")
+    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward pass on one rank.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up: constant, or "
+                                                         "cosine decay to 0 at the stage's last step.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
     world_size: int = Field(1, ge=1, description="Ranks per trainer; > 1 launches the trainer under torchrun.")
 
 
@@ -97,38 +173,43 @@ class BaseConfig(_Strict):
     steps: int = Field(300, ge=0, description="Optimizer steps of supervised fine-tuning.")
     n_train_per_domain: int = Field(2000, ge=1, description="Training examples drawn per domain (train split).")
     train: TrainConfig = Field(default_factory=TrainConfig)
-    log_every: int = Field(25, ge=1)
+    log_every: int = ops_field(25, ge=1, description="Log SFT metrics every N steps.")
 
 
 class EvalConfig(_Strict):
+    """Evaluation of the base, the specialists and the student: greedy, on each domain's eval split."""
     n_eval: int = Field(100, ge=1, description="Held-out examples per domain (eval split).")
-    max_new_tokens: int = Field(16, ge=1, le=512)
-    batch_size: int = Field(128, ge=1)
+    max_new_tokens: int = Field(16, ge=1, le=512, description="Greedy answer budget per eval prompt.")
+    batch_size: int = ops_field(128, ge=1, description="Prompts per batched generation call.")
 
 
 class TrackingConfig(_Strict):
-    enabled: bool = True
-    uri: str | None = Field(None, description="MLflow tracking URI; default sqlite:///<root>/mlflow.db. "
+    """MLflow tracking: one parent run per pipeline, a nested run per stage."""
+    enabled: bool = ops_field(True, description="Log to MLflow; false = no tracking at all.")
+    uri: str | None = ops_field(None, description="MLflow tracking URI; default sqlite:///<root>/mlflow.db. "
                                               "MLFLOW_TRACKING_URI in the environment wins.")
-    experiment: str = "alloy"
+    experiment: str = ops_field("alloy", description="MLflow experiment of the parent run.")
 
 
 class EngineConfig(_Strict):
-    backend: Literal["embedded", "sglang"] = Field("embedded", description="embedded = Alloy's CPU server; sglang = real SGLang.")
-    host: str = Field("127.0.0.1", description="Bind address of launched servers (loopback unless told otherwise).")
-    api_key: Secret = Field(None, description="Bearer key for launched servers and the client (or ALLOY_ENGINE_API_KEY).")
-    threads: int = Field(1, ge=1, description="Torch threads per embedded server.")
+    """Engine servers the run launches (rollout servers of the trainers, teacher servers)."""
+    backend: Literal[BACKEND_NAMES] = Field("embedded", description="embedded = Alloy's CPU server; sglang = real "
+                                         "SGLang (the kinds in infra/engine/backends.py).")
+    host: str = ops_field("127.0.0.1", description="Bind address of launched servers (loopback unless told otherwise).")
+    api_key: Secret = ops_field(None, description="Bearer key for launched servers and the client (or ALLOY_ENGINE_API_KEY).")
+    threads: int = ops_field(1, ge=1, description="Torch threads per embedded server.")
     max_running_requests: int | None = Field(None, ge=1, description="Sequences a launched server decodes at once "
-                                             "(embedded --max-batch, default 256; SGLang --max-running-requests); "
-                                             "the rest queue.")
+                                             "(--max-running-requests; the rest queue). None = the backend's own: "
+                                             f"embedded {MAX_RUNNING_REQUESTS}, SGLang sized from GPU memory.")
     sglang_args: dict[str, Any] = Field(default_factory=dict, description="Extra sglang.launch_server options (GPU).")
 
 
 class TeachersConfig(_Strict):
+    """Teacher servers of the distill stage: one per specialist, or external URLs."""
     external: dict[str, str] = Field(default_factory=dict, description="domain → URL of a teacher already served elsewhere.")
-    health_timeout_s: float = Field(300.0, gt=0, description="Seconds launched teacher servers get to become healthy.")
-    max_restarts: int = Field(3, ge=0, description="Restarts of a dead teacher server (per 10 min) before giving up on it.")
-    check_tokenizers: bool = Field(True, description="Refuse to distill when a teacher's tokenizer differs from the student's.")
+    health_timeout_s: float = ops_field(300.0, gt=0, description="Seconds launched teacher servers get to become healthy.")
+    max_restarts: int = ops_field(3, ge=0, description="Restarts of a dead teacher server (per 10 min) before giving up on it.")
+    check_tokenizers: bool = ops_field(True, description="Refuse to distill when a teacher's tokenizer differs from the student's.")
 
     @field_validator("external")
     @classmethod
@@ -140,13 +221,14 @@ class TeachersConfig(_Strict):
 
 
 class DistillConfig(_Strict):
-    """The OPD student (DESIGN.md "OPD (the merge)"): it samples on-policy, each sample's domain teacher scores it."""
+    """The OPD student (docs/architecture.md, "OPD (the merge)"): it samples on-policy, each sample's domain
+    teacher scores it."""
     steps: int = Field(150, ge=0, description="Optimizer steps of the student (one batch of samples per step).")
     batch_size: int = Field(128, ge=1, description="Prompts sampled (one response each) per step, all domains mixed.")
     n_prompts_per_domain: int = Field(1000, ge=1, description="Train-split prompts per domain; the cursor cycles them.")
     max_new_tokens: int = Field(16, ge=1, le=512, description="Response budget per sample (the eval budget by default).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; 1.0 keeps rollout log-probs on-policy.")
-    loss: Literal["sampled_rkl", "topk_kl"] = Field("topk_kl", description="OPD loss (student/losses.py).")
+    loss: Literal[OPD_LOSSES] = Field("topk_kl", description="OPD loss (the registry in student/losses.py).")
     direction: Literal["forward", "reverse", "jsd"] = Field("forward", description="topk_kl divergence direction.")
     beta: float = Field(0.5, ge=0, le=1, description="Generalized-JSD mixing weight (direction: jsd).")
     top_k: int = Field(16, ge=1, description="Teacher top-k log-probs per position (topk_kl; plus one tail bucket).")
@@ -158,19 +240,26 @@ class DistillConfig(_Strict):
     rkl_mix: float = Field(0.5, ge=0, le=1, description="domain_weighting rkl: weight = (1 − mix)/D + mix · rkl_d/Σ rkl.")
     max_staleness: int = Field(1, ge=0, description="Max policy-version lag of a trained sample; also how far "
                                                     "sampling+scoring runs ahead of training (0 = synchronous).")
+    deterministic: bool = Field(False, description="true: the same seed gives the same run on an idle and a busy "
+                                "machine. Each batch is sampled with its own seed (run seed, batch index), and "
+                                "batch k always from the weights of step k − max_staleness: the weight push after a "
+                                "step waits until the batch that must still see the old weights is sampled "
+                                "(sampling still overlaps training). false: a batch is sampled as soon as the "
+                                "staleness bound allows, so its version (and the server's random draws) depend on "
+                                "timing.")
     is_clip: float | None = Field(2.0, gt=0, description="Truncation of the per-token importance ratio "
                                                          "π_now/π_rollout (None = untruncated).")
-    score_batch_size: int = Field(32, ge=1, description="Sequences per teacher /generate (scoring) call.")
-    teacher_timeout_s: float = Field(60.0, gt=0, description="Per-request timeout of teacher calls.")
-    teacher_retries: int = Field(8, ge=0, description="Client retries (exponential backoff, ≤ 4 s apart) of a "
+    score_batch_size: int = ops_field(32, ge=1, description="Sequences per teacher /generate (scoring) call.")
+    teacher_timeout_s: float = ops_field(60.0, gt=0, description="Per-request timeout of teacher calls.")
+    teacher_retries: int = ops_field(8, ge=0, description="Client retries (exponential backoff, ≤ 4 s apart) of a "
                                                       "teacher call: covers a supervisor restart.")
-    score_attempts: int = Field(3, ge=1, description="Whole scoring attempts of a batch before its samples are "
+    score_attempts: int = ops_field(3, ge=1, description="Whole scoring attempts of a batch before its samples are "
                                                      "dropped and counted (teacher unreachable).")
     eval_every: int = Field(50, ge=0, description="Per-domain greedy eval of the student every N steps (0 = off).")
     eval_n: int = Field(50, ge=1, description="Eval-split examples per domain for the in-training evals.")
-    checkpoint_every: int = Field(50, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
-    log_every: int = Field(25, ge=1, description="Log train and per-teacher metrics every N steps.")
-    threads: int = Field(1, ge=1, description="Torch threads of the student trainer process.")
+    checkpoint_every: int = ops_field(50, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
+    log_every: int = ops_field(25, ge=1, description="Log train and per-teacher metrics every N steps.")
+    threads: int = ops_field(1, ge=1, description="Torch threads of the student trainer process.")
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=128))
 
     @model_validator(mode="after")
@@ -182,14 +271,15 @@ class DistillConfig(_Strict):
 
 
 class GuardConfig(_Strict):
-    """Anti-hack guard of tool-use domains (DESIGN.md): rule filter, then an LLM judge on flagged calls."""
+    """Anti-hack guard of tool-use domains (docs/architecture.md, "Anti-hack guard"): rule filter, then an LLM
+    judge on flagged calls."""
     enabled: bool = Field(True, description="Guard the tool calls of tool-use domains; false = every call runs "
                                             "unchecked (only for the guard experiment, bench/guard_experiment.py).")
     judge_url: str | None = Field(None, description="Chat endpoint of the LLM judge (OpenAI-compatible or SGLang "
                                                     "/generate); None = rule-only (said so in the log).")
     judge_kind: Literal["openai", "sglang"] = Field("openai", description="Protocol of judge_url.")
     judge_model: str | None = Field(None, description="Model name sent to an OpenAI-compatible judge.")
-    judge_api_key: Secret = Field(None, description="Bearer key of the judge (or ALLOY_JUDGE_API_KEY); never logged.")
+    judge_api_key: Secret = ops_field(None, description="Bearer key of the judge (or ALLOY_JUDGE_API_KEY); never logged.")
     allowed_hosts: list[str] = Field(default_factory=list, description="Hosts a fetch may reach without a flag.")
 
 
@@ -205,11 +295,11 @@ def _deep_merge(base: dict, over: Mapping) -> dict:
 
 def _problem(err: Mapping) -> str:
     """One pydantic error's message as the config errors show it."""
-    return "unknown key" if err.get("type") == "extra_forbidden" else str(err.get("msg"))
+    return "unknown key" if err.get("type") == "extra_forbidden" else str(err.get("msg")).removeprefix("Value error, ")
 
 
 class SpecialistsConfig(_Strict):
-    """Critic-based PPO per domain with APRIL partial rollouts (DESIGN.md "Critic-based PPO", "APRIL")."""
+    """Critic-based PPO per domain with APRIL partial rollouts (docs/architecture.md, "Critic-based PPO", "APRIL")."""
     enabled: bool = Field(True, description="Train specialists; false = the base model is every domain's teacher.")
     steps: int = Field(200, ge=0, description="PPO steps per specialist (one rollout batch each).")
     batch_size: int = Field(64, ge=1, description="Finished samples per step (APRIL batch target).")
@@ -218,18 +308,30 @@ class SpecialistsConfig(_Strict):
                                     "batch_size (1.25 · 8 leaves two spare: bench/april.py measured 1.43x sync at "
                                     "B = 8, 1.67x with four).")
     max_staleness: int = Field(2, ge=0, description="Partials with tokens older than this many versions are dropped.")
+    deterministic_rollouts: bool = Field(
+        False, description="true: a step's samples do not depend on timing or machine load (the same seed gives the "
+        "same run on an idle and a busy machine). Every generation call samples from its own seed (run seed, "
+        "sample id, policy version, turn), so batch-mates on the server do not change its tokens; every request "
+        "runs to the end of its episode, and the abort is decided by token count instead of the clock: the "
+        "batch_size requests with the fewest new tokens (ties: request order) train, with any as short as the "
+        "last of them, and the rest are cut to that length and kept as partials (APRIL as on a lockstep engine); "
+        "samples train in request order. A step then waits for its slowest request, as with over_sampling = 1 "
+        "(false: the first batch_size to finish by the clock train, the rest are aborted: faster, not "
+        "reproducible).")
     mask_offpolicy: bool = Field(False, description="Mask resumed tokens older than max_staleness instead of TIS only.")
     max_new_tokens: int | None = Field(None, ge=1, le=512, description="Response budget (None: eval.max_new_tokens).")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="Rollout sampling temperature.")
     n_prompts: int = Field(2000, ge=1, description="Train-split prompts per specialist; the cursor cycles them.")
     ppo_epochs: int = Field(4, ge=1, description="Optimizer steps per rollout batch (clipping bounds the drift).")
-    eps_clip: float = Field(0.2, gt=0)
-    eps_clip_high: float | None = Field(None, gt=0)
+    eps_clip: float = Field(0.2, gt=0, description="PPO ratio clip: ratios outside [1 − ε, 1 + ε_high] get "
+                                                   "no gradient.")
+    eps_clip_high: float | None = Field(None, gt=0, description="Upper clip ε_high (None: eps_clip).")
     eps_clip_c: float | None = Field(None, gt=1, description="Dual-clip constant (> 1) or None.")
-    value_clip: float | None = Field(0.2, gt=0)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    entropy_coef: float = Field(0.0, ge=0)
+    value_clip: float | None = Field(0.2, gt=0, description="Value-loss clip around the rollout's "
+                                                             "values (None: unclipped).")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus in the policy loss.")
     kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty (k1) to the base policy as the reference; "
                                                  "keeps low-signal domains from drifting.")
     tis_clip: float = Field(2.0, gt=0, description="Truncated importance sampling cap (rollout/trainer mismatch).")
@@ -247,15 +349,15 @@ class SpecialistsConfig(_Strict):
                                             "validation score (best) or the last one (last).")
     patience: int = Field(0, ge=0, description="Stop after this many validations without a new best (0: never).")
     stop_at: float | None = Field(None, gt=0, le=1, description="Stop once a validation score reaches this.")
-    checkpoint_every: int = Field(20, ge=1)
-    log_every: int = Field(5, ge=1)
-    max_parallel: int = Field(2, ge=1, description="Specialists trained at once (local mode).")
-    mode: Literal["local", "deployment"] = Field("local", description="local: concurrent subprocesses; deployment: "
+    checkpoint_every: int = ops_field(20, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
+    log_every: int = ops_field(5, ge=1, description="Log training metrics every N steps.")
+    max_parallel: int = ops_field(2, ge=1, description="Specialists trained at once (local mode).")
+    mode: Literal["local", "deployment"] = ops_field("local", description="local: concurrent subprocesses; deployment: "
                                                  "run_deployment of alloy-specialist/default per domain (work pool, "
                                                  "global concurrency limit `gpu`).")
-    deployment: str = Field("alloy-specialist/default", description="Deployment run per domain in deployment mode.")
-    retries: int = Field(2, ge=0, description="Task retries of a failed specialist (each resumes its checkpoint).")
-    threads: int = Field(1, ge=1, description="Torch threads of each specialist trainer process.")
+    deployment: str = ops_field("alloy-specialist/default", description="Deployment run per domain in deployment mode.")
+    retries: int = ops_field(2, ge=0, description="Task retries of a failed specialist (each resumes its checkpoint).")
+    threads: int = ops_field(1, ge=1, description="Torch threads of each specialist trainer process.")
     guard: GuardConfig = Field(default_factory=GuardConfig)
     per_domain: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Overrides per domain, e.g. {interleave: {kl_coef: 0.0}}: any field above "
@@ -331,8 +433,9 @@ class AlloyConfig(_Strict):
         return [d.name for d in self.domains]
 
     def fingerprint(self, *sections: str) -> str:
-        """A short hash of the given config sections (all if none): a stage's cache key."""
-        data = self.model_dump()  # python mode: plain values, secrets unmasked (JSON mode masks them)
+        """A short hash of the given config sections (all if none): a stage's cache key. Only settings that change
+        what is trained count: `ops_field`s (scheduling, logging, serving, credentials) are left out."""
+        data = result_settings(AlloyConfig, self.model_dump())  # python mode: secrets unmasked (JSON mode masks)
         if sections:
             data = {k: data[k] for k in sections}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]

@@ -43,9 +43,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before `import deepspeed`: it 
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
+from infra.safe_load import deepspeed_allowed, safe_torch_load  # noqa: E402
+
 T = TypeVar("T")
 
 CHECKPOINT_TAG = "state"  # fixed tag: one resumable state per directory, no "latest" guessing
+RNG_FORMAT = 2  # rng_rank<r>.pt holds only ints, lists and tensors (format 1 held numpy arrays: not weights_only)
 _DTYPES = ("fp32", "bf16", "fp16")
 _SCHEDULES = ("constant", "cosine")
 
@@ -308,11 +311,14 @@ def seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """This rank's RNG states as plain ints, lists and tensors, so that they load back with weights_only=True
+    (`random.getstate()` is already a tuple of ints; numpy's key array becomes a list)."""
+    state: dict[str, Any] = {"format": RNG_FORMAT, "python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -320,13 +326,18 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
+def _set_rng_state(state: dict, source: Path) -> None:
+    if not isinstance(state, dict) or state.get("format") != RNG_FORMAT:
+        raise ValueError(f"load_state: {source} is not an RNG state of format {RNG_FORMAT} (written by an older "
+                         "Alloy?); resume from a checkpoint written by this version")
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -375,6 +386,11 @@ class DeepSpeedBackend:
             lr_scheduler=make_scheduler, config=self.ds_config)
         # the plain torch AdamW under stage 0 + fp32 keeps no grad norm: step() computes it itself then
         self._norm_tracked = hasattr(self.engine.optimizer, "_global_grad_norm")
+        # DeepSpeed unpickles checkpoints with weights_only=False (a tampered file would run code): every file
+        # its load_checkpoint reads goes through this engine's checkpoint_engine.load, so that is made safe here
+        allowed = deepspeed_allowed()
+        self.engine.checkpoint_engine.load = (
+            lambda path, map_location=None: safe_torch_load(path, map_location=map_location, allow=allowed))
 
     # ---- identity -------------------------------------------------------------------------------------------
     @property
@@ -484,6 +500,8 @@ class DeepSpeedBackend:
           state/zero_pp_rank_<r>_mp_rank_00_model_states.pt   stage 3: rank r's parameter shard
           state/rng_rank<r>.pt                          rank r's python / numpy / torch (/ cuda) RNG states
         On several nodes `state_dir` must be a shared filesystem. Resume with the same world size and ZeRO stage.
+        `load_state` reads every one of these files with torch.load(weights_only=True) (`infra.safe_load`): a file
+        holding anything but tensors, plain containers and DeepSpeed's few state classes is refused, never run.
         """
         root = Path(state_dir)
         self.engine.save_checkpoint(str(root), tag=CHECKPOINT_TAG)
@@ -498,6 +516,10 @@ class DeepSpeedBackend:
         root = Path(state_dir)
         if not (root / CHECKPOINT_TAG).is_dir():
             raise FileNotFoundError(f"load_state: no '{CHECKPOINT_TAG}' checkpoint under {root}")
+        if self.engine.load_universal_checkpoint() or self.engine.has_moe_layers:
+            # those paths call torch.load(weights_only=False) directly, past the safe checkpoint_engine.load
+            raise ValueError("load_state: universal and MoE checkpoints are not supported (DeepSpeed would unpickle "
+                             "them with weights_only=False); remove checkpoint.load_universal from ds_config_overrides")
         path, _ = self.engine.load_checkpoint(str(root), tag=CHECKPOINT_TAG, load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if path is None:
@@ -505,7 +527,7 @@ class DeepSpeedBackend:
         rng_file = root / CHECKPOINT_TAG / f"rng_rank{self.rank}.pt"
         if not rng_file.exists():
             raise FileNotFoundError(f"load_state: {rng_file} missing (saved with a different world size?)")
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(safe_torch_load(rng_file), rng_file)
         self.barrier()
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from infra.engine.backends import server_backend
 from infra.engine.client import EngineClient
 from infra.engine.launcher import ServerSpec, Supervisor, launch_settings
 
@@ -32,10 +33,7 @@ class PolicyServer:
         extra, options = list(extra_args or []), dict(options or {})
         if seed is not None:  # the sampling stream follows the run's seed (and differs after a resume at `version`)
             stream = (seed * 1_000_003 + version) % 2 ** 31
-            if backend == "sglang":
-                options["random_seed"] = stream
-            else:
-                extra += ["--seed", str(stream)]
+            options[server_backend(backend).seed_option] = stream
         self.weights_dir = Path(work_dir) / "weights"
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self.keep, self.version = keep, version

@@ -1,4 +1,4 @@
-"""`report.json`: the pipeline's contract with checks and dashboards (see DESIGN.md, "The report contract").
+"""`report.json`: the pipeline's contract with checks and dashboards (docs/architecture.md, "The report contract").
 
 `build_report` turns the per-domain score table (one row per domain and stage) plus run facts into the report
 dict; stages that have not run yet are `null`. `render_table` prints a report for humans (`alloy report PATH`).
@@ -89,3 +89,71 @@ def render_table(report: dict) -> str:
     if ml:
         lines.append(f"mlflow: {ml.get('tracking_uri')}  experiment {ml.get('experiment')}  run {ml.get('parent_run_id')}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- the contract, checked
+
+_NUM, _INT, _STR, _MAP = "a number", "an integer", "a string", "an object"
+_OPT = " or null"
+# key path → what its value must be (`*` is any key of the mapping above); what `build_report` writes
+REPORT_SHAPE: dict[str, str] = {
+    "config": _STR, "run_id": _STR + _OPT, "mlflow": _MAP, "domains": _MAP,
+    **{f"domains.*.{k}": _NUM + _OPT for k in (*STAGES, "recovery")}, "domains.*.n_eval": _INT + _OPT,
+    "summary": _MAP, "summary.n_domains": _INT, "summary.n_teachers": _INT,
+    **{f"summary.{k}": _NUM + _OPT for k in ("base_mean", "specialist_mean", "student_mean", "mean_recovery",
+                                              "min_recovery")},
+    "timings_s": _MAP, **{f"timings_s.{k}": _NUM + _OPT for k in TIMING_KEYS},
+    "throughput": _MAP, **{f"throughput.{k}": _NUM + _OPT for k in ("distill_sampled_tokens_per_s",
+                                                                      "teacher_scored_tokens_per_s")},
+    "guard": _MAP, **{f"guard.{k}": _INT for k in ("tool_calls", "flagged", "blocked")},
+    "artifacts": _MAP, "artifacts.student_checkpoint": _STR + _OPT, "artifacts.registered_model": _STR + _OPT,
+}
+
+
+def _is(value: Any, kind: str) -> bool:
+    if value is None:
+        return kind.endswith(_OPT)
+    if isinstance(value, bool):
+        return False
+    base = kind.removesuffix(_OPT)
+    return {_NUM: isinstance(value, (int, float)), _INT: isinstance(value, int), _STR: isinstance(value, str),
+            _MAP: isinstance(value, dict)}[base]
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), f"a {type(value).__name__}")
+
+
+def report_problems(report: Any) -> list[str]:
+    """Why `report` (parsed JSON) is not a report.json of the contract above, one "key.path: problem" per line;
+    empty when it is one. Keys beyond the contract are allowed."""
+    if not isinstance(report, dict):
+        return [f"<top level>: must be an object, got {_type_name(report)}"]
+    problems: list[str] = []
+    for path, kind in REPORT_SHAPE.items():
+        parent, _, key = path.rpartition(".")
+        nodes = [("", report)] if not parent else _nodes(report, parent)
+        for where, node in nodes:
+            full = f"{where}.{key}" if where else key
+            if not isinstance(node, dict):
+                continue  # the parent's own problem is reported
+            if key not in node:
+                problems.append(f"{full}: missing (must be {kind})")
+            elif not _is(node[key], kind):
+                problems.append(f"{full}: must be {kind}, got {_type_name(node[key])}")
+    return problems
+
+
+def _nodes(report: dict, path: str) -> list[tuple[str, Any]]:
+    """(concrete key path, value) of every node `path` (dotted, `*` for any key) names in `report`."""
+    out = [("", report)]
+    for part in path.split("."):
+        nxt = []
+        for where, node in out:
+            if not isinstance(node, dict):
+                continue
+            keys = list(node) if part == "*" else [part] if part in node else []
+            nxt += [(f"{where}.{k}" if where else str(k), node[k]) for k in keys]
+        out = nxt
+    return out

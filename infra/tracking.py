@@ -39,6 +39,7 @@ _TOKEN = re.compile(r"token", re.IGNORECASE)
 _TOKENIZER = re.compile(r"tokeniz", re.IGNORECASE)
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _URL_PASSWORD = re.compile(r"(?P<pre>[a-zA-Z][a-zA-Z0-9+.-]*://[^/:@\s]*:)[^/@\s]+(?=@)")
+STARTED_PARENTS: list[tuple[str, str]] = []  # (tracking URI, run id) of every parent run this process started
 
 
 # --------------------------------------------------------------------------------------------- pure helpers
@@ -180,6 +181,7 @@ class Tracker:
         run = self._client.create_run(self.experiment_id, run_name=run_name,
                                       tags={k: str(v) for k, v in (tags or {}).items()})
         self.run_id = run.info.run_id
+        STARTED_PARENTS.append((self.tracking_uri, self.run_id))  # what a Ctrl-C of `alloy run` marks KILLED
         log.info("MLflow parent run %s (%s)", run_name, self.run_id)
         return self.run_id
 

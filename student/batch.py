@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from student.losses import sampled_rkl_loss, topk_kl_loss
+from student.losses import OPDInputs, OPDLoss, get_loss
 from student.sampler import StudentSample
 
 
@@ -84,43 +84,25 @@ def collate(samples: Sequence[StudentSample], pad_id: int, version: int, with_to
         torch.tensor([version - s.version for s in samples], dtype=torch.float32), [s.sample_id for s in samples])
 
 
-def opd_loss(logits: torch.Tensor, batch: OPDBatch, *, loss: str, direction: str, beta: float, reward_coef: float,
-             is_clip: float | None, global_token_count: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """The selected OPD loss of one micro-batch. logits (B, T, V) from the student's forward over `input_ids`.
+def opd_loss(logits: torch.Tensor, batch: OPDBatch, *, loss: OPDLoss | str, direction: str, beta: float,
+             reward_coef: float, is_clip: float | None,
+             global_token_count: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The OPD loss `loss` (an `OPDLoss` from `student.losses.get_loss`, or its name) of one micro-batch.
+    logits (B, T, V) from the student's forward over `input_ids`; the objectives are in student/losses.py.
 
-    sampled_rkl: ℓ_t = −w_t·A_t·ρ_t with A_t = −(log π_s − log π_T)(y_t) + reward_coef·A^reward, w_t the truncated
-                 importance ratio π_now/π_rollout (exact correction for samples from an older student).
-    topk_kl:     the teacher-top-k + tail-bucket divergence (direction, beta) at every response position, plus, if
-                 reward_coef > 0, the importance-weighted policy-gradient term of the task reward alone (the same
-                 sampled_rkl_loss with π_T := π_s, so its KL advantage is exactly 0).
-    Both normalise by `global_token_count` (N/(W·G), see DeepSpeedBackend.loss_normalizer). Metrics add the
-    current student's sampled-token reverse KL to the teacher (`reverse_kl`) for either loss, and
+    Both normalise by `global_token_count` (N/(W·G), see DeepSpeedBackend.loss_normalizer). Metrics add
     `logp_abs_diff` = token-mean |log π_now − log π_rollout| (train/inference mismatch plus staleness).
     """
+    spec = get_loss(loss) if isinstance(loss, str) else loss
     logits = logits[:, :-1].float()  # (B, T-1, V): position t predicts token t+1
     targets = batch.input_ids[:, 1:].unsqueeze(-1)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)  # (B, T-1)
     mask = batch.mask
-    reward = batch.reward_adv if reward_coef else None
     # train/inference log-prob gap |log π_now − log π_rollout| per token: ~1e-6 on-policy, grows with staleness
     gap = {"logp_abs_diff": float(((logp.detach() - batch.rollout_logp).abs() * mask).sum() / mask.sum().clamp_min(1))}
-    if loss == "sampled_rkl":
-        total, metrics = sampled_rkl_loss(logp, batch.teacher_logp, mask, rollout_logp=batch.rollout_logp,
-                                          reward_adv=reward, reward_coef=reward_coef, is_clip=is_clip,
-                                          global_token_count=global_token_count)
-        return total, {**metrics, **gap}
-    if loss != "topk_kl":
-        raise ValueError(f"opd_loss: unknown loss {loss!r}; valid: 'sampled_rkl', 'topk_kl'")
-    if batch.topk_ids is None:
-        raise ValueError("opd_loss: topk_kl needs the teacher's top-k (score with top_k > 0)")
-    total, metrics = topk_kl_loss(logits, batch.topk_ids, batch.topk_logp, mask, direction=direction, beta=beta,
-                                  global_token_count=global_token_count)
-    _, rkl_m = sampled_rkl_loss(logp.detach(), batch.teacher_logp, mask, rollout_logp=batch.rollout_logp,
-                                is_clip=is_clip)
-    metrics.update(reverse_kl=rkl_m["reverse_kl"], is_weight_mean=rkl_m["is_weight_mean"], **gap)
-    if reward_coef:
-        pg, pg_m = sampled_rkl_loss(logp, logp.detach(), mask, rollout_logp=batch.rollout_logp, reward_adv=reward,
-                                    reward_coef=reward_coef, is_clip=is_clip, global_token_count=global_token_count)
-        total = total + pg
-        metrics.update(reward_pg_loss=pg_m["loss"], loss=float(total.detach()))
-    return total, metrics
+    inputs = OPDInputs(logits=logits, logp=logp, teacher_logp=batch.teacher_logp, rollout_logp=batch.rollout_logp,
+                       mask=mask, reward_adv=batch.reward_adv if reward_coef else None, topk_ids=batch.topk_ids,
+                       topk_logp=batch.topk_logp)
+    total, metrics = spec(inputs, direction=direction, beta=beta, reward_coef=reward_coef, is_clip=is_clip,
+                          global_token_count=global_token_count)
+    return total, {**metrics, **gap}

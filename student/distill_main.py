@@ -11,37 +11,27 @@ The result (summary, throughput, per-teacher totals, evals, the final checkpoint
 
 The recipe (`run_distillation`): build the DeepSpeed student → resume if a checkpoint exists → serve it on an engine
 server → one EngineClient per teacher endpoint → train (student/trainer.py) → commit `final/`.
+The process around the recipe (flags, config, MLflow, torch.distributed, signals, the result file) is the
+trainer skeleton's, infra/worker.py; `WORKER` describes this entry point to the tasks that start it.
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import logging
-import shutil
 import sys
 from pathlib import Path
 
-import torch
-
-from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed, shutdown_distributed
+from domains.registry import load_domains
 from infra.engine.client import EngineClient
-from infra.engine.launcher import Supervisor
-from infra.models import load_model, load_tokenizer
-from infra.policy_server import PolicyServer
-from infra.storage import join, save_checkpoint
+from infra.training import commit_final, fresh_final, serve_and_run, train_settings, trainable
+from infra.worker import Worker, WorkerRun, arg
+from student.losses import get_loss
 from student.scoring import TeacherScorer
 from student.trainer import DistillTrainer
 
 log = logging.getLogger("alloy.student")
 
 
-def train_settings(dc, seed: int) -> TrainSettings:
-    t = dc.train
-    return TrainSettings(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
-                         dtype=t.dtype, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-                         warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule, total_steps=max(dc.steps, 1),
-                         seed=seed)
 
 
 def teacher_clients(endpoints: dict[str, str], dc, api_key: str | None) -> dict[str, EngineClient]:
@@ -60,76 +50,49 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     trainer summary plus `student_checkpoint` (the committed `final/` URL) and `student_dir` (a local HF copy)."""
     dc, work = cfg.distill, Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(student_init)
-    init_distributed()
-    backend = DeepSpeedBackend(load_model(student_init), train_settings(dc, cfg.run.seed))
+    tok, backend = trainable(student_init, train_settings(dc.train, max(dc.steps, 1), cfg.run.seed))
     scorer = TeacherScorer(teacher_clients(teachers, dc, cfg.engine.api_key),
-                           top_k=dc.top_k if dc.loss == "topk_kl" else 0, batch_size=dc.score_batch_size,
-                           vocab_size=len(tok), attempts=dc.score_attempts)
+                           top_k=dc.top_k if get_loss(dc.loss).needs_teacher_topk else 0,
+                           batch_size=dc.score_batch_size, vocab_size=len(tok), attempts=dc.score_attempts)
     trainer = DistillTrainer(dc, backend, tok, None, scorer, domains, out_url=out_url, work_dir=work,
                              tracker=tracker, seed=cfg.run.seed, eval_max_new_tokens=cfg.eval.max_new_tokens,
                              eval_batch_size=cfg.eval.batch_size, on_step=on_step)
     serve_dir = trainer.resume() or student_init
     tracker.log_dict({"teachers": teachers, "resumed_at_step": trainer.state.step}, "distill/teachers.json")
-    with Supervisor(work / "logs", threads_per_server=cfg.engine.threads) as sup:
-        trainer.policy = PolicyServer.for_engine(cfg.engine, sup, "student", serve_dir, work / "student-server",
-                                                 version=trainer.state.step, seed=cfg.run.seed)
-
-        async def go() -> dict:
-            try:
-                return await trainer.run()
-            finally:
-                await trainer.policy.aclose()
-                for c in {id(c): c for c in scorer.clients.values()}.values():
-                    await c.aclose()
-
-        summary = asyncio.run(go())
-    final = work / "final"
-    shutil.rmtree(final, ignore_errors=True)
+    summary = serve_and_run(cfg.engine, work, "student", serve_dir, version=trainer.state.step, seed=cfg.run.seed,
+                            server_dir="student-server", attach=lambda server: setattr(trainer, "policy", server),
+                            loop=trainer.run, closers={id(c): c for c in scorer.clients.values()}.values())
+    final = fresh_final(work)
     backend.save_hf(final, tokenizer=tok)
-    summary["student_checkpoint"] = save_checkpoint(str(final), join(out_url, "final"), trainer.state.step,
-                                                    meta={"stage": "student", "steps": trainer.state.step})
+    summary["student_checkpoint"] = commit_final(final, out_url, trainer.state.step,
+                                                 meta={"stage": "student", "steps": trainer.state.step})
     summary["student_dir"] = str(final)
     backend.close()
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    from infra.config import load_config
-    from infra.tracking import NoopTracker, Tracker
-    from tasks.context import load_domains
-
-    p = argparse.ArgumentParser(description="Alloy OPD student: sample on-policy, teachers score, train")
-    p.add_argument("--config", required=True)
-    p.add_argument("--set", action="append", default=[])
-    p.add_argument("--student-init", required=True, help="HF dir the student starts from (the base checkpoint)")
-    p.add_argument("--teachers", required=True, help='{"domain": "http://host:port", ...} inline or a .json path')
-    p.add_argument("--out", required=True, help="storage URL prefix of the student's checkpoints")
-    p.add_argument("--work-dir", default=None, help="local scratch (default: a 'distill' dir beside --result)")
-    p.add_argument("--result", default=None, help="write the run summary here as JSON")
-    p.add_argument("--mlflow-run-id", default=None, help="log to this existing MLflow run (the `student` child)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    cfg = load_config(args.config, args.set)
-    torch.set_num_threads(cfg.distill.threads)
-    raw = args.teachers
+def parse_teachers(raw: str) -> dict[str, str]:
+    """`--teachers`: a JSON object {domain: url}, inline or the path of a .json file."""
     teachers = json.loads(Path(raw).read_text() if not raw.lstrip().startswith("{") else raw)
     if not isinstance(teachers, dict) or not all(isinstance(v, str) for v in teachers.values()):
         raise SystemExit(f"--teachers must be a JSON object {{domain: url}}, got {raw[:200]!r}")
-    tracker = NoopTracker()
-    if args.mlflow_run_id and cfg.tracking.enabled:
-        tracker = Tracker(runs_root=cfg.run.root, experiment=cfg.tracking.experiment, uri=cfg.tracking.uri)
-        tracker = tracker.resume(args.mlflow_run_id)
-    work = Path(args.work_dir) if args.work_dir else (Path(args.result).resolve().parent if args.result
-                                                      else Path.cwd()) / "distill"
-    try:
-        summary = run_distillation(cfg, load_domains(cfg), args.student_init, teachers, args.out, work, tracker)
-    finally:
-        shutdown_distributed()
-    if args.result:
-        Path(args.result).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result).write_text(json.dumps(summary, indent=2, default=float))
-    return 0
+    return teachers
+
+
+def _run(w: WorkerRun) -> dict:
+    return run_distillation(w.cfg, load_domains(w.cfg), w.args.student_init, parse_teachers(w.args.teachers),
+                            w.args.out, w.work_dir, w.tracker)
+
+
+WORKER = Worker("student.distill_main", "Alloy OPD student: sample on-policy, teachers score, train",
+                args=(arg("--student-init", required=True, help="HF dir the student starts from (the base checkpoint)"),
+                      arg("--teachers", required=True, help='{"domain": "http://host:port", ...} inline or a .json path'),
+                      arg("--out", required=True, help="storage URL prefix of the student's checkpoints")),
+                threads=lambda cfg, args: cfg.distill.threads, work_subdir="distill")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return WORKER.main(_run, argv)
 
 
 if __name__ == "__main__":

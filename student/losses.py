@@ -1,7 +1,8 @@
 """On-Policy Distillation losses: pure functions on tensors, no config objects, no I/O.
 
 The student samples its own response y; the domain's teacher scores it (per-token log-prob of y_t and its top-k
-distribution at every position). Two losses, both token-level and chosen by name (``get_loss``):
+distribution at every position). Two losses, both token-level, each registered (``LOSSES``) as an ``OPDLoss`` that
+declares what it needs (``needs_teacher_topk``) and looked up once by name (``get_loss(distill.loss)``):
 
 - ``sampled_rkl``: reverse KL on the sampled token used as a detached advantage in a policy-gradient loss
   (Agarwal et al. 2024 "On-Policy Distillation of Language Models", arXiv:2306.13649; Thinking Machines
@@ -12,14 +13,17 @@ distribution at every position). Two losses, both token-level and chosen by name
 Conventions: padded ``(B, T)`` tensors with ``mask (B, T)`` (1 = response token that counts); losses return
 ``(loss, metrics)`` with metrics as python floats; aggregation is token-mean (Σ over valid tokens / their number, or
 / ``global_token_count`` so that data-parallel ranks sum to the one-rank loss). The few masked-mean lines are
-repeated here on purpose: ``student`` does not import ``teachers``' internals (DESIGN, "Imports flow one way").
+repeated here on purpose: ``student`` does not import ``teachers``' internals (docs/architecture.md, "Layering").
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from infra.config import OPD_LOSSES
 
 DIRECTIONS = ("forward", "reverse", "jsd")
 # Tail mass is clamped to ≥ TAIL_MIN so log(tail) stays finite (reverse KL against a teacher whose top-k already holds
@@ -229,14 +233,103 @@ def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor, t
     return loss, metrics
 
 
-LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
-    "sampled_rkl": sampled_rkl_loss,
-    "topk_kl": topk_kl_loss,
-}
+# -- the registry: each loss is looked up once by name, then asked what it needs ---------------------------------
+
+@dataclass(frozen=True)
+class OPDInputs:
+    """One micro-batch's tensors, aligned on the positions that predict response tokens (student/batch.py).
+
+    logits (B, T, V) student logits (grad); logp (B, T) student log π_s(y_t) (grad); teacher_logp, rollout_logp,
+    mask (B, T); reward_adv (B,) or None (rewards off); topk_ids, topk_logp (B, T, K) the teacher's top-k, or None
+    when it was not scored with top-k."""
+
+    logits: torch.Tensor
+    logp: torch.Tensor
+    teacher_logp: torch.Tensor
+    rollout_logp: torch.Tensor
+    mask: torch.Tensor
+    reward_adv: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logp: torch.Tensor | None = None
 
 
-def get_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    """The OPD loss function registered under ``name`` (see ``LOSSES``)."""
+Objective = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class OPDLoss:
+    """A registered OPD loss: its name, what it needs from the teacher, the primitive loss it is built on (``fn``)
+    and its micro-batch objective, called as ``loss(inputs, direction=, beta=, reward_coef=, is_clip=,
+    global_token_count=)`` → ``(loss, metrics)`` (pure: tensors and floats in)."""
+
+    name: str
+    fn: Callable[..., tuple[torch.Tensor, dict[str, float]]]
+    objective: Objective
+    needs_teacher_topk: bool  # the teacher must score with top-k (OPDInputs.topk_ids / topk_logp)
+
+    def __call__(self, x: OPDInputs, *, direction: str, beta: float, reward_coef: float, is_clip: float | None,
+                 global_token_count: float | torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.needs_teacher_topk and (x.topk_ids is None or x.topk_logp is None):
+            raise ValueError(f"{self.name} needs the teacher's top-k (score with top_k > 0)")
+        return self.objective(x, direction=direction, beta=beta, reward_coef=reward_coef, is_clip=is_clip,
+                              global_token_count=global_token_count)
+
+
+LOSSES: dict[str, OPDLoss] = {}
+
+
+def register_loss(name: str, *, fn: Callable[..., tuple[torch.Tensor, dict[str, float]]],
+                  needs_teacher_topk: bool) -> Callable[[Objective], Objective]:
+    """Decorator: register an objective under ``name``, one of ``infra.config.OPD_LOSSES`` (the names
+    ``distill.loss`` accepts)."""
+    def register(objective: Objective) -> Objective:
+        if name not in OPD_LOSSES:
+            raise ValueError(f"OPD loss {name!r} is not in infra.config.OPD_LOSSES {list(OPD_LOSSES)}; add it there "
+                             "so that distill.loss accepts it")
+        if name in LOSSES:
+            raise ValueError(f"OPD loss {name!r} registered twice")
+        LOSSES[name] = OPDLoss(name, fn, objective, needs_teacher_topk)
+        return objective
+    return register
+
+
+@register_loss("sampled_rkl", fn=sampled_rkl_loss, needs_teacher_topk=False)
+def sampled_rkl_objective(x: OPDInputs, *, direction: str, beta: float, reward_coef: float, is_clip: float | None,
+                          global_token_count: float | torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """ℓ_t = −w_t·A_t·ρ_t with A_t = −(log π_s − log π_T)(y_t) + reward_coef·A^reward, w_t the truncated importance
+    ratio π_now/π_rollout (exact correction for samples from an older student). ``direction``, ``beta``: unused."""
+    return sampled_rkl_loss(x.logp, x.teacher_logp, x.mask, rollout_logp=x.rollout_logp, reward_adv=x.reward_adv,
+                            reward_coef=reward_coef, is_clip=is_clip, global_token_count=global_token_count)
+
+
+@register_loss("topk_kl", fn=topk_kl_loss, needs_teacher_topk=True)
+def topk_kl_objective(x: OPDInputs, *, direction: str, beta: float, reward_coef: float, is_clip: float | None,
+                      global_token_count: float | torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The teacher-top-k + tail-bucket divergence (direction, beta) at every response position, plus, if
+    reward_coef > 0, the importance-weighted policy-gradient term of the task reward alone (``sampled_rkl_loss``
+    with π_T := π_s, so its KL advantage is exactly 0). Metrics add the sampled-token ``reverse_kl`` and
+    ``is_weight_mean`` (and ``reward_pg_loss``)."""
+    total, metrics = topk_kl_loss(x.logits, x.topk_ids, x.topk_logp, x.mask, direction=direction, beta=beta,
+                                  global_token_count=global_token_count)
+    _, rkl_m = sampled_rkl_loss(x.logp.detach(), x.teacher_logp, x.mask, rollout_logp=x.rollout_logp,
+                                is_clip=is_clip)
+    metrics.update(reverse_kl=rkl_m["reverse_kl"], is_weight_mean=rkl_m["is_weight_mean"])
+    if reward_coef:
+        pg, pg_m = sampled_rkl_loss(x.logp, x.logp.detach(), x.mask, rollout_logp=x.rollout_logp,
+                                    reward_adv=x.reward_adv, reward_coef=reward_coef, is_clip=is_clip,
+                                    global_token_count=global_token_count)
+        total = total + pg
+        metrics.update(reward_pg_loss=pg_m["loss"], loss=float(total.detach()))
+    return total, metrics
+
+
+if set(LOSSES) != set(OPD_LOSSES):  # a name distill.loss accepts but nothing implements: fail at import, not mid-run
+    raise ImportError(f"student.losses: infra.config.OPD_LOSSES names {sorted(set(OPD_LOSSES) - set(LOSSES))} "
+                      "without a registered loss")
+
+
+def get_loss(name: str) -> OPDLoss:
+    """The OPD loss registered under ``name`` (see ``LOSSES``)."""
     if name not in LOSSES:
         raise ValueError(f"unknown OPD loss {name!r}; valid names are {sorted(LOSSES)}")
     return LOSSES[name]

@@ -146,9 +146,10 @@ def parse_version(weight_version: str | None, fallback: int) -> int:
 
 
 async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max_new_tokens: int, temperature: float,
-                       eos_id: int, expected_version: int) -> list[StudentSample]:
+                       eos_id: int, expected_version: int, sampling_seed: int | None = None) -> list[StudentSample]:
     """Sample one response per prompt in ONE /generate call. Each sample carries the version the server reports
     (it applies weight updates between requests, never inside one) and the rollout log-probs of its tokens.
+    `sampling_seed`: item i samples with seed `sampling_seed + i` (`EngineClient.generate`); None: the server's.
 
     EOS, when sampled, stays in `output_ids`: the student must learn to stop, and the teacher scores it too.
     """
@@ -156,7 +157,7 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
         return []
     gens = await client.generate([it.prompt_ids for it in items], max_new_tokens=max_new_tokens,
                                  temperature=temperature, stop_token_ids=[eos_id], return_logprob=True,
-                                 rid=[it.sample_id for it in items])
+                                 rid=[it.sample_id for it in items], sampling_seed=sampling_seed)
     return [StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, g.output_ids,
                           g.output_logprobs, parse_version(g.weight_version, expected_version), g.finish_reason)
             for it, g in zip(items, gens)]

@@ -12,6 +12,9 @@
 Batch k is trained at version k (the number of steps applied so far), so the gate bounds every sample's lag by
 `max_staleness`; the importance ratio π_now/π_rollout (truncated at `is_clip`) corrects the sampled-token losses of
 samples from an older student. With max_staleness = 0 the loop is synchronous and on-policy (ratio ≡ 1).
+`distill.deterministic`: batch k is sampled with seed `seed_for(seed, "distill-batch-k")` and always at version
+k − max_staleness (the push of version v + 1 waits until batch v + max_staleness is sampled), so a run does not
+depend on timing.
 
 Exactly-once: ids are `s{cursor}-{domain}`. A checkpoint commits together (one manifest): HF weights, DeepSpeed
 state (weights, optimizer, scheduler, RNG), and `trainer.json` with step, the cursor of the last committed batch, the
@@ -31,11 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from domains.evaluate import evaluate_model
+from infra.engine.client import seed_for
+from infra.ledger import Ledger
 from infra.storage import checkpoint_name, join, load_latest, prune, save_checkpoint
 from student.batch import collate, opd_loss
+from student.losses import get_loss
 from student.sampler import PromptStream, StudentSample, decode_response, domain_weights, sample_batch
 from student.scoring import TeacherScorer
-from teachers.april import AprilBuffer  # the exactly-once ledger (filter_untrained / mark_trained / state_dict)
 
 log = logging.getLogger("alloy.student")
 STATE_FILE = "trainer.json"
@@ -75,15 +80,18 @@ class DistillTrainer:
                  work_dir: str | Path, tracker, seed: int = 0, eval_max_new_tokens: int = 16,
                  eval_batch_size: int = 128, on_step=None):
         self.dc, self.backend, self.tok, self.policy, self.scorer = dc, backend, tokenizer, policy, scorer
+        self.loss = get_loss(dc.loss)  # the OPD loss, looked up once; it says what it needs (teacher top-k)
         self.domains, self.out_url, self.work_dir, self.tracker = domains, out_url, Path(work_dir), tracker
         self.seed, self.eval_max_new_tokens, self.eval_batch_size = seed, eval_max_new_tokens, eval_batch_size
         self.on_step = on_step  # called as on_step(trainer, metrics) after every committed step (tests, progress)
         self.eos, self.pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.state = TrainerState()
-        self.ledger = AprilBuffer(max_staleness=dc.max_staleness)
+        self.ledger = Ledger()  # the exactly-once ledger of trained ids
         self.stream = PromptStream(domains, tokenizer, dc.n_prompts_per_domain, seed)
         self.timing = {"sample_s": 0.0, "score_s": 0.0, "train_s": 0.0, "push_s": 0.0, "eval_s": 0.0, "ckpt_s": 0.0}
-        self._version_changed = asyncio.Condition()
+        self._version_changed = asyncio.Condition()  # also notified when a batch has been sampled
+        self._sampled = 0  # batches whose sampling returned (the producer's next index)
+        self._producer: asyncio.Task | None = None
         self._last_metrics: dict = {}
 
     # -- resume ---------------------------------------------------------------------------------------------------
@@ -101,7 +109,7 @@ class DistillTrainer:
         if self.state.stream:
             self.stream.load_state_dict(self.state.stream)
         log.info("student: resumed %s at step %d (cursor %d, %d trained ids)", url, self.state.step,
-                 self.state.cursor, len(self.ledger.state_dict()["ledger"]))
+                 self.state.cursor, self.ledger.n_trained)
         return str(local / "hf")
 
     # -- the loop -------------------------------------------------------------------------------------------------
@@ -111,7 +119,8 @@ class DistillTrainer:
         t0 = self._t_start = time.perf_counter()
         self._tokens_at_start = (self.state.sampled_tokens, self.state.scored_tokens)
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.dc.max_staleness + 1)
-        producer = asyncio.create_task(self._produce(queue))
+        self._sampled = self.state.step
+        producer = self._producer = asyncio.create_task(self._produce(queue))
         try:
             if self.state.step == 0 and self.dc.eval_every and not self.state.evals:
                 await self._evaluate()  # the start of the per-domain curves (overlaps the first sampling)
@@ -144,8 +153,13 @@ class DistillTrainer:
             t = time.perf_counter()
             samples = await sample_batch(self.policy.client, items, max_new_tokens=self.dc.max_new_tokens,
                                          temperature=self.dc.temperature, eos_id=self.eos,
-                                         expected_version=self.state.step)
+                                         expected_version=self.state.step,
+                                         sampling_seed=seed_for(self.seed, f"distill-batch-{k}")
+                                         if self.dc.deterministic else None)
             t_sample = time.perf_counter() - t
+            async with self._version_changed:
+                self._sampled = k + 1
+                self._version_changed.notify_all()
             for s in samples:
                 s.reward = self.domains[s.domain].verify(s.example, decode_response(self.tok, s.output_ids, self.eos))
             t = time.perf_counter()
@@ -166,6 +180,8 @@ class DistillTrainer:
             metrics = await asyncio.to_thread(self._update, fresh, version)
             self.timing["train_s"] += time.perf_counter() - t
             st.updates += 1
+        if self.dc.deterministic:  # batch version + max_staleness must still be sampled from these weights
+            await self._wait_sampled(min(version + self.dc.max_staleness, self.dc.steps - 1) + 1)
         t = time.perf_counter()
         await self.policy.push(self.backend, self.tok, version + 1)
         self.timing["push_s"] += time.perf_counter() - t
@@ -194,6 +210,24 @@ class DistillTrainer:
         if self.on_step is not None:
             self.on_step(self, metrics)
 
+    async def _wait_sampled(self, n: int) -> None:
+        """Until the producer has sampled `n` batches; re-raises its error if it stops first."""
+        if self._sampled >= n:
+            return
+
+        async def sampled() -> None:
+            async with self._version_changed:
+                await self._version_changed.wait_for(lambda: self._sampled >= n)
+
+        waiter = asyncio.ensure_future(sampled())
+        await asyncio.wait({waiter, self._producer}, return_when=asyncio.FIRST_COMPLETED)
+        if not waiter.done():
+            waiter.cancel()
+            if self._sampled >= n:
+                return
+            self._producer.result()  # re-raises the producer's error
+            raise RuntimeError(f"student: the sampler stopped before batch {n - 1} was sampled")
+
     def _step_metrics(self, batch: ScoredBatch, fresh: list, dropped: list, version: int) -> dict:
         rewards = [s.reward for s in batch.samples] or [0.0]
         lags = [version - s.version for s in batch.samples] or [0]
@@ -220,9 +254,9 @@ class DistillTrainer:
                               attention_mask=one.attention_mask.to(backend.device))
                 backend.step(out.logits.sum() * 0.0)
                 continue
-            mb = collate([samples[i] for i in idx], self.pad, version, with_topk=dc.loss == "topk_kl")
+            mb = collate([samples[i] for i in idx], self.pad, version, with_topk=self.loss.needs_teacher_topk)
             out = backend(input_ids=mb.input_ids.to(backend.device), attention_mask=mb.attention_mask.to(backend.device))
-            loss, m = opd_loss(out.logits, mb, loss=dc.loss, direction=dc.direction, beta=dc.beta,
+            loss, m = opd_loss(out.logits, mb, loss=self.loss, direction=dc.direction, beta=dc.beta,
                                reward_coef=dc.reward_coef, is_clip=dc.is_clip, global_token_count=norm)
             m.update(backend.step(loss))
             n = mb.num_tokens
@@ -284,10 +318,9 @@ class DistillTrainer:
                 "teacher_scored_tokens_per_s": (self.state.scored_tokens - c0) / wall if wall else 0.0}
 
     def summary(self) -> dict:
-        trained = self.ledger.state_dict()["ledger"]
         return {
             "steps": self.state.step, "updates": self.state.updates, "cursor": self.state.cursor,
-            "trained_samples": len(trained), "dropped": dict(self.state.dropped),
+            "trained_samples": self.ledger.n_trained, "dropped": dict(self.state.dropped),
             "duplicates_skipped": self.ledger.duplicates_skipped, "wall_s": self.wall_s, "timing_s": dict(self.timing),
             "sampled_tokens": self.state.sampled_tokens, "scored_tokens": self.state.scored_tokens,
             "throughput": self.throughput(), "teachers": self.scorer.totals(), "evals": list(self.state.evals),

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.config import AlloyConfig, ConfigError
+from domains.registry import load_domains
+from infra.config import AlloyConfig
 
 log = logging.getLogger("alloy")
 
@@ -23,21 +24,6 @@ class RunContext:
     domains: dict  # name → domains.base.Domain
     timings: dict = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
-
-
-def load_domains(cfg: AlloyConfig) -> dict:
-    """Instantiate every configured domain; a bad plugin fails with the config path that names it."""
-    from domains.registry import load_domain
-
-    out = {}
-    for i, d in enumerate(cfg.domains):
-        try:
-            out[d.name] = load_domain(d.name, impl=d.impl, difficulty=d.difficulty, params=dict(d.params))
-        except Exception as exc:  # DomainLoadError or anything a plugin raises
-            where = f"domains.{i}" + (".impl" if d.impl else ".name")
-            raise ConfigError(f"{where}: cannot load domain {d.name!r}"
-                              + (f" from plugin {d.impl!r}" if d.impl else "") + f": {exc}") from exc
-    return out
 
 
 class stage_timer:

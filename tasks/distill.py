@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
+from student.distill_main import WORKER as STUDENT_WORKER
 from tasks.context import RunContext, stage_timer
+from tasks.prefixes import student_prefix_of
 from tasks.worker_process import run_worker, worker_command
 
 log = logging.getLogger("alloy")
@@ -24,19 +25,16 @@ REGISTERED_NAME = "alloy-student"
 
 
 def student_prefix(ctx: RunContext) -> str:
-    """Storage prefix of this config's student: the fingerprint covers everything the student depends on."""
-    sections = [s for s in ("run", "model", "domains", "base", "specialists", "distill") if s in type(ctx.cfg).model_fields]
-    return join(ctx.storage_url, f"student-{ctx.cfg.fingerprint(*sections)[:10]}")
+    """Storage prefix of this config's student (tasks/prefixes.py)."""
+    return student_prefix_of(ctx.cfg, ctx.storage_url)
 
 
 def distill_command(ctx: RunContext, student_init: str, endpoints: dict[str, str], out_url: str, result: Path,
                     run_id: str | None) -> list[str]:
     """The trainer's argv (a `WorkerCommand`): secret overrides ride in its environment, never in argv."""
-    cmd = [sys.executable, "-m", "student.distill_main", "--config", ctx.config_path,
-           "--student-init", str(student_init),
-           "--teachers", json.dumps(endpoints), "--out", out_url, "--work-dir", str(ctx.work_dir / "distill"),
-           "--result", str(result)]
-    return worker_command(cmd + (["--mlflow-run-id", run_id] if run_id else []), ctx.overrides)
+    cmd = STUDENT_WORKER.argv(config=ctx.config_path, student_init=student_init, teachers=json.dumps(endpoints),
+                              out=out_url, work_dir=ctx.work_dir / "distill", result=result, mlflow_run_id=run_id)
+    return worker_command(cmd, ctx.overrides)
 
 
 @task(name="distill-student", cache_policy=NO_CACHE)

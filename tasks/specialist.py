@@ -1,6 +1,6 @@
 """Specialist stage task: one domain's PPO specialist in its own process, resumable, with a progress artifact.
 
-The specialist trains in `python -m teachers.specialist_main`, logging to the nested MLflow run
+The specialist trains in `python -m teachers.specialist_main` (its `WORKER`), logging to the nested MLflow run
 `specialist/<domain>`. Its checkpoints go under `<storage>/specialist-<domain>-<fingerprint>/`: a retried task (or a
 rerun of the same config) resumes from the newest complete `step-*`, and a complete `final/` is reused as is.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import sys
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -17,23 +16,23 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
 from tasks.context import RunContext
+from tasks.prefixes import specialist_prefix_of
 from tasks.worker_process import WorkerCommand, run_worker, worker_command
+from teachers.specialist_main import WORKER as SPECIALIST_WORKER
 
 log = logging.getLogger("alloy")
 
 
 def specialist_prefix(ctx: RunContext, domain: str) -> str:
-    """Storage prefix of `domain`'s specialist; the fingerprint covers everything the specialist depends on."""
-    fp = ctx.cfg.fingerprint("run", "model", "domains", "base", "specialists")[:10]
-    return join(ctx.storage_url, f"specialist-{domain}-{fp}")
+    """Storage prefix of `domain`'s specialist (tasks/prefixes.py)."""
+    return specialist_prefix_of(ctx.cfg, ctx.storage_url, domain)
 
 
 def specialist_command(ctx: RunContext, domain: str, base_dir: str, out_url: str, result, run_id) -> WorkerCommand:
     """The trainer's argv; secret overrides ride in its environment (`worker_command`), never in argv."""
-    cmd = [sys.executable, "-m", "teachers.specialist_main", "--config", ctx.config_path,
-           "--domain", domain, "--init", str(base_dir), "--out", out_url,
-           "--work-dir", str(ctx.work_dir / "specialists" / domain), "--result", str(result)]
-    return worker_command(cmd + (["--mlflow-run-id", run_id] if run_id else []), ctx.overrides)
+    cmd = SPECIALIST_WORKER.argv(config=ctx.config_path, domain=domain, init=base_dir, out=out_url,
+                                 work_dir=ctx.work_dir / "specialists" / domain, result=result, mlflow_run_id=run_id)
+    return worker_command(cmd, ctx.overrides)
 
 
 def _progress_artifact(domain: str):

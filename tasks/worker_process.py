@@ -2,8 +2,11 @@
 
 Trainers log lines like "<what> step 12/60: ..." ; `run_worker` tails the log, drives a progress bar and an
 optional callback (Prefect progress artifact), and raises with the log tail when the process fails. The child gets
-none of our rendezvous variables (a fresh process group) and dies with us (PDEATHSIG via the launcher's helper
-is not needed: we wait on it, and a cancelled task kills it in `finally`).
+none of our rendezvous variables (a fresh torch process group), leads its own session (one `killpg` reaches
+whatever it spawned; a terminal's Ctrl-C does not reach it directly), and dies with us: `PR_SET_PDEATHSIG`
+(infra/procs.py; `run_worker` forks from the thread that waits on the child, so the signal follows that wait), and
+a cancelled task or a stop request (the first Ctrl-C of `alloy run`, alloy/interrupt.py) SIGTERMs its group,
+SIGKILL after `STOP_GRACE_S`, and raises `infra.procs.Stopped`.
 
 Config overrides reach the child as `--set key=value` argv, except secrets: argv is world-readable (`ps`), so
 `worker_command` moves those into the child's environment (infra.config `secret_overrides_env`), where its
@@ -14,18 +17,19 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Callable
 
+from infra import procs
 from infra.config import secret_overrides_env, split_secret_overrides
 from infra.progress import progress
 
 log = logging.getLogger("alloy")
 
 RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+STOP_GRACE_S = 15.0  # a trainer's clean stop (servers down, MLflow run KILLED) fits well within it
 
 
 class WorkerCommand(list):
@@ -66,12 +70,18 @@ def run_worker(cmd: list[str], log_path: Path, steps: int, label: str, step_patt
     pattern = re.compile(step_pattern)
     log.info("%s: process log %s", label, log_path)
     last = -1
+    procs.raise_if_stopped(f"{label} not started")
     with open(log_path, "ab") as fh, progress(label, max(steps, 1)) as bar:
         start = fh.tell()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=procs.pdeathsig_preexec())
         try:
             while proc.poll() is None:
-                time.sleep(1.0)
+                if procs.stop_requested():
+                    log.warning("%s: stopping (pid %d)", label, proc.pid)
+                    code = procs.stop_group(proc, STOP_GRACE_S)
+                    raise procs.Stopped(f"{label} stopped on request (exit code {code}); log {log_path}")
+                time.sleep(0.5)
                 with open(log_path, "rb") as r:
                     r.seek(start)
                     hits = pattern.findall(r.read())
@@ -82,12 +92,9 @@ def run_worker(cmd: list[str], log_path: Path, steps: int, label: str, step_patt
                         on_step(last)
         finally:
             if proc.poll() is None:  # cancelled or interrupted: take the whole process group down
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                procs.stop_group(proc, STOP_GRACE_S)
+    if proc.returncode != 0 and procs.stop_requested():
+        raise procs.Stopped(f"{label} stopped on request (exit code {proc.returncode}); log {log_path}")
     if proc.returncode != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-40:]
         raise RuntimeError(f"{label} failed with exit code {proc.returncode}; last log lines ({log_path}):\n"

@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
 
+from infra.ledger import Ledger
+
 STATE_FORMAT = 1
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -183,8 +185,9 @@ def merge_continuation(partial: Partial, new_ids: list[int], new_logprobs: list[
                   merged.created_version)
 
 
-class AprilBuffer:
-    """Partial rollouts waiting to be resumed, plus the ledger of trained sample ids. Single event loop, no locks."""
+class AprilBuffer(Ledger):
+    """Partial rollouts waiting to be resumed, plus the ledger of trained sample ids (infra/ledger.py: `mark_trained`,
+    `was_trained`, `filter_untrained`). Single event loop, no locks."""
 
     def __init__(self, max_staleness: int):
         if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
@@ -192,7 +195,7 @@ class AprilBuffer:
         self.max_staleness = max_staleness
         self._partials: dict[str, tuple[int, Partial]] = {}  # sample_id → (insertion seq, partial)
         self._seq = 0
-        self._ledger: set[str] = set()
+        super().__init__()  # the ledger
         self.added = self.resumed = self.dropped_stale = self.duplicates_skipped = 0
 
     def __len__(self) -> int:
@@ -252,26 +255,13 @@ class AprilBuffer:
 
     # -- the ledger ----------------------------------------------------------------------------------------------
     def mark_trained(self, ids: Iterable[str]) -> None:
-        """Record sample ids as trained (call with the same commit as the weight update they went into)."""
+        """Record sample ids as trained (call with the same commit as the weight update they went into); an id that
+        is still a buffered partial is refused (exactly-once: one place per id)."""
+        ids = list(ids)
         for sid in ids:
             if sid in self._partials:
                 raise ValueError(f"AprilBuffer.mark_trained: {sid!r} is still a buffered partial")
-            self._ledger.add(sid)
-
-    def was_trained(self, sample_id: str) -> bool:
-        return sample_id in self._ledger
-
-    def filter_untrained(self, samples: Iterable[Sample]) -> list[Sample]:
-        """The samples whose id is neither in the ledger nor repeated earlier in this batch (counted if dropped)."""
-        seen: set[str] = set()
-        out = []
-        for s in samples:
-            if s.sample_id in self._ledger or s.sample_id in seen:
-                self.duplicates_skipped += 1
-                continue
-            seen.add(s.sample_id)
-            out.append(s)
-        return out
+        super().mark_trained(ids)
 
     # -- persistence ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

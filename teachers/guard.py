@@ -4,8 +4,8 @@
 
 A call no rule flags is allowed without asking the judge (cheap: most calls are `calc`). A flagged call goes to
 the judge, which decides intent: "is this an attempt to obtain the answer without solving the task?". YES blocks
-it, NO allows it. The env answers a blocked call with dummy output and the trajectory continues (DESIGN.md:
-aborting trajectories destabilises training).
+it, NO allows it. The env answers a blocked call with dummy output and the trajectory continues (docs/architecture.md,
+"Anti-hack guard": aborting trajectories destabilises training).
 
 Fallbacks (fail closed): with no judge configured, every flagged call is blocked (rule-only mode; logged once per
 guard). When the judge errs (connection refused, timeout, HTTP error, unparseable reply) after its retries, the

@@ -204,9 +204,10 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean
     """Reduce a per-token loss (B, T) to a scalar.
 
     - ``token_mean``: Σ_{b,t} mask·ℓ / N, N = Σ mask (or ``global_token_count``). Every token weighs the same, so a
-      long sub-trace counts more than a short one (DESIGN). With data parallelism, pass the number of valid tokens
-      over all ranks as ``global_token_count``: each rank's loss is then its share and the ranks' losses (and
-      gradients) sum to the single-rank loss. (The DP all-reduce averages gradients, so multiply by world size.)
+      long sub-trace counts more than a short one (docs/architecture.md, "Critic-based PPO"). With data
+      parallelism, pass the number of valid tokens over all ranks as ``global_token_count``: each rank's loss is
+      then its share and the ranks' losses (and gradients) sum to the single-rank loss. (The DP all-reduce
+      averages gradients, so multiply by world size.)
     - ``seq_mean_token_sum``: mean over rows of Σ_t mask·ℓ (rows without tokens count as 0).
     - ``seq_mean_token_mean``: mean over non-empty rows of (Σ_t mask·ℓ / Σ_t mask).
     """

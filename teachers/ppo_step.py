@@ -1,5 +1,5 @@
-"""One critic-based PPO update on a batch of finished samples (DESIGN "Critic-based PPO"). No HTTP, no config objects:
-the rollout side hands over `teachers.april.Sample`s and one terminal reward per sample.
+"""One critic-based PPO update on a batch of finished samples (docs/architecture.md, "Critic-based PPO").
+No HTTP, no config objects: the rollout side hands over `teachers.april.Sample`s and one terminal reward per sample.
 
 Alignment (every per-token tensor here is (B, T), T = longest prompt+output of the batch, rows right-padded):
 

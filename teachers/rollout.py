@@ -11,6 +11,10 @@ of turns — generate until EOS or a newline, run the tool call (guard first) in
 line as environment tokens (loss mask 0, log-prob 0), continue with the remaining budget. An abort stops the
 episode after its current call; what it produced so far comes back as a partial and resumes next step (the env is
 rebuilt from the example payload with the number of calls already made).
+
+With `deterministic=True` (config `specialists.deterministic_rollouts`) a step does not depend on timing: every
+generation call is seeded (`seed_for`), every request runs to the end of its episode, and `cut_by_tokens` decides
+which train and which go back as partials by token count instead of completion time.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from typing import Sequence
 
 from domains.base import Example
 from domains.tools import count_tool_calls, parse_tool_call
-from infra.engine.client import EngineClient
+from infra.engine.client import EngineClient, seed_for
 from teachers.april import AprilBuffer, Partial, Sample, collect_batch, merge_continuation, plan_requests
 
 log = logging.getLogger("alloy.specialist")
@@ -57,11 +61,15 @@ class PromptCursor:
 
 
 class Roller:
-    """Runs episodes against the policy's engine server. `guard`: a `teachers.guard.Guard` for tool domains."""
+    """Runs episodes against the policy's engine server. `guard`: a `teachers.guard.Guard` for tool domains.
+    `seed`: None lets the server draw the randomness (it depends on which requests share its batch); an int seeds
+    every call with `seed_for(seed, rid)` (rid: sample, policy version, turn), so an episode's tokens depend only
+    on the weights and its rid."""
 
     def __init__(self, client: EngineClient, domain, tokenizer, *, temperature: float, guard=None,
-                 env_kwargs: dict | None = None):
+                 env_kwargs: dict | None = None, seed: int | None = None):
         self.client, self.domain, self.tok, self.temperature, self.guard = client, domain, tokenizer, temperature, guard
+        self.seed = seed
         self.eos = tokenizer.eos_token_id
         self.newline = tokenizer("\n", add_special_tokens=False).input_ids[0]
         self.uses_tools = hasattr(domain, "env")
@@ -90,9 +98,11 @@ class Roller:
         try:
             turn = 0
             while budget > 0 and not self._aborting:
+                call = f"{rid}-{turn}"
+                seed = None if self.seed is None else seed_for(self.seed, call)
                 g = (await self.client.generate([p.input_ids + ep.output_ids], max_new_tokens=budget,
                                                 temperature=self.temperature, stop_token_ids=stops,
-                                                return_logprob=True, rid=f"{rid}-{turn}"))[0]
+                                                return_logprob=True, rid=call, sampling_seed=seed))[0]
                 turn += 1
                 ep.output_ids += g.output_ids
                 ep.output_logprobs += g.output_logprobs
@@ -119,11 +129,44 @@ class Roller:
                 env.close()
 
 
+def cut_by_tokens(episodes: list[Episode], batch_target: int) -> tuple[list[tuple[int, Episode]],
+                                                                         list[tuple[int, Episode]]]:
+    """APRIL's abort decided by token count: of complete episodes (request i → `episodes[i]`), the `batch_target`
+    with the fewest tokens (ties: lower index) finish, and so does any other no longer than the last of them (T
+    tokens); every longer one is cut to its first T tokens and returned as a partial (finish_reason "abort"), as a
+    lockstep engine that aborts when `batch_target` requests have finished would return it. A cut never ends
+    inside or right before environment tokens (loss mask 0): it moves back to the model token before the tool call's
+    closing newline, so the resumed episode writes that call again and the tool runs then. Both lists are in
+    index order. Returns `(finished, partials)` like `collect_batch`."""
+    if batch_target < 1:
+        raise ValueError(f"cut_by_tokens: batch_target must be >= 1, got {batch_target}")
+    bad = [i for i, ep in enumerate(episodes) if ep.finish_reason not in ("stop", "length")]
+    if bad:
+        raise ValueError(f"cut_by_tokens: episodes {bad[:5]} did not finish (finish_reason "
+                         f"{episodes[bad[0]].finish_reason!r}); the cut needs complete episodes")
+    if not episodes:
+        return [], []
+    order = sorted(range(len(episodes)), key=lambda i: (len(episodes[i].output_ids), i))
+    cut = len(episodes[order[min(batch_target, len(episodes)) - 1]].output_ids)
+    finished, partials = [], []
+    for i, ep in enumerate(episodes):
+        if len(ep.output_ids) <= cut:
+            finished.append((i, ep))
+            continue
+        n, mask = cut, ep.loss_mask
+        while n > 0 and (mask[n - 1] == 0 or mask[n] == 0):  # mask[n] exists: n ≤ cut < len(ep.output_ids)
+            n -= 1
+        partials.append((i, Episode(ep.output_ids[:n], ep.output_logprobs[:n], mask[:n], "abort")))
+    return finished, partials
+
+
 async def rollout_step(roller: Roller, buffer: AprilBuffer, cursor: PromptCursor, *, batch_size: int,
                        over_sampling: float, max_new_tokens: int, version: int,
-                       min_extra: int = 0) -> tuple[list[Sample], dict]:
+                       min_extra: int = 0, deterministic: bool = False) -> tuple[list[Sample], dict]:
     """One APRIL step: returns (finished samples, counters {requests, resumed, fresh, finished, partials,
-    dropped_stale}). Partials go back into `buffer`; finished samples are not yet checked against the ledger."""
+    dropped_stale}). Partials go back into `buffer`; finished samples are not yet checked against the ledger.
+    `deterministic`: no abort by the clock: every request runs to its end and `cut_by_tokens` splits them (give
+    the roller a seed too, or the server's sampling still depends on its batch)."""
     stale = buffer.drop_stale(version)
     n_resume, n_fresh = plan_requests(batch_size, over_sampling, len(buffer), min_extra)
     requests = buffer.take_resumable(version, n_resume) + cursor.take(n_fresh, max_new_tokens, version)
@@ -133,7 +176,12 @@ async def rollout_step(roller: Roller, buffer: AprilBuffer, cursor: PromptCursor
         return await roller.episode(requests[i], version, f"{requests[i].sample_id}-v{version}")
 
     try:
-        finished, aborted = await collect_batch(submit, roller.abort_all, batch_size, len(requests))
+        if deterministic:  # a batch target of every request: collect_batch never aborts, but still cleans up
+            done, cut_off = await collect_batch(submit, roller.abort_all, max(len(requests), 1), len(requests))
+            eps = dict(done + cut_off)  # an abort from elsewhere (cut_off) makes cut_by_tokens raise, naming it
+            finished, aborted = cut_by_tokens([eps[i] for i in range(len(requests))], batch_size)
+        else:
+            finished, aborted = await collect_batch(submit, roller.abort_all, batch_size, len(requests))
     except BaseException:
         for p in requests:  # nothing lost: the unchanged requests go back (fresh ones too, cursor already moved)
             if p.sample_id not in buffer and not buffer.was_trained(p.sample_id):

@@ -74,7 +74,7 @@ class SpecialistTrainer:
                  max_new_tokens: int, guard=None, ref_model=None, on_step=None):
         self.sc, self.domain, self.tok, self.policy, self.critic = sc, domain, tokenizer, policy, critic
         self.server, self.out_url, self.work_dir, self.tracker = server, out_url, Path(work_dir), tracker
-        self.max_new_tokens, self.guard, self.on_step = max_new_tokens, guard, on_step
+        self.max_new_tokens, self.guard, self.on_step, self.seed = max_new_tokens, guard, on_step, seed
         self.ref_model = ref_model  # frozen base policy for the KL penalty (kl_coef > 0), else None
         self.buffer = AprilBuffer(max_staleness=sc.max_staleness)
         self.cursor = PromptCursor(domain, tokenizer, sc.n_prompts, seed)
@@ -177,10 +177,12 @@ class SpecialistTrainer:
     async def train_step(self) -> dict:
         sc, version = self.sc, self.state.step
         t0 = time.perf_counter()
-        roller = Roller(self.server.client, self.domain, self.tok, temperature=sc.temperature, guard=self.guard)
+        det = sc.deterministic_rollouts  # seeded calls + the abort by token count: the same run under any load
+        roller = Roller(self.server.client, self.domain, self.tok, temperature=sc.temperature, guard=self.guard,
+                        seed=self.seed if det else None)
         samples, april = await rollout_step(roller, self.buffer, self.cursor, batch_size=sc.batch_size,
                                             over_sampling=sc.over_sampling, max_new_tokens=self.max_new_tokens,
-                                            version=version, min_extra=sc.min_extra_requests)
+                                            version=version, min_extra=sc.min_extra_requests, deterministic=det)
         rollout_s = time.perf_counter() - t0
         samples = self.buffer.filter_untrained(samples)
         errors0 = self.domain.verifier_errors

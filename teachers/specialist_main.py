@@ -9,12 +9,11 @@ domain's teacher). A rerun with the same `--out` resumes from the newest complet
 cursor and both optimizers included). The result JSON has the per-step history, guard and APRIL totals, the
 specialist's own eval score and the `final/` URL. The specialist (`final/`) is the policy of the best validation (`specialists.select: best`,
 teachers/selection.py) or the last one.
+The process around the recipe (flags, config, MLflow, torch.distributed, signals, the result file) is the
+trainer skeleton's, infra/worker.py; `WORKER` describes this entry point to the tasks that start it.
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
 import logging
 import os
 import shutil
@@ -22,13 +21,11 @@ import sys
 import zlib
 from pathlib import Path
 
-import torch
-
-from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed, shutdown_distributed
-from infra.engine.launcher import Supervisor
-from infra.models import load_model, load_tokenizer
-from infra.policy_server import PolicyServer
-from infra.storage import join, save_checkpoint
+from domains.registry import load_domains
+from infra.deepspeed_backend import DeepSpeedBackend
+from infra.models import load_model
+from infra.training import commit_final, fresh_final, serve_and_run, train_settings, trainable
+from infra.worker import Worker, WorkerRun, arg
 from teachers.critic import ValueModel
 from teachers.guard import Guard, LLMJudge
 from teachers.specialist import SpecialistTrainer
@@ -37,10 +34,8 @@ log = logging.getLogger("alloy.specialist")
 JUDGE_KEY_ENV = "ALLOY_JUDGE_API_KEY"
 
 
-def settings(t, steps: int, seed: int) -> TrainSettings:
-    return TrainSettings(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage,
-                         dtype=t.dtype, micro_batch_size=t.micro_batch_size, grad_accum=1,
-                         warmup_steps=t.warmup_steps, lr_schedule=t.lr_schedule, total_steps=max(steps, 1), seed=seed)
+def settings(t, steps: int, seed: int):
+    return train_settings(t, max(steps, 1), seed, grad_accum=1)  # one PPO minibatch = one optimizer step
 
 
 def make_guard(gc) -> Guard | None:
@@ -71,9 +66,7 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     sc, work = cfg.specialists.for_domain(domain.name), Path(work_dir)  # with specialists.per_domain merged in
     work.mkdir(parents=True, exist_ok=True)
     seed = cfg.run.seed
-    tok = load_tokenizer(init_dir)
-    init_distributed()
-    policy = DeepSpeedBackend(load_model(init_dir), settings(sc.policy_train, sc.steps, seed))
+    tok, policy = trainable(init_dir, settings(sc.policy_train, sc.steps, seed))
     critic = DeepSpeedBackend(ValueModel.from_pretrained(init_dir), settings(sc.critic_train, sc.steps, seed))
     ref = load_model(init_dir).eval() if sc.kl_coef else None
     guard = make_guard(sc.guard) if hasattr(domain, "env") else None
@@ -81,22 +74,11 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
                                 tracker=tracker, seed=seed, max_new_tokens=response_budget(cfg, domain), guard=guard,
                                 ref_model=ref, on_step=on_step)
     serve_dir = trainer.resume() or init_dir
-    with Supervisor(work / "logs", threads_per_server=cfg.engine.threads) as sup:
-        trainer.server = PolicyServer.for_engine(cfg.engine, sup, f"policy-{domain.name}", serve_dir, work / "server",
-                                                 version=trainer.state.step,
-                                                 seed=seed * 1009 + zlib.crc32(domain.name.encode()) % 100_003)
-
-        async def go() -> dict:
-            try:
-                return await trainer.run()
-            finally:
-                await trainer.server.aclose()
-                if guard is not None:
-                    await guard.aclose()
-
-        summary = asyncio.run(go())
-    final = work / "final"
-    shutil.rmtree(final, ignore_errors=True)
+    summary = serve_and_run(cfg.engine, work, f"policy-{domain.name}", serve_dir, version=trainer.state.step,
+                            seed=seed * 1009 + zlib.crc32(domain.name.encode()) % 100_003, server_dir="server",
+                            attach=lambda server: setattr(trainer, "server", server), loop=trainer.run,
+                            closers=[guard] if guard is not None else [])
+    final = fresh_final(work)
     best = summary["best_step"]
     use_best = sc.select == "best" and best is not None and best != trainer.state.step
     policy.eval_mode()
@@ -114,48 +96,31 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     summary["score"] = float(df.score.iloc[0])
     tracker.log_metrics({"eval/score": summary["score"], "eval/selected_step": summary["selected_step"]},
                         step=trainer.state.step)
-    summary["checkpoint"] = save_checkpoint(str(final), join(out_url, "final"), trainer.state.step,
-                                            meta={"stage": "specialist", "domain": domain.name,
-                                                  "score": summary["score"], "step": summary["selected_step"]})
+    summary["checkpoint"] = commit_final(final, out_url, trainer.state.step,
+                                         meta={"stage": "specialist", "domain": domain.name,
+                                               "score": summary["score"], "step": summary["selected_step"]})
     summary["specialist_dir"] = str(final)
     policy.close()
     critic.close()
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    from infra.config import load_config
-    from infra.tracking import NoopTracker, Tracker
-    from tasks.context import load_domains
+def _run(w: WorkerRun) -> dict:
+    domains = load_domains(w.cfg)
+    if w.args.domain not in domains:
+        raise SystemExit(f"--domain {w.args.domain!r} is not configured; configured: {sorted(domains)}")
+    return run_specialist(w.cfg, domains[w.args.domain], w.args.init, w.args.out, w.work_dir, w.tracker)
 
-    p = argparse.ArgumentParser(description="Alloy specialist: critic-based PPO with APRIL on one domain")
-    p.add_argument("--config", required=True)
-    p.add_argument("--set", action="append", default=[])
-    p.add_argument("--domain", required=True)
-    p.add_argument("--init", required=True, help="HF dir the policy starts from (the base checkpoint)")
-    p.add_argument("--out", required=True, help="storage URL prefix of this specialist's checkpoints")
-    p.add_argument("--work-dir", required=True)
-    p.add_argument("--result", default=None)
-    p.add_argument("--mlflow-run-id", default=None)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    cfg = load_config(args.config, args.set)
-    domains = load_domains(cfg)
-    if args.domain not in domains:
-        raise SystemExit(f"--domain {args.domain!r} is not configured; configured: {sorted(domains)}")
-    torch.set_num_threads(cfg.specialists.for_domain(args.domain).threads)
-    tracker = NoopTracker()
-    if args.mlflow_run_id and cfg.tracking.enabled:
-        tracker = Tracker(runs_root=cfg.run.root, experiment=cfg.tracking.experiment,
-                          uri=cfg.tracking.uri).resume(args.mlflow_run_id)
-    try:
-        summary = run_specialist(cfg, domains[args.domain], args.init, args.out, args.work_dir, tracker)
-    finally:
-        shutdown_distributed()
-    if args.result:
-        Path(args.result).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result).write_text(json.dumps(summary, indent=2, default=float))
-    return 0
+
+WORKER = Worker("teachers.specialist_main", "Alloy specialist: critic-based PPO with APRIL on one domain",
+                args=(arg("--domain", required=True),
+                      arg("--init", required=True, help="HF dir the policy starts from (the base checkpoint)"),
+                      arg("--out", required=True, help="storage URL prefix of this specialist's checkpoints")),
+                threads=lambda cfg, args: cfg.specialists.for_domain(args.domain).threads, work_subdir="specialist")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return WORKER.main(_run, argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The one engine client: async HTTP to an SGLang-protocol server (Alloy's embedded server or real SGLang).
 
 Every caller (rollouts, teacher scoring, evaluation, the launcher's health checks) goes through `EngineClient`, so
-there is one place that owns the HTTP session, timeouts, retries and response validation (STYLE.md principle 4).
+there is one place that owns the HTTP session, timeouts, retries and response validation.
 
 - One `aiohttp.ClientSession` per event loop, created lazily and reused by every request on that loop. A session
   is bound to the loop it was created on, so a client shared by threads with their own loops keeps one per loop.
@@ -11,7 +11,7 @@ there is one place that owns the HTTP session, timeouts, retries and response va
 - Responses are validated into typed arrays; a malformed or non-finite response raises `EngineResponseError`
   so the caller can drop that sample and count it instead of training on garbage.
 
-Protocol facts (DESIGN.md, "The engine protocol"): scoring sends `max_new_tokens=0, return_logprob=true,
+Protocol facts (docs/architecture.md, "The engine protocol"): scoring sends `max_new_tokens=0, return_logprob=true,
 logprob_start_len=s`; `input_token_logprobs` then has one entry per token s … n-1, where entry 0 is
 `[null, id, null]` in current SGLang (older releases filled it). We send `s = start - 1` so the entry for
 `input_ids[start]` (the first response token) is entry 1, and keep only the tail aligned to `input_ids[start:]`:
@@ -20,6 +20,7 @@ both conventions give the same tail. This is what slime does.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import os
@@ -182,6 +183,12 @@ def parse_score(obj: dict, input_ids: Sequence[int], start: int, top_k: int) -> 
     return ScoreResult(token_lp, topk_ids, topk_lp, meta.get("weight_version"))
 
 
+def seed_for(seed: int, key: str) -> int:
+    """A `sampling_seed` for the call named `key` in a run seeded with `seed`: a stable hash (not Python's
+    per-process `hash`), so a rerun with the same seed sends the same seeds."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}|{key}".encode(), digest_size=8).digest(), "big") % 2**63
+
+
 def expand_rids(rid: str | list[str] | None, n_prompts: int, n: int) -> list[str | None]:
     """Request ids of the n_prompts * n expanded requests (prompt-major). A str names the batch: prompt i gets
     `rid-i` (just `rid` for one prompt); sample j of a prompt gets a further `-j` when n > 1. None → no ids."""
@@ -294,12 +301,14 @@ class EngineClient:
     async def generate(self, input_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
                        ignore_eos: bool = False, return_logprob: bool = True, rid: str | list[str] | None = None,
-                       n: int = 1) -> list[Generation]:
+                       n: int = 1, sampling_seed: int | None = None) -> list[Generation]:
         """Sample completions for a batch of token prompts; returns len(input_ids) * n generations, prompt-major
         (all n samples of prompt 0, then prompt 1, ...). One HTTP call for the whole batch.
 
         n > 1 is sent as n copies of each prompt (rids suffixed `-j`): the ordering is then ours, not the server's,
         and SGLang's prefix cache still shares the prompt's KV.
+        `sampling_seed`: generation k of the call (prompt-major) samples from its own generator seeded with
+        `sampling_seed + k`, so its tokens do not depend on which other requests share the server's batch.
         """
         if not input_ids or not all(isinstance(p, list) and p for p in input_ids):
             raise ValueError("input_ids must be a non-empty list of non-empty token lists")
@@ -311,7 +320,11 @@ class EngineClient:
                                   "top_p": float(top_p), "top_k": int(top_k), "ignore_eos": bool(ignore_eos)}
         if stop_token_ids:
             params["stop_token_ids"] = [int(t) for t in stop_token_ids]
-        payload: dict[str, Any] = {"input_ids": prompts, "sampling_params": params, "return_logprob": bool(return_logprob)}
+        sampling: dict[str, Any] | list[dict[str, Any]] = params
+        if sampling_seed is not None:
+            sampling = [dict(params, sampling_seed=(int(sampling_seed) + k) % 2**63) for k in range(len(prompts))]
+        payload: dict[str, Any] = {"input_ids": prompts, "sampling_params": sampling,
+                                   "return_logprob": bool(return_logprob)}
         if all_rids[0] is not None:
             payload["rid"] = all_rids
         body = await self.request("POST", "/generate", payload)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
-import ctypes
 import dataclasses
 import logging
 import os
@@ -31,31 +30,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infra.procs import cancel_on_stop, log_tail, on_stop, pdeathsig_preexec
+from infra.engine.backends import BACKENDS, server_backend
 from infra.engine.client import API_KEY_ENV, EngineClient, run_sync
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# SGLang `ServerArgs` fields a GPU user typically sets (flag = "--" + name with "-"), from
-# sgl-project/sglang python/sglang/srt/server_args.py. Booleans are store_true flags.
-SGLANG_OPTIONS: dict[str, type] = {
-    "tokenizer_path": str, "skip_tokenizer_init": bool, "tp_size": int, "dp_size": int, "pp_size": int,
-    "mem_fraction_static": float, "context_length": int, "dtype": str, "trust_remote_code": bool,
-    "max_running_requests": int, "chunked_prefill_size": int, "max_total_tokens": int, "random_seed": int,
-    "served_model_name": str, "log_level": str, "quantization": str, "kv_cache_dtype": str,
-    "attention_backend": str, "base_gpu_id": int, "disable_cuda_graph": bool, "disable_radix_cache": bool,
-    "enable_deterministic_inference": bool,
-}
-
-
 @dataclass
 class ServerSpec:
-    """One server to run. `port=None` → a free port is picked. `options` (SGLang only) are `SGLANG_OPTIONS` keys;
-    `extra_args` are passed verbatim after them. `env` is added to the child's environment."""
+    """One server to run. `port=None` → a free port is picked. `backend` names a `BACKENDS` entry; `options` are
+    keys of that backend's options (infra.engine.backends); `extra_args` are passed verbatim after
+    them. `env` is added to the child's environment."""
 
     name: str
     model_path: str
-    backend: str = "embedded"  # "embedded" | "sglang"
+    backend: str = "embedded"  # a name in infra.engine.backends.BACKENDS
     host: str = "127.0.0.1"
     port: int | None = None
     api_key: str | None = None
@@ -68,48 +58,34 @@ class ServerSpec:
 def launch_settings(engine_cfg) -> dict[str, Any]:
     """`ServerSpec` fields (backend, options, extra_args) for a server launched under `engine_cfg` (an
     `infra.config.EngineConfig`): SGLang gets `sglang_args` as options, both get `max_running_requests`."""
-    n = engine_cfg.max_running_requests
-    if engine_cfg.backend == "sglang":
-        options = dict(engine_cfg.sglang_args)
-        if n:
-            options.setdefault("max_running_requests", n)
-        return {"backend": "sglang", "options": options, "extra_args": []}
-    return {"backend": engine_cfg.backend, "options": {}, "extra_args": ["--max-batch", str(n)] if n else []}
+    backend = server_backend(engine_cfg.backend)
+    options = dict(engine_cfg.sglang_args) if backend.takes_sglang_args else {}
+    if engine_cfg.max_running_requests:
+        options.setdefault("max_running_requests", engine_cfg.max_running_requests)
+    return {"backend": backend.name, "options": options, "extra_args": []}
 
 
 def sglang_option_args(options: dict[str, Any]) -> list[str]:
     """{"tp_size": 2, "trust_remote_code": True} → ["--tp-size", "2", "--trust-remote-code"]; unknown keys raise."""
-    args: list[str] = []
-    for key, value in options.items():
-        if key not in SGLANG_OPTIONS:
-            raise ValueError(f"unknown SGLang option {key!r}; known: {sorted(SGLANG_OPTIONS)} (use extra_args for others)")
-        flag = "--" + key.replace("_", "-")
-        if SGLANG_OPTIONS[key] is bool:
-            if value:
-                args.append(flag)
-        elif value is not None:
-            args += [flag, str(SGLANG_OPTIONS[key](value))]
-    return args
+    return BACKENDS["sglang"].option_args(options)
 
 
 def build_command(spec: ServerSpec, port: int) -> list[str]:
     """The argv that starts `spec` on `port` (pure)."""
-    if spec.backend == "embedded":
-        if spec.options:
-            raise ValueError(f"server {spec.name!r}: `options` are SGLang flags; the embedded backend takes none")
-        cmd = [sys.executable, "-m", "infra.engine.server", "--model", str(spec.model_path),
-               "--port", str(port), "--host", spec.host]
-    elif spec.backend == "sglang":
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(spec.model_path),
-               "--port", str(port), "--host", spec.host]
-    else:
-        raise ValueError(f"server {spec.name!r}: backend must be 'embedded' or 'sglang', got {spec.backend!r}")
-    if spec.api_key and spec.backend == "sglang":  # SGLang reads it from argv only; ours from the env (not in `ps`)
+    try:
+        backend = server_backend(spec.backend)
+    except ValueError as e:
+        raise ValueError(f"server {spec.name!r}: {e}") from None
+    cmd = [sys.executable, "-m", backend.module, backend.model_flag, str(spec.model_path),
+           "--port", str(port), "--host", spec.host]
+    if spec.api_key and backend.api_key_in_argv:  # SGLang reads it from argv only; ours from the env (not in `ps`)
         cmd += ["--api-key", spec.api_key]
     if spec.weight_version is not None:
         cmd += ["--weight-version", str(spec.weight_version)]
-    if spec.backend == "sglang":
-        cmd += sglang_option_args(spec.options)
+    try:
+        cmd += backend.option_args(spec.options)
+    except ValueError as e:
+        raise ValueError(f"server {spec.name!r}: {e}") from None
     return cmd + [str(a) for a in spec.extra_args]
 
 
@@ -141,29 +117,6 @@ def url_for(host: str, port: int) -> str:
     h = connect_host(host).strip("[]")
     h = f"[{h}]" if ":" in h else h
     return f"http://{h}:{port}"
-
-
-def log_tail(path: Path, n_lines: int = 30) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - 16384))
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-n_lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _pdeathsig_preexec(parent_pid: int):
-    """preexec_fn: ask the kernel to SIGKILL the child when its parent (thread) dies; exit if it already died."""
-    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-    prctl = libc.prctl if libc is not None else None  # resolved before fork: no dlsym in the child
-
-    def preexec():
-        if prctl is not None:
-            prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent_pid:  # parent died between fork and prctl
-            os._exit(1)
-
-    return preexec
 
 
 @dataclass
@@ -241,6 +194,8 @@ class Supervisor:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 if signal.getsignal(sig) is not signal.SIG_IGN:  # an ignored signal stays ignored (e.g. `cmd &`)
                     self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
+        self._stop_token = 0
+        self._stop_token = on_stop(self.stop)  # a stop request (Ctrl-C of `alloy run`) stops the servers too
 
     # -- public API ---------------------------------------------------------------------------------------------
     def start(self, specs: list[ServerSpec]) -> dict[str, str]:
@@ -323,6 +278,7 @@ class Supervisor:
             except ValueError:  # not in the main thread any more
                 pass
         atexit.unregister(self.stop)
+        cancel_on_stop(self._stop_token)
 
     def __enter__(self) -> "Supervisor":
         return self
@@ -340,7 +296,8 @@ class Supervisor:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        if spec.backend == "embedded":
+        backend = server_backend(spec.backend)
+        if backend.cpu:
             env["DS_ACCELERATOR"] = "cpu"
             if self.threads_per_server:
                 # Many CPU servers on 2 cores: one intra-op thread each (torch reads OMP_NUM_THREADS at start),
@@ -348,7 +305,7 @@ class Supervisor:
                 n = str(self.threads_per_server)
                 env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n)
         env.update({k: str(v) for k, v in spec.env.items()})
-        if spec.backend == "embedded" and spec.api_key:  # the key travels in the environment, not in argv (`ps`)
+        if spec.api_key and not backend.api_key_in_argv:  # the key travels in the environment, not in argv (`ps`)
             env[API_KEY_ENV] = spec.api_key
         return env
 
@@ -360,7 +317,7 @@ class Supervisor:
             logf.flush()
             popen = lambda: subprocess.Popen(  # noqa: E731
                 cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT),
-                start_new_session=True, preexec_fn=_pdeathsig_preexec(os.getpid()))
+                start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
             srv.proc = self._spawner.run(popen)
         log.info("started %s (pid %d) on %s, log %s", srv.spec.name, srv.proc.pid, srv.url, srv.log_path)
 

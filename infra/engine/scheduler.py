@@ -4,8 +4,8 @@ Loop (one iteration, `Engine._step`):
   1. take new sequences, aborts and weight-update jobs from thread-safe inboxes;
   2. **scoring** (max_new_tokens = 0): every waiting scoring sequence (up to a padded-token budget) in ONE
      forward, no KV cache; prompt log-probs read off the logits; done;
-  3. **prefill**: waiting generation sequences (up to `max_batch` running and `max_total_tokens` reserved) in one
-     forward (Llama/Qwen2: `FusedDecoder.prefill`, packed, so padding costs no projection or MLP work) that fills
+  3. **prefill**: waiting generation sequences (up to `max_running_requests` running and `max_total_tokens`
+     reserved) in one forward (Llama/Qwen2: `FusedDecoder.prefill`, packed, so padding costs no projection or MLP work) that fills
      one fresh left-padded KV cache per width class of the prompts; their first token is sampled; survivors join
      the running batch (`running.RunningBatch`: segments of similar width, each with its own cache; new rows
      merge into the segment of their width, in one copy that also drops its finished rows, or start one);
@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from infra.engine.backends import MAX_RUNNING_REQUESTS
 from infra.engine.batching import prefill_group, width_segments
 from infra.engine.decode import FusedDecoder
 from infra.engine.kv_cache import BatchKVCache
@@ -75,11 +76,12 @@ class Engine:
     """Owns the model and the scheduler thread. Thread-safe API: `start`, `stop`, `submit`, `abort`,
     `update_weights`; read-only properties once `ready` is set."""
 
-    def __init__(self, model_dir: str, *, max_batch: int = 256, max_total_tokens: int = 65536,
-                 max_prefill_tokens: int = 16384, threads: int | None = None, weight_version: str = "default",
+    def __init__(self, model_dir: str, *, max_running_requests: int = MAX_RUNNING_REQUESTS,
+                 max_total_tokens: int = 65536, max_prefill_tokens: int = 16384, threads: int | None = None, weight_version: str = "default",
                  seed: int = 0, max_segments: int = 4):
         self.model_path = self.tokenizer_path = str(model_dir)
-        self.max_batch, self.max_total_tokens, self.max_prefill_tokens = max_batch, max_total_tokens, max_prefill_tokens
+        self.max_running_requests = max_running_requests
+        self.max_total_tokens, self.max_prefill_tokens = max_total_tokens, max_prefill_tokens
         self.threads = threads
         self.weight_version = weight_version
         self.ready = threading.Event()
@@ -170,8 +172,9 @@ class Engine:
             log.exception("failed to load model from %s", self.model_path)
             return
         self.ready.set()
-        log.info("engine ready: model %s, vocab %d, context %d, max_batch %d, torch threads %d",
-                 self.model_path, self.vocab_size, self.context_len, self.max_batch, torch.get_num_threads())
+        log.info("engine ready: model %s, vocab %d, context %d, max_running_requests %d, torch threads %d",
+                 self.model_path, self.vocab_size, self.context_len, self.max_running_requests,
+                 torch.get_num_threads())
         with torch.inference_mode():
             while not self._stopping:
                 try:
@@ -383,15 +386,15 @@ class Engine:
         batch: one new segment (its own KV cache) per width class of the group (`batching.width_segments`), each
         joining the running segment of its width or starting one (`RunningBatch.add`).
 
-        Admission is FIFO (serial order, `max_batch` rows, `max_total_tokens` reserved). Llama/Qwen2 (the packed
-        `FusedDecoder.prefill`, where padding costs nothing): all the admitted, shortest first, up to
+        Admission is FIFO (serial order, `max_running_requests` rows, `max_total_tokens` reserved). Llama/Qwen2 (the
+        packed `FusedDecoder.prefill`, where padding costs nothing): all the admitted, shortest first, up to
         `max_prefill_tokens` real tokens. Other models (a left-padded HF forward): the shortest ones of similar
         length (`batching.prefill_group`), so a long resumed partial never pads a group of short prompts to its
         length; the rest wait for the next step."""
         cand: list[Seq] = []
         reserved = self._reserved
         live = self._batch.live
-        while self._wait_gen and self._wait_gen[0].serial < limit and live + len(cand) < self.max_batch:
+        while self._wait_gen and self._wait_gen[0].serial < limit and live + len(cand) < self.max_running_requests:
             s = self._wait_gen[0]
             need = len(s.spec.input_ids) + s.spec.sampling.max_new_tokens
             if (self._batch or cand) and reserved + need > self.max_total_tokens:

@@ -1,9 +1,9 @@
 """Alloy's embedded engine server: the SGLang native HTTP API (subset) over a HF causal LM on CPU.
 
-    python -m infra.engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-batch 256]
+    python -m infra.engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-running-requests 256]
         [--max-total-tokens N] [--log-level info] [--weight-version V] [--threads T]
 
-Endpoints (DESIGN.md, "The engine protocol"): POST /generate, GET /health, GET /health_generate,
+Endpoints (docs/architecture.md, "The engine protocol"): POST /generate, GET /health, GET /health_generate,
 GET /get_model_info, GET /get_server_info, POST /update_weights_from_disk, POST /abort_request, POST /flush_cache.
 The port is bound at once; /health and /health_generate answer 503 until the model is loaded (then 200), and
 /generate answers 503 meanwhile (clients retry 503). If the model fails to load, the process exits with status 1
@@ -12,13 +12,21 @@ The port is bound at once; /health and /health_generate answer 503 until the mod
 Auth as in SGLang (`srt/utils/auth.py`): with `--api-key`, every path requires `Authorization: Bearer KEY`
 (or `x-api-key: KEY`) except paths starting with /health, /ready, /metrics (probes carry no secrets); a miss is
 HTTP 401 with SGLang's body `{"error": "Unauthorized"}`. Every other error is `{"error": {"message": ...}}` with a
-4xx status that names the bad field; a body over `--max-body-mb` is 413. Continuous batching lives in
-`infra.engine.scheduler`; request validation and response shapes in `infra.engine.protocol`.
+4xx status that names the bad field. Continuous batching lives in `infra.engine.scheduler`; request validation
+and response shapes in `infra.engine.protocol`.
+
+Hardening: a body over the limit (`--max-body-mb`, by default derived from --max-total-tokens, see
+`body_limit_bytes`) is 413. A client gets `--read-timeout-s` (30 s) to send a request's headers, counted from the
+connection's start or the end of its previous response (aiohttp's `keepalive_timeout`: a connection whose next
+request is not complete by then is closed), and again as long for its body (408, then the connection is closed);
+the response itself (a long /generate) has no time limit. Header lines over 8190 bytes or over 128 headers are
+400 (aiohttp's defaults). Bound to a non-loopback address without an API key, the server logs a WARNING.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -32,6 +40,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from infra.engine.backends import MAX_RUNNING_REQUESTS
 from infra.engine.client import API_KEY_ENV
 from infra.engine.protocol import Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output, parse_generate
 from infra.engine.scheduler import Engine, Seq
@@ -43,12 +52,36 @@ TOKEN_TEXT = web.AppKey("token_text", dict)
 WAKEUPS = web.AppKey("wakeups", dict)
 LIMITS = web.AppKey("limits", dict)
 HEALTH_CHECK_TIMEOUT_S = 20.0
-# max_batch: running sequences; admission is bounded by max_total_tokens (reserved prompt + max_new_tokens) anyway.
-# 256 is vLLM's max_num_seqs default (SGLang sizes it as max_total_tokens // 2). At 64 a rollout step of the
-# pipeline's default (B = 64 at 1.25x over-sampling: 80 requests) queued 16 requests, each joining the batch later
-# through its own prefill and cache merge (bench/april.py at B = 64: 0.92x sync at 64, ~1.3x at 256).
-DEFAULTS = dict(max_batch=256, max_total_tokens=65536, max_prefill_tokens=16384, threads=None,
-                weight_version="default", seed=0, max_body_mb=64.0, max_seqs=4096)
+# max_running_requests: running sequences (default and its rationale in infra.engine.backends); admission is
+# bounded by max_total_tokens (reserved prompt + max_new_tokens) anyway.
+DEFAULTS = dict(max_running_requests=MAX_RUNNING_REQUESTS, max_total_tokens=65536, max_prefill_tokens=16384,
+                threads=None, weight_version="default", seed=0, max_body_mb=None, max_seqs=4096, read_timeout_s=30.0)
+# The body limit follows from what `protocol.parse_generate` accepts at all: a request over max_total_tokens tokens
+# (prompts + max_new_tokens) or over max_seqs sequences is refused whatever its size, so the largest legitimate body
+# is a scoring batch (max_new_tokens = 0) of max_total_tokens input ids split into max_seqs sequences. As JSON a
+# token id takes at most 8 bytes ("151935, ": ids under 10^6); 16 bytes a token also covers a `text` prompt (about
+# 2-3 JSON-escaped characters a token). Each sequence adds its rid (~45 bytes), a per-item sampling_params object
+# (~250 bytes with stop_token_ids) and its logprob_start_len / top_logprobs_num (~20): 1 KiB. 1 MiB more for the
+# top-level fields (a shared token_ids_logprob list of ~100k ids). The control endpoints' bodies are a few hundred
+# bytes. Defaults (65536 tokens, 4096 seqs): 1 MiB + 4 MiB + 1 MiB = 6 MiB.
+BODY_BYTES_PER_TOKEN, BODY_BYTES_PER_SEQ, BODY_BYTES_FIXED = 16, 1024, 2**20
+
+
+def body_limit_bytes(max_total_tokens: int, max_seqs: int) -> int:
+    """The largest request body the server reads (see the derivation above); larger ones get HTTP 413."""
+    return max_total_tokens * BODY_BYTES_PER_TOKEN + max_seqs * BODY_BYTES_PER_SEQ + BODY_BYTES_FIXED
+
+
+def is_loopback(host: str) -> bool:
+    """True for a bind address only this machine can reach (127.0.0.0/8, ::1, "localhost"); wildcard binds
+    (0.0.0.0, ::, "") and host names are not."""
+    h = host.strip().strip("[]")
+    if h.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
@@ -62,12 +95,20 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except ProtocolError as e:
         log.debug("%s %s -> %d: %s", request.method, request.path, e.status, e.message)
-        return _error(e.status, e.message)
+        resp = _error(e.status, e.message)
+        if e.status == 408:  # a stalled body: answer, then drop the connection now (no lingering read of the rest)
+            resp.force_close()
+            await resp.prepare(request)
+            await resp.write_eof()
+            request.protocol.force_close()
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
         allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        return _error(e.status, e.reason if e.status != 413 else f"request body too large: {e.text}", allow)
+        if e.status == 413:
+            return _error(413, f"request body too large: {e.text} (the server's limit, --max-body-mb)")
+        return _error(e.status, e.reason, allow)
     except asyncio.CancelledError:
         raise
     except Exception:  # noqa: BLE001 - logged with traceback; the client gets a 500, the server lives on
@@ -99,7 +140,17 @@ def _dumps(obj: Any) -> str:
 
 
 async def _json_body(request: web.Request, allow_empty: bool = False) -> Any:
-    raw = await request.read()  # raises 413 over client_max_size
+    limit, timeout = request.app[LIMITS]["body_limit"], request.app[LIMITS]["read_timeout_s"]
+    if request.content_length is not None and request.content_length > limit:  # refuse before reading any of it
+        raise ProtocolError(f"request body too large: {request.content_length} bytes, over the server's limit of "
+                            f"{limit} bytes (--max-body-mb)", status=413)
+    try:
+        async with asyncio.timeout(timeout):
+            raw = await request.read()  # raises 413 over client_max_size (a chunked body has no Content-Length)
+    except TimeoutError:
+        log.warning("%s %s from %s: body not received within %.0f s; closing the connection", request.method,
+                    request.path, request.remote, timeout)
+        raise ProtocolError(f"request body not received within {timeout:g} s (--read-timeout-s)", status=408) from None
     if not raw.strip() and allow_empty:
         return {}
     try:
@@ -275,7 +326,7 @@ async def get_server_info(request: web.Request) -> web.Response:
     engine = _engine_ready(request)
     return web.json_response({
         "model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path, "weight_version": engine.weight_version,
-        "max_running_requests": engine.max_batch, "max_total_tokens": engine.max_total_tokens,
+        "max_running_requests": engine.max_running_requests, "max_total_tokens": engine.max_total_tokens,
         "context_length": engine.context_len, "vocab_size": engine.vocab_size, "version": "alloy-embedded",
         "decode_steps": engine.steps, "decode_rows": engine.decode_rows, "bucketed_decode_steps": engine.bucketed_steps,
         "decode_segments": engine.decode_segments, "decode_holes": engine.decode_holes,
@@ -331,17 +382,20 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 # -- app ------------------------------------------------------------------------------------------------------------
 def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Application:
-    """The aiohttp app. `limits`: max_batch, max_total_tokens, max_prefill_tokens, threads, weight_version, seed,
-    max_body_mb, max_seqs (defaults in DEFAULTS). The engine thread starts (and loads the model) on app startup."""
+    """The aiohttp app. `limits`: max_running_requests, max_total_tokens, max_prefill_tokens, threads,
+    weight_version, seed, max_body_mb, max_seqs (defaults in DEFAULTS). The engine thread starts (and loads the
+    model) on app startup."""
     unknown = set(limits) - set(DEFAULTS)
     if unknown:
         raise TypeError(f"build_app got unknown limits {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     cfg = {**DEFAULTS, **{k: v for k, v in limits.items() if v is not None}}
-    engine = Engine(str(model_dir), max_batch=cfg["max_batch"], max_total_tokens=cfg["max_total_tokens"],
-                    max_prefill_tokens=cfg["max_prefill_tokens"], threads=cfg["threads"],
-                    weight_version=cfg["weight_version"], seed=cfg["seed"])
+    cfg["body_limit"] = (int(cfg["max_body_mb"] * 2**20) if cfg["max_body_mb"] is not None
+                         else body_limit_bytes(cfg["max_total_tokens"], cfg["max_seqs"]))
+    engine = Engine(str(model_dir), max_running_requests=cfg["max_running_requests"],
+                    max_total_tokens=cfg["max_total_tokens"], max_prefill_tokens=cfg["max_prefill_tokens"],
+                    threads=cfg["threads"], weight_version=cfg["weight_version"], seed=cfg["seed"])
     middlewares = [_errors] + ([_auth_middleware(api_key)] if api_key else [])
-    app = web.Application(client_max_size=int(cfg["max_body_mb"] * 2**20), middlewares=middlewares)
+    app = web.Application(client_max_size=cfg["body_limit"], middlewares=middlewares)
     app[ENGINE] = engine
     app[TOKEN_TEXT] = {}
     app[WAKEUPS] = {}
@@ -382,14 +436,16 @@ def _default_threads() -> int:
     return int(env) if env.isdigit() and int(env) > 0 else max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m infra.engine.server", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str = "python -m infra.engine.server") -> None:
+    """Run the server; `prog` is the name its --help and errors use (`alloy serve` from the CLI)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="local HF causal LM dir (weights + tokenizer)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (except /health*); default: "
                    "the ALLOY_ENGINE_API_KEY environment variable (keeps the key out of `ps`)")
-    p.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"], help="max running sequences")
+    p.add_argument("--max-running-requests", type=int, default=DEFAULTS["max_running_requests"],
+                   help="sequences decoded at once (the rest queue)")
     p.add_argument("--max-total-tokens", type=int, default=DEFAULTS["max_total_tokens"],
                    help="token budget (prompt + max_new_tokens) of the running batch; also the per-request cap")
     p.add_argument("--max-prefill-tokens", type=int, default=DEFAULTS["max_prefill_tokens"],
@@ -397,17 +453,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default $OMP_NUM_THREADS, else cores - 1, at most 4)")
     p.add_argument("--weight-version", default=DEFAULTS["weight_version"])
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
-    p.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_mb"], help="larger bodies get HTTP 413")
+    p.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_mb"],
+                   help="larger request bodies get HTTP 413; default: the largest request the protocol accepts, "
+                        f"--max-total-tokens x {BODY_BYTES_PER_TOKEN} B (a token id as JSON, or text) + 4096 "
+                        f"sequences x {BODY_BYTES_PER_SEQ} B (rid, sampling_params) + 1 MiB "
+                        f"(6 MiB at the default --max-total-tokens)")
+    p.add_argument("--read-timeout-s", type=float, default=DEFAULTS["read_timeout_s"],
+                   help="seconds a client gets to send a request's headers (from connect or its previous response) "
+                        "and again for its body; a stalled request is dropped (the response time is not limited)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.max_batch < 1 or args.max_total_tokens < 2 or args.max_prefill_tokens < 1:
-        p.error("--max-batch, --max-total-tokens and --max-prefill-tokens must be positive")
+    if args.max_running_requests < 1 or args.max_total_tokens < 2 or args.max_prefill_tokens < 1:
+        p.error("--max-running-requests, --max-total-tokens and --max-prefill-tokens must be positive")
+    if not args.read_timeout_s > 0 or (args.max_body_mb is not None and not args.max_body_mb > 0):
+        p.error("--read-timeout-s and --max-body-mb must be positive")
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(args.model, api_key=args.api_key, max_batch=args.max_batch,
+    app = build_app(args.model, api_key=args.api_key, max_running_requests=args.max_running_requests,
                     max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
                     threads=args.threads or _default_threads(), weight_version=args.weight_version, seed=args.seed,
-                    max_body_mb=args.max_body_mb)
+                    max_body_mb=args.max_body_mb, read_timeout_s=args.read_timeout_s)
     engine = app[ENGINE]
     watchers: list[asyncio.Task] = []
 
@@ -428,12 +493,20 @@ def main(argv: list[str] | None = None) -> None:
         watchers.append(asyncio.create_task(watch()))  # keep a reference: the loop holds tasks only weakly
 
     app.on_startup.append(exit_on_load_failure)
-    log.info("alloy engine server on http://%s:%d (model %s, api key %s)", args.host, args.port, args.model,
-             "on" if args.api_key else "off")
+    log.info("alloy engine server on http://%s:%d (model %s, api key %s, body limit %d bytes, read timeout %g s)",
+             args.host, args.port, args.model, "on" if args.api_key else "off", app[LIMITS]["body_limit"],
+             args.read_timeout_s)
+    if not args.api_key and not is_loopback(args.host):
+        log.warning("listening on %s:%d, which is not a loopback address, WITHOUT an API key: anyone who can reach "
+                    "it can generate, abort requests and load weights from any path (/update_weights_from_disk). "
+                    "Set --api-key or %s (engine.api_key in the pipeline config), or bind --host 127.0.0.1",
+                    args.host, args.port, API_KEY_ENV)
     # run_app turns SIGTERM/SIGINT into a graceful shutdown: on_shutdown aborts in-flight requests (they return
     # their partial output), on_cleanup joins the engine thread.
+    # keepalive_timeout is aiohttp's only header deadline: it closes a connection whose next request has not fully
+    # arrived that long after the connection opened or its last response ended (an idle one, or half-sent headers)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=5.0,
-                handle_signals=True)
+                handle_signals=True, keepalive_timeout=args.read_timeout_s)
     if engine.load_error is not None:
         sys.exit(1)
     log.info("server stopped")

@@ -1,10 +1,12 @@
 """A real browser on the real UIs: headless Chromium (Debian's `chromium` + `chromium-driver`, through selenium)
 opens the Prefect UI page of the smoke deployment's flow run and the MLflow page of its parent run, and checks
 that the run's name, state and metrics are rendered (both UIs are single-page apps: we wait for the JS-rendered
-text, not the HTML). Screenshots go to docs/img/ (the README shows them)."""
+text, not the HTML). Screenshots go to a temporary folder, so a test run leaves the tree clean; `make screenshots`
+sets ALLOY_SCREENSHOTS_DIR=docs/img to refresh the README's images (a relative path is from the repository)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,8 +17,16 @@ from e2e_helpers import ROOT, api_get
 pytestmark = pytest.mark.e2e
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver")
-IMG = ROOT / "docs" / "img"
 TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    """Where screenshots go: $ALLOY_SCREENSHOTS_DIR (relative to the repository) if set, else a temp folder."""
+    target = os.environ.get("ALLOY_SCREENSHOTS_DIR")
+    img = ROOT / target if target else tmp_path_factory.mktemp("screenshots")
+    img.mkdir(parents=True, exist_ok=True)
+    return img
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +67,21 @@ def wait_for_text(driver, *texts: str) -> str:
     return body
 
 
-def test_prefect_ui_shows_the_flow_run(browser, stack, smoke_run):
+def test_prefect_ui_shows_the_flow_run(browser, stack, smoke_run, shots):
     fr = smoke_run["flow_run"]
     browser.get(f"{stack['urls']['prefect_ui']}/runs/flow-run/{fr['id']}")
     # the header (name, state, flow, deployment, pool), then the logs, which the page fetches after it renders
     wait_for_text(browser, fr["name"], "Completed", "alloy-pipeline", "smoke", "alloy-local",
                   "Finished in state Completed()")
     assert fr["name"] in browser.title
-    IMG.mkdir(parents=True, exist_ok=True)
-    assert browser.save_screenshot(str(IMG / "prefect-flow-run.png"))
+    assert browser.save_screenshot(str(shots / "prefect-flow-run.png"))
     # the Artifacts tab lists the pipeline's Prefect artifacts (table of scores, markdown summary)
     tab = "//*[normalize-space(.)='Artifacts' and not(*[normalize-space(.)='Artifacts'])]"  # innermost: the tab
     next(e for e in browser.find_elements("xpath", tab) if e.is_displayed()).click()
     wait_for_text(browser, "alloy-scores", "alloy-summary")
 
 
-def test_mlflow_ui_shows_the_run_and_its_metrics(browser, stack, smoke_run):
+def test_mlflow_ui_shows_the_run_and_its_metrics(browser, stack, smoke_run, shots):
     report = json.loads(Path(smoke_run["report_path"]).read_text())
     run_id = report["mlflow"]["parent_run_id"]
     run = api_get(f"{stack['urls']['mlflow_ui']}/api/2.0/mlflow/runs/get?run_id={run_id}")["run"]
@@ -94,4 +103,4 @@ def test_mlflow_ui_shows_the_run_and_its_metrics(browser, stack, smoke_run):
             pass
     metrics = browser.find_element("xpath", "//*[starts-with(normalize-space(text()), 'Metrics (')]")
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", metrics)
-    assert browser.save_screenshot(str(IMG / "mlflow-run.png"))
+    assert browser.save_screenshot(str(shots / "mlflow-run.png"))

@@ -161,7 +161,7 @@ def _run_engine(model_dir, monkeypatch, fused: bool, waves=None, max_segments: i
     The fused run also shrinks the mask buffer's head-room to 4 columns, so decode steps keep regrowing it."""
     monkeypatch.setenv("ALLOY_ENGINE_FUSED_DECODE", "1" if fused else "0")
     monkeypatch.setattr(running, "_MASK_SPARE", 4 if fused else 64)
-    eng = Engine(str(model_dir), max_batch=16, max_segments=max_segments)
+    eng = Engine(str(model_dir), max_running_requests=16, max_segments=max_segments)
     eng.start()
     assert eng.ready.wait(60), eng.load_error
     assert (eng._fused is not None) == fused
@@ -238,7 +238,7 @@ def test_long_and_short_rows_decode_in_segments_or_width_buckets(tiny_model_dir,
 def test_rows_finished_by_their_first_token_leave_before_joining(tiny_model_dir, model):
     """A one-token request finishes in its prefill: its segment drops it (and the padding columns only it used)
     before joining the batch, so no hole is decoded for it; the others get their single-sequence greedy tokens."""
-    eng = Engine(str(tiny_model_dir), max_batch=16)
+    eng = Engine(str(tiny_model_dir), max_running_requests=16)
     eng._load_initial()  # driven step by step, so the batch is checked right after the prefill
     g = torch.Generator().manual_seed(7)
 
@@ -263,7 +263,7 @@ def test_rows_finished_by_their_first_token_leave_before_joining(tiny_model_dir,
 def test_an_abort_never_hits_requests_submitted_after_it(tiny_model_dir):
     """`abort_all` queued while the engine thread is busy: the sequence submitted right after it (the next APRIL
     step's fresh request) must run to its end, the one submitted before it is aborted."""
-    eng = Engine(str(tiny_model_dir), max_batch=16)
+    eng = Engine(str(tiny_model_dir), max_running_requests=16)
     eng._load_initial()  # no thread: the test drives the engine loop itself, so the interleaving is exact
 
     def seq(rid: str) -> Seq:
@@ -284,7 +284,7 @@ def test_finished_rows_leave_in_the_same_copy_as_a_merge(tiny_model_dir, model, 
     """A row that finished (a hole in the batch) when new rows arrive: the merge drops it and the padding columns
     only it used in the one cache copy it makes (no compaction first), keeps the rows sorted by padding, and every
     sequence still gets exactly its single-sequence greedy tokens and log-probs."""
-    eng = Engine(str(tiny_model_dir), max_batch=16)
+    eng = Engine(str(tiny_model_dir), max_running_requests=16)
     eng._load_initial()  # driven step by step, so the batch state is checked at the exact merge
     g = torch.Generator().manual_seed(5)
 

@@ -11,9 +11,9 @@ import pytest
 
 from distill_fixtures import build_base_and_teachers
 from engine_proc import EngineProc
+from domains.registry import load_domains
 from infra.config import ConfigError, config_from_dict
 from infra.tracking import NoopTracker
-from tasks.context import load_domains
 from teachers.registry import TokenizerMismatch
 
 pytestmark = pytest.mark.integration

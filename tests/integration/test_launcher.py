@@ -67,11 +67,53 @@ def test_launch_settings_follow_the_engine_config():
     from infra.config import EngineConfig
 
     assert launch_settings(EngineConfig()) == {"backend": "embedded", "options": {}, "extra_args": []}
-    assert launch_settings(EngineConfig(max_running_requests=16))["extra_args"] == ["--max-batch", "16"]
+    cpu = launch_settings(EngineConfig(max_running_requests=16, sglang_args={"tp_size": 2}))  # sglang_args: SGLang's
+    assert cpu == {"backend": "embedded", "options": {"max_running_requests": 16}, "extra_args": []}
+    # one name from config to server flag (the embedded server's and SGLang's alike) to scheduler parameter
+    assert build_command(ServerSpec("policy-x", "/m", **cpu), 30000)[-2:] == ["--max-running-requests", "16"]
     gpu = launch_settings(EngineConfig(backend="sglang", max_running_requests=8, sglang_args={"tp_size": 2}))
     assert gpu == {"backend": "sglang", "options": {"tp_size": 2, "max_running_requests": 8}, "extra_args": []}
     cmd = build_command(ServerSpec("policy-x", "/m", **gpu), 30000)  # rollout servers launch real SGLang too
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[-4:] == ["--tp-size", "2", "--max-running-requests", "8"]
+
+
+def test_engine_backend_names_come_from_the_backend_registry():
+    """`engine.backend` accepts exactly the kinds in infra.engine.backends; each kind checks its own options."""
+    from infra.config import ConfigError, config_from_dict
+    from infra.engine.backends import BACKENDS
+
+    domains = [{"name": "addition"}]
+    for name in BACKENDS:
+        assert config_from_dict({"domains": domains, "engine": {"backend": name}}).engine.backend == name
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"domains": domains, "engine": {"backend": "vllm"}})
+    assert "engine.backend" in str(err.value) and all(f"'{name}'" in str(err.value) for name in BACKENDS)
+    with pytest.raises(ValueError, match="server 'x': unknown embedded server option 'tp_size'"):
+        build_command(ServerSpec("x", "/m", options={"tp_size": 2}), 1)
+
+
+def test_max_running_requests_reaches_the_scheduler_under_one_name(tiny_model_dir, tmp_path):
+    """engine.max_running_requests → `--max-running-requests` → the scheduler's `max_running_requests`, read back
+    from a real server's /get_server_info; without it the server runs with MAX_RUNNING_REQUESTS."""
+    from infra.config import EngineConfig
+    from infra.engine.backends import MAX_RUNNING_REQUESTS
+    from infra.engine.client import run_sync
+    from infra.policy_server import PolicyServer
+
+    async def info(client) -> dict:
+        try:
+            return await client.request("GET", "/get_server_info")
+        finally:
+            await client.aclose()
+
+    with Supervisor(tmp_path / "logs", install_signal_handlers=False) as sup:
+        capped = PolicyServer.for_engine(EngineConfig(max_running_requests=5), sup, "capped", str(tiny_model_dir),
+                                         tmp_path / "capped", seed=3)
+        plain = sup.start([ServerSpec("plain", str(tiny_model_dir))])["plain"]
+        cmdline = psutil.Process(next(s["pid"] for s in sup.status() if s["name"] == "capped")).cmdline()
+        assert cmdline[cmdline.index("--max-running-requests") + 1] == "5" and "--seed" in cmdline
+        assert run_sync(info(capped.client))["max_running_requests"] == 5
+        assert run_sync(info(EngineClient(plain)))["max_running_requests"] == MAX_RUNNING_REQUESTS
 
 
 def test_clients_dial_loopback_for_a_wildcard_bind():

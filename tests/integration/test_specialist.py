@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from distill_fixtures import build_base
+from domains.registry import load_domains
 from infra.config import config_from_dict
 from infra.storage import latest_complete, load_checkpoint
-from tasks.context import load_domains
 
 pytestmark = pytest.mark.integration
 
@@ -43,17 +43,20 @@ def test_specialist_beats_base_and_logs_every_metric(base, tmp_path):
     from infra.tracking import Tracker
     from teachers.specialist_main import run_specialist
 
-    # 150 steps: at 100 a CI run gained only +0.033 on reverse (APRIL batches depend on timing, so runs differ);
-    # at 150 three runs gained +0.12, +0.13, +0.17
-    cfg = config_from_dict(cfg_dict(tmp_path, steps=150))
+    # 150 steps: at 100 a CI run gained only +0.033 on reverse; at 150 three runs gained +0.12, +0.13, +0.17 (APRIL's
+    # batches by the clock depend on the machine's load). deterministic_rollouts: seeded calls and the abort by token
+    # count, so this run is the same on an idle and a busy machine (still APRIL: 80 requests, partials resumed)
+    cfg = config_from_dict(cfg_dict(tmp_path, steps=150, deterministic_rollouts=True))
     dom = load_domains(cfg)
     before = float(evaluate(str(base), dom, 100, 0, "base", max_new_tokens=10).score.iloc[0])
     tracker = Tracker(runs_root=tmp_path, experiment="spec-test")
     parent = tracker.start_parent("spec")
     with tracker.child("specialist/reverse") as run:
         out = run_specialist(cfg, dom["reverse"], str(base), f"file://{tmp_path}/spec", tmp_path / "w", run)
-    assert out["steps"] == 150 and out["score"] > before + 0.05, (before, out["score"])
     rewards = [h["reward"] for h in out["history"]]
+    print("SPECIALIST-NUMBERS", {"before": before, "score": out["score"], "validation": out["validation"],
+                                 "reward_first20": sum(rewards[:20]) / 20, "reward_last20": sum(rewards[-20:]) / 20})
+    assert out["steps"] == 150 and out["score"] > before + 0.05, (before, out["score"])
     assert sum(rewards[-20:]) / 20 > sum(rewards[:20]) / 20  # training reward rises
     assert out["april"]["dropped_stale"] == 0 and out["april"]["added"] > 0  # over-sampling left partials
     from mlflow import MlflowClient

@@ -12,11 +12,11 @@ import time
 import pytest
 
 from distill_fixtures import build_base_and_teachers
+from domains.registry import load_domains
 from infra.config import config_from_dict
 from infra.storage import join, read_json
 from infra.tracking import NoopTracker
 from student.sampler import PromptStream
-from tasks.context import load_domains
 
 pytestmark = pytest.mark.integration
 

@@ -69,7 +69,8 @@ def watch_argv(stop: threading.Event, seen: dict) -> None:
     while not stop.wait(0.1):
         for p in me.children(recursive=True):
             try:
-                seen.setdefault(p.pid, p.cmdline())
+                argv = p.cmdline()  # every argv a pid shows: between fork and exec it still shows its parent's
+                seen.setdefault((p.pid, tuple(argv)), argv)
             except psutil.Error:
                 pass
 

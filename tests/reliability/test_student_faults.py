@@ -169,7 +169,7 @@ def issued(cfg_dict: dict, init: str) -> dict[str, list[int]]:
     from infra.config import config_from_dict
     from infra.models import load_tokenizer
     from student.sampler import PromptStream
-    from tasks.context import load_domains
+    from domains.registry import load_domains
 
     cfg = config_from_dict(cfg_dict)
     stream = PromptStream(load_domains(cfg), load_tokenizer(init), cfg.distill.n_prompts_per_domain, cfg.run.seed)

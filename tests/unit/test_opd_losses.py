@@ -5,7 +5,7 @@ from math import log
 import pytest
 import torch
 
-from student.losses import LOSSES, get_loss, importance_ratio, sampled_rkl_loss, topk_kl_loss
+from student.losses import LOSSES, OPDInputs, get_loss, importance_ratio, sampled_rkl_loss, topk_kl_loss
 
 pytestmark = pytest.mark.unit
 
@@ -295,10 +295,43 @@ def test_topk_kl_input_errors():
 
 
 def test_registry():
-    assert get_loss("sampled_rkl") is sampled_rkl_loss and get_loss("topk_kl") is topk_kl_loss
+    assert get_loss("sampled_rkl").fn is sampled_rkl_loss and get_loss("topk_kl").fn is topk_kl_loss
     assert set(LOSSES) == {"sampled_rkl", "topk_kl"}
+    assert get_loss("topk_kl").needs_teacher_topk and not get_loss("sampled_rkl").needs_teacher_topk
     with pytest.raises(ValueError, match=r"\['sampled_rkl', 'topk_kl'\]"):
         get_loss("fkl")
+
+
+def test_registry_is_the_one_source_of_distill_loss_names():
+    """`distill.loss` accepts exactly the registered losses; an unknown name fails at config load, naming the field
+    and every valid name; a loss the config does not list cannot be registered."""
+    from infra.config import OPD_LOSSES, ConfigError, config_from_dict
+    from student.losses import register_loss
+
+    assert set(OPD_LOSSES) == set(LOSSES)
+    domains = [{"name": "addition"}]
+    for name in LOSSES:
+        assert config_from_dict({"domains": domains, "distill": {"loss": name}}).distill.loss == name
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"domains": domains, "distill": {"loss": "fkl"}})
+    msg = str(err.value)
+    assert "distill.loss" in msg and all(f"'{name}'" in msg for name in LOSSES)
+    with pytest.raises(ValueError, match="not in infra.config.OPD_LOSSES"):
+        register_loss("fkl", fn=sampled_rkl_loss, needs_teacher_topk=False)(lambda x, **hp: None)
+    with pytest.raises(ValueError, match="registered twice"):
+        register_loss("topk_kl", fn=topk_kl_loss, needs_teacher_topk=True)(lambda x, **hp: None)
+    assert set(LOSSES) == set(OPD_LOSSES)  # the refused registrations left the registry as it was
+
+
+def test_loss_that_needs_teacher_topk_refuses_inputs_without_it():
+    logits, _, _, mask = hand_case()
+    x = OPDInputs(logits=logits, logp=t([[log(0.5), log(0.5)]]), teacher_logp=t([[log(0.5), log(0.5)]]),
+                  rollout_logp=t([[log(0.5), log(0.5)]]), mask=mask)
+    with pytest.raises(ValueError, match=r"topk_kl needs the teacher's top-k \(score with top_k > 0\)"):
+        get_loss("topk_kl")(x, direction="forward", beta=0.5, reward_coef=0.0, is_clip=None, global_token_count=None)
+    loss, m = get_loss("sampled_rkl")(x, direction="forward", beta=0.5, reward_coef=0.0, is_clip=None,
+                                      global_token_count=None)
+    assert float(loss) == 0.0 and m["reverse_kl"] == 0.0  # student = teacher on the sampled tokens
 
 
 def test_nan_padding_reaches_neither_loss_nor_gradient():

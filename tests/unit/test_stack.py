@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from alloy.stack import StackError, is_alive, pick_port, read_state, spawn, stop_entries, write_state
+from alloy.detached import StackError, is_alive, pick_port, read_state, spawn, stop_entries, write_state
 
 pytestmark = pytest.mark.unit
 

@@ -1,0 +1,91 @@
+"""Kinds of engine server a `Supervisor` can launch (`engine.backend`), each one object looked up by name.
+
+A `ServerBackend` says everything that differs between the embedded server and SGLang: which module to run, the
+model flag, the options it accepts (each passed as `--name-with-dashes`), where the sampling seed goes, whether
+the API key travels in argv (SGLang reads it only there) or in the environment (ours: not visible in `ps`), and
+whether it is a CPU server (one torch thread each). `infra.config` builds the allowed `engine.backend` names from
+`BACKENDS`, so adding a backend here is the one edit that makes it configurable.
+
+`MAX_RUNNING_REQUESTS` is the default of `engine.max_running_requests` (the embedded server's
+`--max-running-requests` and its scheduler's `max_running_requests`), defined here and nowhere else.
+
+Light on purpose (no torch, no aiohttp): `infra.config` imports it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+# Sequences an embedded server decodes at once (the rest queue); SGLang sizes its own unless told. 256 is vLLM's
+# max_num_seqs default (SGLang sizes it as max_total_tokens // 2). At 64 a rollout step of the pipeline's default
+# (B = 64 at 1.25x over-sampling: 80 requests) queued 16 requests, each joining the batch later through its own
+# prefill and cache merge (bench/april.py at B = 64: 0.92x sync at 64, ~1.3x at 256).
+MAX_RUNNING_REQUESTS = 256
+
+# SGLang `ServerArgs` fields a GPU user typically sets (flag = "--" + name with "-"), from
+# sgl-project/sglang python/sglang/srt/server_args.py. Booleans are store_true flags.
+SGLANG_OPTIONS: dict[str, type] = {
+    "tokenizer_path": str, "skip_tokenizer_init": bool, "tp_size": int, "dp_size": int, "pp_size": int,
+    "mem_fraction_static": float, "context_length": int, "dtype": str, "trust_remote_code": bool,
+    "max_running_requests": int, "chunked_prefill_size": int, "max_total_tokens": int, "random_seed": int,
+    "served_model_name": str, "log_level": str, "quantization": str, "kv_cache_dtype": str,
+    "attention_backend": str, "base_gpu_id": int, "disable_cuda_graph": bool, "disable_radix_cache": bool,
+    "enable_deterministic_inference": bool,
+}
+
+# Options of `python -m infra.engine.server` (see its argparse), under the same names as SGLang's where they mean
+# the same thing.
+EMBEDDED_OPTIONS: dict[str, type] = {
+    "max_running_requests": int, "max_total_tokens": int, "max_prefill_tokens": int, "seed": int,
+}
+
+
+@dataclass(frozen=True)
+class ServerBackend:
+    """How to launch one kind of engine server (see the module docstring)."""
+
+    name: str
+    label: str  # in messages
+    module: str  # run as `python -m <module>`
+    model_flag: str  # flag naming the model directory
+    options: Mapping[str, type]  # option name → type; flag = "--" + name with "-"; bool = store_true
+    seed_option: str  # the option that seeds the server's sampling stream
+    api_key_in_argv: bool  # True: `--api-key KEY`; False: the key goes in the child's environment (API_KEY_ENV)
+    cpu: bool  # a CPU server: DS_ACCELERATOR=cpu and the supervisor's thread count per server
+    takes_sglang_args: bool  # launched with `engine.sglang_args` as options
+
+    def option_args(self, options: Mapping[str, Any]) -> list[str]:
+        """{"tp_size": 2, "trust_remote_code": True} → ["--tp-size", "2", "--trust-remote-code"]; unknown keys
+        raise, naming this backend's known options."""
+        args: list[str] = []
+        for key, value in options.items():
+            if key not in self.options:
+                raise ValueError(f"unknown {self.label} option {key!r}; known: {sorted(self.options)} "
+                                 "(use extra_args for others)")
+            flag = "--" + key.replace("_", "-")
+            if self.options[key] is bool:
+                if value:
+                    args.append(flag)
+            elif value is not None:
+                args += [flag, str(self.options[key](value))]
+        return args
+
+
+BACKENDS: Mapping[str, ServerBackend] = MappingProxyType({b.name: b for b in (
+    ServerBackend("embedded", label="embedded server", module="infra.engine.server", model_flag="--model",
+                  options=MappingProxyType(EMBEDDED_OPTIONS), seed_option="seed", api_key_in_argv=False, cpu=True,
+                  takes_sglang_args=False),
+    ServerBackend("sglang", label="SGLang", module="sglang.launch_server", model_flag="--model-path",
+                  options=MappingProxyType(SGLANG_OPTIONS), seed_option="random_seed", api_key_in_argv=True,
+                  cpu=False, takes_sglang_args=True),
+)})
+BACKEND_NAMES = tuple(BACKENDS)  # the allowed values of `engine.backend`
+
+
+def server_backend(name: str) -> ServerBackend:
+    """The backend registered under `name`; an unknown name raises, listing the valid ones."""
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"engine backend must be one of {list(BACKEND_NAMES)}, got {name!r}") from None

@@ -1,0 +1,131 @@
+"""Child processes that never outlive us, and the process-wide "stop" request.
+
+- `pdeathsig_preexec(pid)`: a `preexec_fn` asking the kernel to SIGKILL the child when its parent dies, so even a
+  SIGKILLed parent leaves no orphan. Linux delivers it when the *thread* that forked the child exits: fork from a
+  thread that outlives the child (one that waits on it, or a long-lived spawner thread as in
+  infra/engine/launcher.py). Children are also started in their own session (`start_new_session=True`) so that one
+  `killpg` reaches everything they spawned, and a terminal's Ctrl-C reaches only the process that owns them.
+- `stop_group(proc, grace_s)`: SIGTERM the child's process group, SIGKILL after `grace_s`.
+- `request_stop()` / `stop_requested()` / `raise_if_stopped()`: the first Ctrl-C of `alloy run` (alloy/interrupt.py)
+  asks everything in this process to stop: a trainer process being waited on is stopped (tasks/worker_process.py),
+  an in-process training loop raises `Stopped` at its next step, and every registered stop callback runs (each live
+  engine `Supervisor` registers its `stop`). `Stopped` is an ordinary exception: the stage fails and unwinds its
+  `finally` blocks like any failure, and nothing new is started while the request stands.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Callable
+
+log = logging.getLogger("alloy")
+
+_stop = threading.Event()
+_callbacks: dict[int, Callable[[], None]] = {}
+_lock = threading.Lock()
+_tokens = itertools.count(1)
+
+
+class Stopped(RuntimeError):
+    """Raised where work refuses to start or continue because a stop was requested (Ctrl-C of `alloy run`)."""
+
+
+def pdeathsig_preexec(parent_pid: int | None = None):
+    """preexec_fn: ask the kernel to SIGKILL the child when its parent (thread) dies; exit if it already died."""
+    parent_pid = os.getpid() if parent_pid is None else parent_pid
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    prctl = libc.prctl if libc is not None else None  # resolved before fork: no dlsym in the child
+
+    def preexec():
+        if prctl is not None:
+            prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # parent died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+def log_tail(path: str | os.PathLike, n_lines: int = 30) -> str:
+    """The last `n_lines` of a child's log (from its last 16 KiB), or "(no log)"."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 16384))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-n_lines:])
+    except OSError:
+        return "(no log)"
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Send `sig` to the process group led by `pid` (a child started with start_new_session); gone is fine."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> int:
+    """SIGTERM `proc`'s process group, SIGKILL it after `grace_s` (also reaps what the child itself spawned into its
+    group); returns the exit code."""
+    if proc.poll() is None:
+        signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d did not stop within %.0f s of SIGTERM: SIGKILL", proc.pid, grace_s)
+    signal_group(proc.pid, signal.SIGKILL)
+    return proc.wait()
+
+
+# ------------------------------------------------------------------------------------------ the stop request
+
+
+def request_stop() -> None:
+    """Ask everything in this process to stop (idempotent); runs the registered callbacks once, each guarded."""
+    if _stop.is_set():
+        return
+    _stop.set()
+    with _lock:
+        callbacks = list(_callbacks.values())
+        _callbacks.clear()
+    for fn in callbacks:
+        try:
+            fn()
+        except Exception:  # one failing callback must not keep the others from stopping
+            log.exception("stop callback %r failed", fn)
+
+
+def stop_requested() -> bool:
+    return _stop.is_set()
+
+
+def raise_if_stopped(what: str = "") -> None:
+    if _stop.is_set():
+        raise Stopped(f"stop requested{': ' + what if what else ''}")
+
+
+def reset_stop() -> None:
+    """Clear a finished stop request (a new run in the same process)."""
+    _stop.clear()
+
+
+def on_stop(fn: Callable[[], None]) -> int:
+    """Register `fn` to run at `request_stop()` (at once if a stop is already requested); returns a token for
+    `cancel_on_stop`."""
+    if _stop.is_set():
+        fn()
+        return 0
+    with _lock:
+        token = next(_tokens)
+        _callbacks[token] = fn
+    return token
+
+
+def cancel_on_stop(token: int) -> None:
+    with _lock:
+        _callbacks.pop(token, None)

@@ -1,0 +1,67 @@
+"""What the specialist and the student trainers (teachers/specialist_main.py, student/distill_main.py) both do around
+their loops: DeepSpeed settings from a config section, a trainable model, the policy served by an engine server while
+the loop runs, and the `final/` checkpoint committed at the end.
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable
+
+from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed
+from infra.engine.launcher import Supervisor
+from infra.models import load_model, load_tokenizer
+from infra.policy_server import PolicyServer
+from infra.storage import join, save_checkpoint
+
+
+def train_settings(t, total_steps: int, seed: int, **overrides) -> TrainSettings:
+    """`TrainSettings` from a config's `TrainConfig` section `t` (`base.train`, `specialists.policy_train`,
+    `distill.train`, ...) for `total_steps` optimizer steps; `overrides` replace single fields (grad_accum=1)."""
+    kw = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage, dtype=t.dtype,
+              micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, warmup_steps=t.warmup_steps,
+              lr_schedule=t.lr_schedule, total_steps=total_steps, seed=seed)
+    return TrainSettings(**{**kw, **overrides})
+
+
+def trainable(init_dir: str | Path, settings: TrainSettings) -> tuple[Any, DeepSpeedBackend]:
+    """(tokenizer, DeepSpeed backend over the model) of the HF dir `init_dir`, after joining torch.distributed."""
+    tok = load_tokenizer(init_dir)
+    init_distributed()
+    return tok, DeepSpeedBackend(load_model(init_dir), settings)
+
+
+def serve_and_run(engine_cfg, work: Path, name: str, model_dir: str | Path, *, version: int, seed: int,
+                  server_dir: str, attach: Callable[[PolicyServer], None], loop: Callable[[], Awaitable[dict]],
+                  closers: Iterable[Any] = ()) -> dict:
+    """Serve `model_dir` as engine server `name` (an `infra.engine.launcher.Supervisor` restarts it if it dies; logs
+    under `work/logs`, weight pushes staged in `work/<server_dir>`), hand the `PolicyServer` to the trainer with
+    `attach`, and run `loop()` in a fresh event loop. However the loop ends (a signal included), the server client
+    and every `closers` item (`await c.aclose()`) are closed and the supervisor stops the server process."""
+    with Supervisor(work / "logs", threads_per_server=engine_cfg.threads) as sup:
+        server = PolicyServer.for_engine(engine_cfg, sup, name, str(model_dir), work / server_dir, version=version,
+                                         seed=seed)
+        attach(server)
+
+        async def go() -> dict:
+            try:
+                return await loop()
+            finally:
+                await server.aclose()
+                for c in closers:
+                    await c.aclose()
+
+        return asyncio.run(go())
+
+
+def fresh_final(work: Path) -> Path:
+    """`work/final`, emptied: where a trainer writes the HF model it commits as `final/`."""
+    final = work / "final"
+    shutil.rmtree(final, ignore_errors=True)
+    return final
+
+
+def commit_final(final: Path, out_url: str, step: int, meta: dict) -> str:
+    """Commit the HF dir `final` as `<out_url>/final` (COMPLETE manifest last); returns its URL."""
+    return save_checkpoint(str(final), join(out_url, "final"), step, meta=meta)

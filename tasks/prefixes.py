@@ -1,0 +1,34 @@
+"""Where each stage's checkpoints live: `<storage>/<stage>-<fingerprint>/`.
+
+A fingerprint hashes the config sections a stage's result depends on, minus the settings marked `ops_field` in
+infra/config.py (scheduling, logging, serving, credentials): changing those moves no prefix, so a rerun reuses every
+complete checkpoint. Kept free of heavy imports: `alloy run --dry-run` computes the same prefixes as the stages.
+"""
+from __future__ import annotations
+
+from infra.storage import join
+
+BASE_SECTIONS = ("run", "model", "domains", "base")
+# a specialist also depends on its own settings, the eval budget (its rollout budget when specialists.max_new_tokens
+# is unset, and its score) and the rollout engine (backend and batching change which APRIL samples finish first)
+SPECIALIST_SECTIONS = BASE_SECTIONS + ("specialists", "eval", "engine")
+# the student also depends on its teachers (specialists or `teachers.external` URLs) and its own settings
+STUDENT_SECTIONS = SPECIALIST_SECTIONS + ("teachers", "distill")
+
+
+def base_prefix(cfg, storage_url: str) -> str:
+    """Storage prefix of the base checkpoint (`cfg`: an infra.config.AlloyConfig)."""
+    return join(storage_url, f"base-{cfg.fingerprint(*BASE_SECTIONS)[:10]}")
+
+
+def specialist_prefix_of(cfg, storage_url: str, domain: str) -> str:
+    """Storage prefix of `domain`'s specialist: its own settings count (`specialists.per_domain[domain]` merged in),
+    another domain's overrides do not."""
+    own = cfg.specialists.for_domain(domain).model_copy(update={"per_domain": {}})
+    fp = cfg.model_copy(update={"specialists": own}).fingerprint(*SPECIALIST_SECTIONS)
+    return join(storage_url, f"specialist-{domain}-{fp[:10]}")
+
+
+def student_prefix_of(cfg, storage_url: str) -> str:
+    """Storage prefix of the student."""
+    return join(storage_url, f"student-{cfg.fingerprint(*STUDENT_SECTIONS)[:10]}")

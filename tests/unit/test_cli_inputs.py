@@ -1,0 +1,106 @@
+"""Bad input is refused with exit code 2 naming what is wrong: a `model.path` that does not exist, a report.json of
+the wrong shape; and the CLI names itself (`alloy --version`, `alloy <cmd> --help`)."""
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from infra.config import ConfigError, config_from_dict
+from infra.report import build_report, report_problems
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = str(ROOT / "configs" / "smoke.yaml")
+ALLOY = str(Path(sys.executable).parent / "alloy")  # the console script of this venv (.venv/bin/alloy)
+
+
+def alloy(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([ALLOY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def with_model_path(path: str):
+    return config_from_dict({"domains": [{"name": "reverse"}], "model": {"path": path}})
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/model", "./no-such-dir", "~/no-such-alloy-model", "a/b/c", " "])
+def test_a_local_model_path_that_does_not_exist_is_refused(path):
+    with pytest.raises(ConfigError) as err:
+        with_model_path(path)
+    assert "model.path" in str(err.value)
+
+
+def test_model_path_forms(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "weights.bin").write_text("x")
+    assert with_model_path(str(tmp_path / "models")).model.path == str(tmp_path / "models")  # a directory
+    assert with_model_path("Qwen/Qwen2-0.5B").model.path == "Qwen/Qwen2-0.5B"  # may be a Hub id: --dry-run checks it
+    with pytest.raises(ConfigError, match=r"model\.path.*no such directory: models/missing"):
+        with_model_path("models/missing")  # `models` is a directory here: a local path
+    with pytest.raises(ConfigError, match=r"model\.path.*weights\.bin is not a directory"):
+        with_model_path("weights.bin")
+
+
+def test_report_problems_name_the_key_path():
+    good = build_report(config="c.yaml", run_id="r1", mlflow={}, domains=["reverse", "copy"],
+                        scores=pd.DataFrame([{"domain": "reverse", "stage": "base", "score": 0.5, "n_eval": 10}]))
+    assert report_problems(json.loads(json.dumps(good))) == []
+    bad = json.loads(json.dumps(good))
+    del bad["summary"]["mean_recovery"]
+    bad["domains"]["copy"]["student"] = "0.5"
+    bad["timings_s"] = [1.0]
+    bad["guard"]["blocked"] = True
+    assert report_problems(bad) == [
+        "domains.copy.student: must be a number or null, got a string",
+        "summary.mean_recovery: missing (must be a number or null)",
+        "timings_s: must be an object, got a list",
+        "guard.blocked: must be an integer, got a boolean"]
+    assert report_problems([]) == ["<top level>: must be an object, got a list"]
+
+
+def test_cli_report_of_the_wrong_shape_exits_2_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"config": "c", "run_id": "r", "domains": [], "summary": {"n_domains": 3}}))
+    proc = alloy("report", str(bad))
+    assert proc.returncode == 2, proc.stderr
+    assert "domains: must be an object, got a list" in proc.stderr
+    assert "summary.mean_recovery: missing" in proc.stderr and proc.stdout == ""
+
+
+def test_cli_version_and_serve_help_name_alloy():
+    proc = alloy("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"alloy {version('alloy-opd')}"
+    proc = alloy("serve", "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: alloy serve ")
+    assert "infra.engine.server" not in proc.stdout
+
+
+def test_every_subcommand_help_names_itself():
+    import argparse
+
+    from alloy.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, words: list[str]) -> int:
+        n = 0
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    if name == "serve":  # dispatched to the server's own parser (tested above)
+                        continue
+                    assert sub.format_usage().startswith(f"usage: {' '.join(words + [name])} "), name
+                    n += 1 + walk(sub, words + [name])
+        return n
+
+    assert walk(build_parser(), ["alloy"]) >= 8
+
+
+@pytest.mark.parametrize("cmd", ["config", "run"])
+def test_cli_nonexistent_model_path_exits_2_naming_field_and_path(cmd):
+    proc = alloy(cmd, SMOKE, "--set", "model.path=/nonexistent")
+    assert proc.returncode == 2, proc.stderr
+    assert "model.path" in proc.stderr and "/nonexistent" in proc.stderr

@@ -1,0 +1,95 @@
+"""Checkpoint prefixes move with what changes a stage's result, and only with that: the settings marked `ops_field`
+in infra/config.py (scheduling, logging, serving, credentials) are left out of every fingerprint (tasks/prefixes.py)."""
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from infra.config import AlloyConfig, load_config
+from tasks.prefixes import base_prefix, specialist_prefix_of, student_prefix_of
+
+pytestmark = pytest.mark.unit
+
+SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+STORAGE = "s3://bucket/alloy/smoke"
+
+# every ops field of the config, with a value other than smoke.yaml's
+OPS_CHANGES = {
+    "run.root": "/elsewhere", "run.storage": "s3://other/prefix", "run.resume": False,
+    "base.log_every": 3, "eval.batch_size": 7,
+    "tracking.enabled": False, "tracking.uri": "http://mlflow.example:5000", "tracking.experiment": "other",
+    "engine.host": "0.0.0.0", "engine.api_key": "k3y", "engine.threads": 3,
+    "teachers.health_timeout_s": 5.0, "teachers.max_restarts": 0, "teachers.check_tokenizers": False,
+    "distill.score_batch_size": 4, "distill.teacher_timeout_s": 5.0, "distill.teacher_retries": 0,
+    "distill.score_attempts": 1, "distill.checkpoint_every": 7, "distill.log_every": 3, "distill.threads": 2,
+    "specialists.checkpoint_every": 7, "specialists.log_every": 3, "specialists.max_parallel": 4,
+    "specialists.mode": "deployment", "specialists.deployment": "other/flow", "specialists.retries": 0,
+    "specialists.threads": 2, "specialists.guard.judge_api_key": "k3y",
+}
+
+STAGES = ("base", "specialist", "student")
+ALL, SPEC_ON = set(STAGES), {"specialist", "student"}
+# settings that change what is trained, and the stages whose checkpoints they move
+TRAINING_CHANGES = [
+    ("run.seed=1", ALL), ("run.name=other", ALL), ("model.preset=nano", ALL), ("domains.0.difficulty=2", ALL),
+    ("base.steps=5", ALL), ("base.train.lr=0.01", ALL),
+    ("specialists.steps=7", SPEC_ON), ("specialists.per_domain.max_list.kl_coef=0.0", SPEC_ON),
+    ("specialists.per_domain.reverse.kl_coef=0.0", {"student"}),  # another domain's specialist
+    ("specialists.guard.judge_url=http://judge:1", SPEC_ON), ("specialists.enabled=false", SPEC_ON),
+    ("eval.max_new_tokens=9", SPEC_ON),  # the specialists' rollout budget when specialists.max_new_tokens is unset
+    ("eval.n_eval=9", SPEC_ON),  # the specialist's own score, kept in its result.json
+    ("engine.backend=sglang", SPEC_ON), ("engine.max_running_requests=8", SPEC_ON),  # which APRIL samples finish
+    ("distill.steps=5", {"student"}), ("distill.train.lr=0.01", {"student"}), ("distill.eval_every=5", {"student"}),
+    ("teachers.external.reverse=http://teacher:1", {"student"}),
+]
+
+
+def prefixes(overrides: list[str], domain: str = "max_list") -> dict[str, str]:
+    cfg = load_config(SMOKE, overrides)
+    return {"base": base_prefix(cfg, STORAGE), "specialist": specialist_prefix_of(cfg, STORAGE, domain),
+            "student": student_prefix_of(cfg, STORAGE)}
+
+
+def ops_paths(cls: type[BaseModel], where: str = "") -> set[str]:
+    out = set()
+    for name, field in cls.model_fields.items():
+        extra = field.json_schema_extra
+        if isinstance(extra, dict) and extra.get("fingerprint") is False:
+            out.add(where + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out |= ops_paths(ann, f"{where}{name}.")
+    return out
+
+
+def test_the_list_covers_every_ops_field():
+    assert ops_paths(AlloyConfig) == set(OPS_CHANGES)
+
+
+@pytest.mark.parametrize("key", sorted(OPS_CHANGES))
+def test_an_ops_setting_moves_no_prefix(key):
+    before = prefixes([])
+    assert prefixes([f"{key}={json.dumps(OPS_CHANGES[key])}"]) == before
+    cfg = load_config(SMOKE, [f"{key}={json.dumps(OPS_CHANGES[key])}"])
+    assert cfg.fingerprint() == load_config(SMOKE).fingerprint()
+
+
+def test_all_ops_settings_at_once_and_per_domain_ones_move_no_prefix():
+    before = prefixes([])
+    sets = [f"{k}={json.dumps(v)}" for k, v in OPS_CHANGES.items()]
+    assert prefixes(sets) == before
+    # an override that holds only ops settings is no override at all
+    assert prefixes(["specialists.per_domain.reverse={log_every: 1, checkpoint_every: 3, threads: 2}"]) == before
+
+
+@pytest.mark.parametrize("override,moved", TRAINING_CHANGES, ids=[o for o, _ in TRAINING_CHANGES])
+def test_a_training_setting_moves_exactly_the_stages_it_changes(override, moved):
+    before, after = prefixes([]), prefixes([override])
+    assert {s for s in STAGES if before[s] != after[s]} == moved
+
+
+def test_a_specialist_prefix_follows_its_own_merged_settings():
+    assert prefixes(["specialists.per_domain.max_list.steps=120"])["specialist"] == prefixes([])["specialist"]
+    assert prefixes(["specialists.per_domain.reverse.steps=7"], "reverse")["specialist"] == \
+        prefixes(["specialists.steps=7"], "reverse")["specialist"]

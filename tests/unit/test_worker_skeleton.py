@@ -1,0 +1,71 @@
+"""The trainer-process skeleton (infra/worker.py): one description per worker gives both its command line and its
+parser; SIGTERM becomes WorkerStopped in the main thread, once; results are written atomically."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+from infra import procs
+from infra.worker import Worker, WorkerStopped, arg, stop_on_signals, write_json_atomic
+from student.distill_main import WORKER as STUDENT
+from tasks.base_worker import WORKER as BASE
+from teachers.specialist_main import WORKER as SPECIALIST
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("worker", [BASE, SPECIALIST, STUDENT], ids=lambda w: w.module)
+def test_the_command_a_task_builds_is_what_the_worker_parses(worker):
+    own = {a.dest: f"v-{a.dest}" for a in worker.args}
+    argv = worker.argv(config="c.yaml", set=["a=1", "b=2"], mlflow_run_id=None, result="r.json", **own)
+    assert argv[:3] == [sys.executable, "-m", worker.module] and "--mlflow-run-id" not in argv
+    ns = worker.parser().parse_args(argv[3:])
+    assert ns.config == "c.yaml" and ns.set == ["a=1", "b=2"] and ns.result == "r.json" and ns.mlflow_run_id is None
+    assert all(getattr(ns, k) == v for k, v in own.items())
+
+
+def test_unknown_flag_names_the_worker():
+    with pytest.raises(TypeError, match="teachers.specialist_main: no flag for 'student_init'"):
+        SPECIALIST.flags(student_init="x")
+    w = Worker("m", "d", args=(arg("--n", type=int, required=True),))
+    assert w.flags(n=3, work_dir=None) == ["--n", "3"]
+    with pytest.raises(SystemExit):
+        w.parser().parse_args(["--config", "c"])  # --n is required
+
+
+def test_result_is_written_atomically(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    write_json_atomic(path, {"a": 1, "x": 0.5})
+    assert json.loads(path.read_text()) == {"a": 1, "x": 0.5}
+    write_json_atomic(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 2}
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temp file left
+
+
+def test_sigterm_raises_once_in_the_main_thread_and_requests_a_stop():
+    procs.reset_stop()
+    calls = []
+    token = procs.on_stop(lambda: calls.append("stopped"))
+    prev = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(WorkerStopped) as info, stop_on_signals():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # the handler runs between bytecodes of the main thread
+                    pass
+                calls.append("not reached")
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # a second signal while `finally` runs is only logged
+                for _ in range(1000):
+                    pass
+                calls.append("finally ran")
+        assert info.value.signum == signal.SIGTERM and str(info.value) == "stopped by SIGTERM"
+        assert calls == ["stopped", "finally ran"] and procs.stop_requested()
+        assert signal.getsignal(signal.SIGTERM) is prev  # restored
+    finally:
+        procs.cancel_on_stop(token)
+        procs.reset_stop()
