@@ -34,8 +34,9 @@ from infra import procs
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 STOP_TIMEOUT_S = 25.0  # first signal → pipeline unwound; the rest of 30 s is the sweep
+UNWIND_GRACE_S = 5.0  # once no child is left: the pipeline's last words (Prefect states) before we stop waiting
 SWEEP_GRACE_S = 3.0
-EXIT_FALLBACK_S = 20.0  # after the KeyboardInterrupt, force the exit if a stuck thread would hold the interpreter
+EXIT_FALLBACK_S = 2.0  # after the KeyboardInterrupt, force the exit if a stuck thread would hold the interpreter
 PREFECT_API_MARK = "prefect.server.api.server:create_app"  # Prefect's temporary API server (needed until exit)
 
 
@@ -131,14 +132,28 @@ class _Guard:
         except psutil.Error:
             pass
 
+    def alive(self, p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
     def stop(self, done: threading.Event) -> None:
-        deadline = self.t_signal + STOP_TIMEOUT_S
+        """Wait for the pipeline thread to unwind: until it has, or `UNWIND_GRACE_S` after the last child process
+        (Prefect's API server aside) is gone (a terminal's Ctrl-C also hits that server, which shares our process
+        group; the flow's state updates then never get through), or `STOP_TIMEOUT_S` after the signal."""
+        deadline, quiet_since = self.t_signal + STOP_TIMEOUT_S, None
         while not done.wait(0.5) and time.monotonic() < deadline:
             self.remember()
+            if any(self.alive(p) and not _is_prefect_api(p) for p in self.seen.values()):
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > UNWIND_GRACE_S:
+                break
         self.remember()
         if not done.is_set():
-            print(f"alloy: the run did not stop within {STOP_TIMEOUT_S:.0f} s; terminating what is left",
-                  file=sys.stderr, flush=True)
+            print("alloy: the pipeline did not unwind; terminating what is left", file=sys.stderr, flush=True)
         # Prefect's own API server stays for its exit handlers while the flow has finished; anything else goes
         self.sweep(keep_prefect_api=done.is_set())
         self.mark_killed()
@@ -150,9 +165,7 @@ class _Guard:
         left = []
         for p in self.seen.values():
             try:
-                if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                if keep_prefect_api and PREFECT_API_MARK in " ".join(p.cmdline()):
+                if not self.alive(p) or keep_prefect_api and _is_prefect_api(p):
                     continue
                 p.terminate()
                 left.append(p)
@@ -180,6 +193,13 @@ class _Guard:
                 client.set_terminated(run_id, status="KILLED")
             except Exception as exc:  # tracking must not keep the stop from finishing
                 print(f"alloy: could not mark MLflow run {run_id} KILLED: {exc}", file=sys.stderr)
+
+
+def _is_prefect_api(p: psutil.Process) -> bool:
+    try:
+        return PREFECT_API_MARK in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
 
 
 def _started_parents() -> list[tuple[str, str]]:

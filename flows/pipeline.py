@@ -9,6 +9,7 @@ from prefect import flow
 from flows.distill import distill_stage
 from flows.specialists import run_specialists
 from infra.config import refuse_secret_overrides
+from infra.procs import stop_requested
 from tasks.base import train_base
 from tasks.context import RunContext, open_context
 from tasks.evaluate import evaluate_stage
@@ -59,4 +60,4 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
         status = "FINISHED"
         return report
     finally:
-        ctx.tracker.end(status)
+        ctx.tracker.end("KILLED" if status == "FAILED" and stop_requested() else status)  # a Ctrl-C: KILLED

@@ -86,18 +86,26 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15.0) -> int:
 
 
 def request_stop() -> None:
-    """Ask everything in this process to stop (idempotent); runs the registered callbacks once, each guarded."""
+    """Ask everything in this process to stop (idempotent); runs the registered callbacks once, all at the same time
+    (each supervisor waits for its own servers), and returns when they have."""
     if _stop.is_set():
         return
     _stop.set()
     with _lock:
         callbacks = list(_callbacks.values())
         _callbacks.clear()
-    for fn in callbacks:
+
+    def call(fn: Callable[[], None]) -> None:
         try:
             fn()
         except Exception:  # one failing callback must not keep the others from stopping
             log.exception("stop callback %r failed", fn)
+
+    threads = [threading.Thread(target=call, args=(fn,), name="alloy-stop-callback", daemon=True) for fn in callbacks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def stop_requested() -> bool:

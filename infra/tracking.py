@@ -231,7 +231,9 @@ class Tracker:
         try:
             yield h
         except BaseException:
-            h.end("FAILED")
+            from infra.procs import stop_requested
+
+            h.end("KILLED" if stop_requested() else "FAILED")  # stopped by a Ctrl-C of `alloy run`: KILLED
             raise
         h.end("FINISHED")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -75,6 +76,8 @@ def run_worker(cmd: list[str], log_path: Path, steps: int, label: str, step_patt
         start = fh.tell()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=procs.pdeathsig_preexec())
+        # a stop request SIGTERMs the trainer at once, even while this thread is busy (a slow progress update)
+        token = procs.on_stop(lambda: procs.signal_group(proc.pid, signal.SIGTERM))
         try:
             while proc.poll() is None:
                 if procs.stop_requested():
@@ -91,6 +94,7 @@ def run_worker(cmd: list[str], log_path: Path, steps: int, label: str, step_patt
                     if on_step is not None:
                         on_step(last)
         finally:
+            procs.cancel_on_stop(token)
             if proc.poll() is None:  # cancelled or interrupted: take the whole process group down
                 procs.stop_group(proc, STOP_GRACE_S)
     if proc.returncode != 0 and procs.stop_requested():
