@@ -36,7 +36,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd comm
 STOP_TIMEOUT_S = 25.0  # first signal → pipeline unwound; the rest of 30 s is the sweep
 UNWIND_GRACE_S = 5.0  # once no child is left: the pipeline's last words (Prefect states) before we stop waiting
 SWEEP_GRACE_S = 3.0
-EXIT_FALLBACK_S = 2.0  # after the KeyboardInterrupt, force the exit if a stuck thread would hold the interpreter
+EXIT_FALLBACK_S = 3.0  # after the KeyboardInterrupt: the time a normal exit gets before it is forced
 PREFECT_API_MARK = "prefect.server.api.server:create_app"  # Prefect's temporary API server (needed until exit)
 
 
@@ -157,9 +157,16 @@ class _Guard:
         # Prefect's own API server stays for its exit handlers while the flow has finished; anything else goes
         self.sweep(keep_prefect_api=done.is_set())
         self.mark_killed()
-        if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
-            # a thread that did not unwind would hold the interpreter at exit (it joins non-daemon threads)
-            threading.Thread(target=_exit_later, name="alloy-exit-fallback", daemon=True).start()
+        # a thread that did not unwind, or an exit handler still talking to Prefect's API, must not hold the exit
+        threading.Thread(target=self.exit_later, name="alloy-exit-fallback", daemon=True).start()
+
+    def exit_later(self) -> None:
+        time.sleep(EXIT_FALLBACK_S)
+        self.remember()
+        self.sweep(keep_prefect_api=False)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(EXIT_INTERRUPTED)
 
     def sweep(self, keep_prefect_api: bool) -> None:
         left = []
@@ -207,9 +214,3 @@ def _started_parents() -> list[tuple[str, str]]:
 
     return list(STARTED_PARENTS)
 
-
-def _exit_later() -> None:
-    time.sleep(EXIT_FALLBACK_S)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(EXIT_INTERRUPTED)

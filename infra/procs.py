@@ -28,7 +28,7 @@ log = logging.getLogger("alloy")
 
 _stop = threading.Event()
 _callbacks: dict[int, Callable[[], None]] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a signal handler may run while its own thread holds it
 _tokens = itertools.count(1)
 
 

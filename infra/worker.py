@@ -22,11 +22,13 @@ module name or flag is written in one place.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -126,6 +128,7 @@ class Worker:
         """Parse, set up, `run`, write the result, tear down (see the module docstring); returns the exit code."""
         args = self.parser().parse_args(argv)
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S")
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
         from infra.config import load_config
 
         cfg = load_config(args.config, args.set)
@@ -179,9 +182,9 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
 
 class stop_on_signals:
     """`with stop_on_signals(): ...` — the first SIGTERM/SIGINT asks everything in the process to stop
-    (`procs.request_stop`: supervisors stop their servers) and raises `WorkerStopped` in the main thread; later ones
-    are logged and ignored, so they cannot break into the `finally` blocks that are running. Previous handlers are
-    restored on exit."""
+    (`procs.request_stop`, in a thread of its own: supervisors stop their servers) and raises `WorkerStopped` in the
+    main thread; later ones are logged and ignored, so they cannot break into the `finally` blocks that are running.
+    Previous handlers are restored on exit."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -194,7 +197,8 @@ class stop_on_signals:
             log.warning("%s again: already stopping", signal.Signals(signum).name)
             return
         self.fired = signum
-        procs.request_stop()
+        # not inline: the stop callbacks may need a lock the interrupted code holds (a supervisor's, for one)
+        threading.Thread(target=procs.request_stop, name="alloy-stop", daemon=True).start()
         raise WorkerStopped(signum)
 
     def __enter__(self) -> "stop_on_signals":

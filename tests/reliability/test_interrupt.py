@@ -1,8 +1,9 @@
-"""Ctrl-C of a real `alloy run` (a subprocess, shrunk config): the first SIGINT stops every process of the run (trainer
-processes, their engine servers, the teacher servers) within 30 s, exits 130 printing the command that resumes, marks
-the MLflow runs KILLED (the parent, and every child that did not finish), and leaves each checkpoint under storage
-complete or absent (a hidden `.tmp-*` staging dir an interrupted commit may leave is never listed or loaded:
-infra.storage.list_checkpoints skips hidden names). A second SIGINT kills everything at once, no orphan either.
+"""Ctrl-C of a real `alloy run` (a subprocess, shrunk config): the first SIGINT (or SIGTERM) stops every process of the
+run (trainer processes, their engine servers, the teacher servers, Prefect's temporary API server) within 30 s, exits
+130 printing the command that resumes, marks the MLflow runs KILLED (the parent, and every child that did not finish),
+and leaves each checkpoint under storage complete or absent (a hidden `.tmp-*` staging dir an interrupted commit may
+leave is never listed or loaded: infra.storage.list_checkpoints skips hidden names). A second SIGINT kills everything
+at once, no orphan either; nor does a SIGKILL of the process that waits on a trainer.
 
 "Every process of the run" is found by an environment variable the test gives `alloy run`, which every process it
 starts inherits; the scan covers all processes of this user, so a child re-parented to init is found too.
@@ -46,16 +47,18 @@ def tagged(tag: str) -> list[psutil.Process]:
     return out
 
 
-def start_run(root: Path, extra: list[str], api_url: str) -> tuple[subprocess.Popen, str, Path]:
+def start_run(root: Path, extra: list[str], api_url: str | None) -> tuple[subprocess.Popen, str, Path]:
+    """`alloy run` as a user starts it: in a session of its own (a terminal's foreground process group) and, without
+    `api_url`, with Prefect's temporary API server, which shares that group."""
     tag = uuid.uuid4().hex
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PREFECT_API_URL"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update({TAG: tag, "PREFECT_API_URL": api_url})  # the session's Prefect API: no temporary server per run
+    env.update({TAG: tag, **({"PREFECT_API_URL": api_url} if api_url else {})})
     sets = sum((["--set", s] for s in SMALL + extra + [f"run.root={root}"]), [])
     out = root / f"alloy-{tag[:6]}.log"
     with open(out, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "alloy.cli", "run", SMOKE, *sets], stdout=fh,
-                                stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+                                stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     return proc, tag, out
 
 
@@ -89,13 +92,16 @@ def _children(pid: int) -> list[psutil.Process]:
         return []
 
 
-def interrupt(proc: subprocess.Popen, tag: str, second_after: float | None = None) -> float:
-    """SIGINT (and a second one `second_after` s later); returns the seconds until no process of the run is left."""
+def interrupt(proc: subprocess.Popen, tag: str, second_after: float | None = None, terminal: bool = True,
+              sig: int = signal.SIGINT) -> float:
+    """`sig` (and a second one `second_after` s later) to the process group, as a terminal's Ctrl-C does (or to the
+    process alone); returns the seconds until no process of the run is left."""
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    send = (lambda: os.killpg(proc.pid, sig)) if terminal else (lambda: proc.send_signal(sig))
+    send()
     if second_after is not None:
         time.sleep(second_after)
-        proc.send_signal(signal.SIGINT)
+        send()
     proc.wait(timeout=60)
     while tagged(tag) and time.monotonic() - t0 < 60:
         time.sleep(0.2)
@@ -134,11 +140,13 @@ def api_url(prefect_harness):
     return PREFECT_API_URL.value()
 
 
-def test_ctrl_c_in_the_specialists_stage_stops_everything_then_twice_kills_at_once(tmp_path_factory, api_url):
+def test_ctrl_c_in_the_specialists_stage_stops_everything_then_twice_kills_at_once(tmp_path_factory):
+    """Ctrl-C as a terminal sends it: to the process group, which Prefect's temporary API server shares (it stops at
+    once, so the flow's last state updates never arrive; the stop must not wait for them)."""
     root = tmp_path_factory.mktemp("interrupt")
     log = root / "smoke" / "work" / "logs" / "specialist-reverse.log"
     started = time.time()
-    proc, tag, out = start_run(root, [], api_url)
+    proc, tag, out = start_run(root, [], None)
     wait_for(proc, out, log, "teachers.specialist_main", rb"specialist reverse step [12]/")
     took = interrupt(proc, tag)
     text = out.read_text()
@@ -149,21 +157,22 @@ def test_ctrl_c_in_the_specialists_stage_stops_everything_then_twice_kills_at_on
     check_checkpoints(root)
 
     # the same run again (it resumes), Ctrl-C twice as soon as the trainer's engine server is up: killed at once
-    proc, tag, out = start_run(root, [], api_url)
+    proc, tag, out = start_run(root, [], None)
     wait_for(proc, out, log, "teachers.specialist_main", None)
     took = interrupt(proc, tag, second_after=0.5)
     assert proc.returncode == 130 and "alloy: killed" in out.read_text(), out.read_text()[-3000:]
     assert took <= 10, took
 
 
-def test_ctrl_c_in_the_distill_stage_stops_everything_cleanly(tmp_path_factory, api_url):
-    """The distill stage (specialists off: the base model serves as the teacher)."""
+def test_sigterm_in_the_distill_stage_stops_everything_cleanly(tmp_path_factory, api_url):
+    """The distill stage (specialists off: the base model serves as the teacher); SIGTERM to `alloy run` alone, with
+    a Prefect API server that stays up (the session's)."""
     root = tmp_path_factory.mktemp("interrupt-distill")
     started = time.time()
     proc, tag, out = start_run(root, ["specialists.enabled=false"], api_url)
     wait_for(proc, out, root / "smoke" / "work" / "logs" / "distill.log", "student.distill_main",
              rb"student step [12]/")
-    took = interrupt(proc, tag)
+    took = interrupt(proc, tag, terminal=False, sig=signal.SIGTERM)
     assert proc.returncode == 130, out.read_text()[-3000:]
     assert took <= 30, took
     check_killed_runs(root, started, "student")
