@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="serve an HF checkpoint with the embedded SGLang-protocol engine (alloy serve --help)",
                    add_help=False)
 
+    from alloy.placement_cmd import add_parser as add_plan_parser
+
+    add_plan_parser(sub)  # plan: the GPU placement of a config (infra/placement.py)
+
     from alloy.stack import add_parsers as add_stack_parsers
 
     add_stack_parsers(sub)  # up, down, status (the local Prefect + MLflow stack) and teachers up|down|status

@@ -5,8 +5,10 @@
      home dir, so the user's `~/.prefect` is never read or written),
   2. the MLflow server on the pipeline's tracking store (`sqlite:///<runs root>/mlflow.db`, the URI
      `infra.tracking.resolve_tracking_uri` gives a run whose `run.root` is `runs` in the repo),
-then creates the process work pool `alloy-local`, registers `prefect.yaml`'s deployments (`prefect deploy --all`, with
-ALLOY_HOME = the repo, which the deployments' pull step changes into) and starts a worker on the pool. The worker
+then creates the process work pool `alloy-local`, the global concurrency limit `gpu` (`--gpu-slots N`: how many
+specialist flow runs of `specialists.mode: deployment` train at once; an existing limit is set to N), registers
+`prefect.yaml`'s deployments (`prefect deploy --all`; the worker gets ALLOY_HOME = the repo, which the deployments'
+pull step changes into on the worker) and starts a worker on the pool. The worker
 (and so every flow run) gets MLFLOW_TRACKING_URI, so what the worker logs is what the MLflow UI shows.
 
 State (pids, process start times, ports, URLs) is written to `<home>/stack.json` as each piece starts, so `down`
@@ -30,6 +32,8 @@ POOL = "alloy-local"
 WORKER_NAME = "alloy-local-worker"
 STATE_FILE = "stack.json"
 COMPONENTS = ("prefect-server", "mlflow", "prefect-worker")
+GPU_LIMIT = "gpu"  # the global concurrency limit each alloy-specialist flow run holds one slot of
+DEFAULT_GPU_SLOTS = 2  # = specialists.max_parallel's default: as many at once as local mode trains
 
 
 def default_home() -> Path:
@@ -55,6 +59,40 @@ def _worker_online(api_url: str) -> bool:
     return any(w.get("name") == WORKER_NAME and w.get("status") == "ONLINE" for w in workers or [])
 
 
+def ensure_gpu_limit(api_url: str, slots: int) -> str:
+    """Create the global concurrency limit `gpu` with `slots` slots, or set an existing one to `slots`
+    (idempotent); returns "created", "updated" or "unchanged"."""
+    import urllib.error
+    import urllib.request
+
+    url = f"{api_url}/v2/concurrency_limits/"
+
+    def call(method: str, target: str, body: dict | None = None):
+        req = urllib.request.Request(target, data=json.dumps(body).encode() if body is not None else None,
+                                     method=method, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read() or b"null")
+
+    try:
+        current = call("GET", url + GPU_LIMIT)
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:
+            raise
+        call("POST", url, {"name": GPU_LIMIT, "limit": slots, "active": True})
+        return "created"
+    if current.get("limit") == slots and current.get("active", True):
+        return "unchanged"
+    call("PATCH", url + GPU_LIMIT, {"limit": slots, "active": True})
+    return "updated"
+
+
+def prefect_server_command(port: int, host: str = HOST) -> list[str]:
+    """The Prefect server's argv (also what tests/e2e/test_scaleout.py starts): a stock `prefect server start`.
+    It takes `prefect deploy` only with the FastAPI that pyproject.toml pins (< 0.151; see the pin's comment)."""
+    return _bin("prefect") + ["server", "start", "--host", host, "--port", str(port), "--analytics-off",
+                              "--no-prompt"]
+
+
 def _run_step(what: str, cmd: list[str], env: dict, log_path: Path, timeout_s: float = 300.0) -> str:
     """Run a short Prefect CLI command to completion; raise with its output if it fails."""
     proc = subprocess.run(cmd, env=env, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=timeout_s,
@@ -68,7 +106,8 @@ def _run_step(what: str, cmd: list[str], env: dict, log_path: Path, timeout_s: f
 
 
 def up(home: Path, prefect_port: int = 4200, mlflow_port: int = 5000, runs_root: Path | None = None,
-       tracking_uri: str | None = None, timeout_s: float = 240.0, echo=print) -> dict:
+       tracking_uri: str | None = None, timeout_s: float = 240.0, echo=print,
+       gpu_slots: int = DEFAULT_GPU_SLOTS) -> dict:
     """Start the stack (see the module docstring) and return its state; already up → the existing state.
     Raises StackError; on failure everything started so far is stopped again."""
     from infra.tracking import resolve_tracking_uri
@@ -103,11 +142,8 @@ def up(home: Path, prefect_port: int = 4200, mlflow_port: int = 5000, runs_root:
              "urls": {"prefect_ui": ui_url, "prefect_api": api_url, "mlflow_ui": mlflow_url}}
     comps = state["components"]
     try:
-        # `prefect server start` through alloy.prefect_compat: the same command plus a FastAPI null-body fix
-        # without which `prefect deploy` fails against Prefect 3.8.8 + FastAPI 0.154 (see that module)
-        comps["prefect-server"] = spawn("prefect-server", [sys.executable, "-m", "alloy.prefect_compat",
-            "server", "start", "--host", HOST, "--port", str(pport), "--analytics-off", "--no-prompt"],
-            logs / "prefect-server.log", env, home)
+        comps["prefect-server"] = spawn("prefect-server", prefect_server_command(pport), logs / "prefect-server.log",
+                                        env, home)
         comps["prefect-server"].update(port=pport, url=ui_url)
         write_state(state_path, state)
         if local_mlflow:
@@ -123,7 +159,12 @@ def up(home: Path, prefect_port: int = 4200, mlflow_port: int = 5000, runs_root:
         wait_until(lambda: _prefect_health(ui_url), comps["prefect-server"], "prefect server", timeout_s)
         _run_step("work pool", _bin("prefect") + ["work-pool", "create", POOL, "--type", "process"], env,
                   logs / "deploy.log")
-        echo(f"work pool {POOL} ready; deploying prefect.yaml …")
+        try:
+            action = ensure_gpu_limit(api_url, gpu_slots)
+        except (OSError, ValueError) as exc:  # HTTPError, connection refused, bad JSON
+            raise StackError(f"creating the global concurrency limit {GPU_LIMIT} failed: {exc}") from None
+        state["gpu_limit"] = {"name": GPU_LIMIT, "slots": gpu_slots, "action": action}
+        echo(f"work pool {POOL} and concurrency limit {GPU_LIMIT} ({gpu_slots} slots) ready; deploying prefect.yaml …")
         _run_step("prefect deploy", _bin("prefect") + ["deploy", "--all", "--no-prompt"], env, logs / "deploy.log")
         comps["prefect-worker"] = spawn("prefect-worker", _bin("prefect") + [
             "worker", "start", "--pool", POOL, "--type", "process", "--name", WORKER_NAME], logs / "worker.log",
@@ -212,6 +253,8 @@ def _print_urls(state: dict) -> None:
     u = state["urls"]
     print(f"Prefect UI   {u['prefect_ui']}\nPrefect API  {u['prefect_api']}\nMLflow UI    {u['mlflow_ui']}")
     print(f"work pool    {state['pool']} (worker {WORKER_NAME}); logs in {state['home']}/logs")
+    if state.get("gpu_limit"):
+        print(f"gpu limit    {state['gpu_limit']['name']}: {state['gpu_limit']['slots']} slots")
     print(f"use it:      export PREFECT_API_URL={u['prefect_api']}\n"
           f"             prefect deployment run 'alloy-pipeline/smoke' --watch")
 
@@ -221,9 +264,13 @@ def cmd_up(args) -> int:
         if not 0 <= port <= 65535:
             print(f"error: {flag} must be in 0..65535 (0 = any free port), got {port}", file=sys.stderr)
             return 2
+    if args.gpu_slots < 1:
+        print(f"error: --gpu-slots must be at least 1, got {args.gpu_slots}", file=sys.stderr)
+        return 2
     try:
         state = up(Path(args.home), args.prefect_port, args.mlflow_port,
-                   runs_root=Path(args.runs_root) if args.runs_root else None, tracking_uri=args.mlflow_uri)
+                   runs_root=Path(args.runs_root) if args.runs_root else None, tracking_uri=args.mlflow_uri,
+                   gpu_slots=args.gpu_slots)
     except StackError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -277,6 +324,10 @@ def add_parsers(sub) -> None:
     u.add_argument("--runs-root", default=None, help="the runs root whose mlflow.db the UI serves (default <repo>/runs)")
     u.add_argument("--mlflow-uri", default=None, help="tracking URI instead (sqlite:///… is served; http… is used "
                                                       "as is); default $MLFLOW_TRACKING_URI, else the runs root's")
+    u.add_argument("--gpu-slots", type=int, default=DEFAULT_GPU_SLOTS,
+                   help="slots of the global concurrency limit `gpu` (specialist flow runs training at once in "
+                        f"specialists.mode=deployment; default {DEFAULT_GPU_SLOTS}, as specialists.max_parallel); "
+                        "an existing limit is set to this")
     u.set_defaults(fn=cmd_up)
     d = sub.add_parser("down", help="stop everything `alloy up` started (no orphans)",
                        description="Stop the worker (and its flow runs), MLflow and the Prefect server. Exit 0.")

@@ -6,11 +6,13 @@ import logging
 import pandas as pd
 from prefect import flow
 
-from flows.distill import distill_stage
+from flows.distill import run_distill
+from flows.handoff import where_am_i
 from flows.specialists import run_specialists
 from infra.config import refuse_secret_overrides
 from infra.procs import stop_requested
-from tasks.base import train_base
+from infra.report import resources_of
+from tasks.base import base_checkpoint_url, train_base
 from tasks.context import RunContext, open_context
 from tasks.evaluate import evaluate_stage
 from tasks.report import publish_report
@@ -40,23 +42,29 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
     Secrets are refused in `overrides` (a flow parameter, stored by Prefect): they come from the environment."""
     refuse_secret_overrides(overrides, "flow alloy-pipeline, parameter `overrides`")
     ctx = open_context(config, overrides or [])
+    print(where_am_i("alloy-pipeline", ctx))
     status = "FAILED"
     try:
         base_dir = train_base(ctx)
+        # another worker's flow run (deployment modes) is handed storage URLs, never this run's local paths
+        remote = "deployment" in (ctx.cfg.specialists.mode, ctx.cfg.distill.mode)
+        base_url = base_checkpoint_url(ctx) if remote else None
         frames = [evaluate_stage(ctx, base_dir, stage="base")]
         specs: dict[str, dict] = {}
         if ctx.cfg.specialists.enabled:
-            specs = run_specialists(ctx, base_dir)
+            specs = run_specialists(ctx, base_dir, base_url)
             frames.append(specialist_scores(ctx, specs))
         teachers = {d: specs[d]["specialist_dir"] if d in specs else base_dir for d in ctx.domains}
-        student = distill_stage(ctx, base_dir, teachers)
+        teacher_urls = {d: specs[d]["checkpoint"] if d in specs else base_url for d in ctx.domains} if remote else None
+        student = run_distill(ctx, base_dir, teachers, base_url, teacher_urls)
         frames.append(evaluate_stage(ctx, student["student_dir"], stage="student"))
         report = publish_report(
             ctx, pd.concat(frames, ignore_index=True), report_path=report_path, n_teachers=student["n_teachers"],
             throughput=student["throughput"], guard=guard_totals(specs),
             artifacts={"student_checkpoint": student["student_checkpoint"],
                        "registered_model": student["registered_model"],
-                       "specialists": {d: s["checkpoint"] for d, s in specs.items()}})
+                       "specialists": {d: s["checkpoint"] for d, s in specs.items()}},
+            resources=resources_of(ctx.resources.get("base"), list(specs.values()), student))
         status = "FINISHED"
         return report
     finally:

@@ -4,7 +4,10 @@
 - `specialists.mode: local` (default): `train_specialist` tasks on a thread pool of `max_parallel` workers, each a
   trainer process; a failed one is retried (`specialists.retries`) and resumes from its newest complete checkpoint;
 - `specialists.mode: deployment`: one `run_deployment` of `alloy-specialist/default` per domain (a work pool, e.g.
-  Kubernetes with one GPU node per run), each bounded by the global concurrency limit `gpu`.
+  Kubernetes with one GPU node per run), each bounded by the global concurrency limit `gpu`; a failed or crashed
+  flow run is run again (`specialists.retries`), on any worker, and resumes from storage. No disk is shared:
+  the flow run gets the base checkpoint's storage URL and commits its `final/` and `result.json` to storage, which
+  this flow reads back (flows/handoff.py).
 
 `specialist(...)` is that deployment's entry point: one domain, plain JSON parameters.
 """
@@ -16,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.handoff import dispatch_overrides, fetch_checkpoint, warn_unshared_storage, where_am_i
 from infra.config import refuse_secret_overrides
 from infra.procs import stop_requested
 from tasks.context import RunContext, open_context, stage_timer
@@ -36,56 +40,89 @@ def _local(ctx: RunContext, base_dir: str) -> dict[str, dict]:
     return {d: f.result() for d, f in futures.items()}
 
 
-def _deployments(ctx: RunContext, base_dir: str) -> dict[str, dict]:
-    """Each domain as a flow run of `specialists.deployment`; results come back through storage."""
+def _deployments(ctx: RunContext, base_url: str) -> dict[str, dict]:
+    """Each domain as a flow run of `specialists.deployment`, handed the base checkpoint's storage URL; results
+    come back through storage (the flow run's worker may share no disk with this one)."""
     from prefect.deployments import run_deployment
 
-    from infra.storage import join, load_checkpoint, read_json
+    from infra.storage import join, read_json
+
+    warn_unshared_storage(ctx, "specialists.mode")
+    overrides = dispatch_overrides(ctx)
 
     def one(domain: str) -> dict:
-        fr = run_deployment(ctx.cfg.specialists.deployment, timeout=None, as_subflow=True,
-                            parameters={"config": ctx.config_path, "domain": domain, "base_dir": base_dir,
-                                        "overrides": list(ctx.overrides), "parent_run_id": ctx.parent_run_id})
-        if not fr.state or not fr.state.is_completed():
-            raise RuntimeError(f"specialist {domain}: deployment run {fr.id} ended {fr.state and fr.state.name}")
+        attempts = 1 + ctx.cfg.specialists.retries
+        for attempt in range(1, attempts + 1):
+            fr = run_deployment(ctx.cfg.specialists.deployment, timeout=None, as_subflow=True,
+                                parameters={"config": ctx.config_path, "domain": domain, "base_url": base_url,
+                                            "overrides": overrides, "parent_run_id": ctx.parent_run_id})
+            if fr.state and fr.state.is_completed():
+                break
+            ended = f"specialist {domain}: deployment run {fr.id} ended {fr.state and fr.state.name}"
+            retry = fr.state and (fr.state.is_failed() or fr.state.is_crashed()) and not stop_requested()
+            if attempt == attempts or not retry:
+                raise RuntimeError(ended)
+            # a new flow run, on whichever worker the pool gives it: it resumes from the newest step-* in storage
+            log.warning("%s; retry %d of %d (resumes from its newest checkpoint in storage)", ended, attempt,
+                        attempts - 1)
         prefix = specialist_prefix(ctx, domain)
         summary = read_json(join(prefix, "result.json"))
-        local = ctx.work_dir / "specialists" / domain / "final-local"
-        load_checkpoint(join(prefix, "final"), local)
-        return {**summary, "specialist_dir": str(local), "checkpoint": join(prefix, "final"), "domain": domain}
+        local = fetch_checkpoint(join(prefix, "final"), ctx.work_dir / "specialists" / domain / "final-local",
+                                 f"specialist {domain}")
+        return {**summary, "specialist_dir": local, "checkpoint": join(prefix, "final"), "domain": domain,
+                "flow_run_id": str(fr.id)}
 
     with ThreadPoolExecutor(max_workers=len(ctx.domains)) as pool:  # the `gpu` limit bounds what really runs
         return dict(zip(ctx.domains, pool.map(one, ctx.domains)))
 
 
 @flow(name="alloy-specialists", validate_parameters=False)
-def specialists(ctx: RunContext, base_dir: str) -> dict[str, dict]:
-    """{domain: specialist summary} for every configured domain (see tasks/specialist.py for the summary)."""
+def specialists(ctx: RunContext, base_dir: str, base_url: str | None = None) -> dict[str, dict]:
+    """{domain: specialist summary} for every configured domain (see tasks/specialist.py for the summary).
+    `base_dir`: the base checkpoint here (local mode); `base_url`: its storage URL (deployment mode)."""
     with stage_timer(ctx, "specialists"):
-        out = _deployments(ctx, base_dir) if ctx.cfg.specialists.mode == "deployment" else _local(ctx, base_dir)
+        if ctx.cfg.specialists.mode == "deployment":
+            if not base_url:
+                raise ValueError("specialists.mode=deployment needs the base checkpoint's storage URL (base_url)")
+            out = _deployments(ctx, base_url)
+        else:
+            out = _local(ctx, base_dir)
     for d, s in out.items():
         log.info("specialist %s: score %.3f (%d steps, the step-%s policy selected%s)", d, s["score"], s["steps"],
                  s.get("selected_step", s["steps"]), f"; stopped early: {s['stopped']}" if s.get("stopped") else "")
     return out
 
 
-def run_specialists(ctx: RunContext, base_dir: str) -> dict[str, dict]:
+def run_specialists(ctx: RunContext, base_dir: str, base_url: str | None = None) -> dict[str, dict]:
     """`specialists` with a task runner of `specialists.max_parallel` workers (a config value, so set per call)."""
     runner = ThreadPoolTaskRunner(max_workers=ctx.cfg.specialists.max_parallel)
-    return specialists.with_options(task_runner=runner)(ctx, base_dir)
+    return specialists.with_options(task_runner=runner)(ctx, base_dir, base_url)
 
 
 @flow(name="alloy-specialist", log_prints=True)
-def specialist(config: str, domain: str, base_dir: str, overrides: list[str] | None = None,
+def specialist(config: str, domain: str, base_url: str, overrides: list[str] | None = None,
                parent_run_id: str | None = None) -> dict:
-    """One domain's specialist (the `alloy-specialist/default` deployment). Holds one slot of the global
-    concurrency limit `gpu` while it trains (create it with `prefect gcl create gpu --limit N`). Secrets are
-    refused in `overrides`: the worker's environment carries them (ALLOY_ENGINE_API_KEY, ...)."""
+    """One domain's specialist (the `alloy-specialist/default` deployment) from the base checkpoint at `base_url`
+    (a storage URL, pulled into this worker's work dir; a local directory also works on the machine that has it).
+    Its `final/` and `result.json` are committed to storage; a rerun resumes from the newest `step-*` there, on
+    any worker. Holds one slot of the global concurrency limit `gpu` while it trains (`alloy up --gpu-slots N`
+    creates it). Secrets are refused in `overrides`: the worker's environment carries them (ALLOY_ENGINE_API_KEY)."""
     from prefect.concurrency.sync import concurrency
 
     refuse_secret_overrides(overrides, "flow alloy-specialist, parameter `overrides`")
-    ctx = open_context(config, overrides or [], parent_run_id=parent_run_id)
-    if domain not in ctx.domains:
-        raise ValueError(f"domain {domain!r} is not configured in {config}; configured: {sorted(ctx.domains)}")
-    with concurrency("gpu", occupy=1, strict=False):
-        return train_specialist(ctx, domain, base_dir)
+    ctx = open_context(config, overrides or [], parent_run_id=parent_run_id, check_model_path=False)
+    print(where_am_i(f"alloy-specialist {domain}", ctx))
+    status = "FAILED"
+    try:
+        if domain not in ctx.domains:
+            raise ValueError(f"domain {domain!r} is not configured in {config}; configured: {sorted(ctx.domains)}")
+        # its own copy: several specialist flow runs on one worker (same run.root) must not share one directory
+        base_dir = fetch_checkpoint(base_url, ctx.work_dir / "specialists" / domain / "base",
+                                    f"specialist {domain}: base checkpoint")
+        with concurrency("gpu", occupy=1, strict=False):
+            out = train_specialist(ctx, domain, base_dir)
+        status = "FINISHED"
+        return out
+    finally:
+        if parent_run_id is None:  # our own parent run; someone else's stays open for them
+            ctx.tracker.end(status)

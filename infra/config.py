@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from infra.engine.backends import BACKEND_NAMES, MAX_RUNNING_REQUESTS
 from infra.tracking import REDACTED, flatten_config, is_secret
@@ -116,13 +116,17 @@ class ModelConfig(_Strict):
 
     @field_validator("path")
     @classmethod
-    def _path_exists(cls, v: str | None) -> str | None:
+    def _path_exists(cls, v: str | None, info: ValidationInfo) -> str | None:
         """A local path must be a directory; a value like `org/name` that names nothing here may be a Hub id (found
-        in the local HF cache or not: `alloy run --dry-run` checks it)."""
+        in the local HF cache or not: `alloy run --dry-run` checks it). Only the base stage reads it: a process
+        that never does (a specialist or distill flow run on another worker, a trainer process) loads the config
+        with `check_model_path=False`, and the path need not exist there."""
         if v is None:
             return v
         if not v.strip():
             raise ValueError("must not be empty (leave model.path out to build a fresh preset model)")
+        if info.context and info.context.get("check_model_path") is False:
+            return v
         p = Path(v).expanduser()
         if p.exists():
             if not p.is_dir():
@@ -166,6 +170,15 @@ class TrainConfig(_Strict):
                                                          "cosine decay to 0 at the stage's last step.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
     world_size: int = Field(1, ge=1, description="Ranks per trainer; > 1 launches the trainer under torchrun.")
+
+
+def _refuse_sharded_weights(where: str, t: TrainConfig) -> None:
+    """Multi-rank specialists and student: rank 0 alone generates with the trained module (validation, evals), so
+    every rank must hold whole weights (ZeRO ≤ 2)."""
+    if t.world_size > 1 and t.zero_stage == 3:
+        raise ValueError(f"{where}.zero_stage: 3 shards the weights over the {t.world_size} ranks of "
+                         f"{where}.world_size, but rank 0 alone generates with them (validation, evals); "
+                         "use zero_stage 0-2 with world_size > 1")
 
 
 class BaseConfig(_Strict):
@@ -220,6 +233,23 @@ class TeachersConfig(_Strict):
         return v
 
 
+class ResourcesConfig(_Strict):
+    """GPUs of one node and the memory model of the placement planner (infra/placement.py, docs/placement.md):
+    which GPUs each trainer, rollout server and teacher server gets. No GPUs (unset here, no CUDA): no placement."""
+    gpus_per_node: int | None = ops_field(None, ge=0, description="GPUs of one node the plan spreads the processes "
+                                          "over (`alloy plan --gpus N` wins); None: the CUDA devices this process "
+                                          "sees, 0 on a CPU machine (nothing is placed).")
+    gpu_memory_gb: float = ops_field(80.0, gt=0, description="Memory of one GPU in GB (1e9 bytes).")
+    model_gb: float | None = ops_field(None, gt=0, description="GB of one bf16 copy of the model's weights; None: "
+                                       "estimated from model.path's config.json (params × dtype bytes).")
+    kv_cache_gb: float | None = ops_field(None, ge=0, description="KV cache of each engine server in GB; None: "
+                                          "half the weights, at least 1 GB.")
+    trainer_overhead_gb: float = ops_field(4.0, ge=0, description="Per trainer rank, beyond its DeepSpeed state: "
+                                           "activations, CUDA context.")
+    colocate_rollout: bool = ops_field(False, description="A trainer shares its GPU(s) with its own rollout server "
+                                       "(the trainer gets what the server leaves); false: servers get other GPUs.")
+
+
 class DistillConfig(_Strict):
     """The OPD student (docs/architecture.md, "OPD (the merge)"): it samples on-policy, each sample's domain
     teacher scores it."""
@@ -260,13 +290,16 @@ class DistillConfig(_Strict):
     checkpoint_every: int = ops_field(50, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
     log_every: int = ops_field(25, ge=1, description="Log train and per-teacher metrics every N steps.")
     threads: int = ops_field(1, ge=1, description="Torch threads of the student trainer process.")
+    mode: Literal["local", "deployment"] = ops_field("local", description="local: the student trains in the pipeline's "
+                                                 "flow run; deployment: run_deployment of `distill.deployment` with "
+                                                 "storage URLs of the base and the teachers (docs/scale-out.md).")
+    deployment: str = ops_field("alloy-distill/default", description="Deployment the distill stage runs as in "
+                                                                   "deployment mode.")
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=128))
 
     @model_validator(mode="after")
-    def _single_rank(self) -> "DistillConfig":
-        if self.train.world_size != 1:
-            raise ValueError("distill.train.world_size: the student trains on one rank (it samples through its own "
-                             "engine server); got " + str(self.train.world_size))
+    def _ranks(self) -> "DistillConfig":
+        _refuse_sharded_weights("distill.train", self.train)
         return self
 
 
@@ -354,9 +387,11 @@ class SpecialistsConfig(_Strict):
     max_parallel: int = ops_field(2, ge=1, description="Specialists trained at once (local mode).")
     mode: Literal["local", "deployment"] = ops_field("local", description="local: concurrent subprocesses; deployment: "
                                                  "run_deployment of alloy-specialist/default per domain (work pool, "
-                                                 "global concurrency limit `gpu`).")
+                                                 "global concurrency limit `gpu`; checkpoints travel as storage URLs, "
+                                                 "so run.storage must be shared, e.g. s3://; docs/scale-out.md).")
     deployment: str = ops_field("alloy-specialist/default", description="Deployment run per domain in deployment mode.")
-    retries: int = ops_field(2, ge=0, description="Task retries of a failed specialist (each resumes its checkpoint).")
+    retries: int = ops_field(2, ge=0, description="Retries of a failed specialist (each resumes its checkpoint): "
+                                              "task retries in local mode, new flow runs in deployment mode.")
     threads: int = ops_field(1, ge=1, description="Torch threads of each specialist trainer process.")
     guard: GuardConfig = Field(default_factory=GuardConfig)
     per_domain: dict[str, dict[str, Any]] = Field(
@@ -392,6 +427,11 @@ class SpecialistsConfig(_Strict):
             t = getattr(self, name)
             if t.grad_accum != 1:
                 raise ValueError(f"specialists.{name}.grad_accum: each PPO epoch is one optimizer step; must be 1")
+            _refuse_sharded_weights(f"specialists.{name}", t)
+        if self.policy_train.world_size != self.critic_train.world_size:
+            raise ValueError(f"specialists.policy_train.world_size ({self.policy_train.world_size}) and "
+                             f"specialists.critic_train.world_size ({self.critic_train.world_size}) must be equal: "
+                             "policy and critic train in the same processes (one torchrun process group)")
         if self.val_every == 0 and (self.patience or self.stop_at is not None):
             raise ValueError("specialists.patience / specialists.stop_at need validations: set specialists.val_every > 0")
         return self
@@ -408,6 +448,7 @@ class AlloyConfig(_Strict):
     specialists: SpecialistsConfig = Field(default_factory=SpecialistsConfig)
     teachers: TeachersConfig = Field(default_factory=TeachersConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
     @model_validator(mode="after")
     def _unique_domains(self) -> "AlloyConfig":
@@ -496,16 +537,17 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def config_from_dict(data: dict, source: str = "<dict>") -> AlloyConfig:
+def config_from_dict(data: dict, source: str = "<dict>", check_model_path: bool = True) -> AlloyConfig:
+    """Validate `data`; `check_model_path=False` skips the local `model.path` existence check (see ModelConfig)."""
     try:
-        return AlloyConfig.model_validate(data)
+        return AlloyConfig.model_validate(data, context={"check_model_path": check_model_path})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> AlloyConfig:
+def load_config(path: str | Path, overrides: list[str] | None = None, check_model_path: bool = True) -> AlloyConfig:
     """Read YAML, apply the secrets of the environment (module docstring), then the overrides, and validate.
-    Raises ConfigError with dotted paths."""
+    Raises ConfigError with dotted paths. `check_model_path=False`: for a process that never reads `model.path`."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -517,7 +559,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> AlloyCo
         raise ConfigError(f"config {path}: top level must be a mapping, got {type(data).__name__}")
     apply_overrides(data, secret_env_overrides(os.environ))
     apply_overrides(data, overrides or [])
-    return config_from_dict(data, source=str(path))
+    return config_from_dict(data, source=str(path), check_model_path=check_model_path)
 
 
 # --------------------------------------------------------------------------------------------- secrets

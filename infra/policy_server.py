@@ -7,12 +7,14 @@ server comes back with the latest weights and the same `weight_version`.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
 from infra.engine.backends import server_backend
 from infra.engine.client import EngineClient
 from infra.engine.launcher import ServerSpec, Supervisor, launch_settings
+from infra.placement import rollout_placement
 
 log = logging.getLogger("alloy.policy_server")
 
@@ -28,7 +30,7 @@ class PolicyServer:
     def __init__(self, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path, *,
                  backend: str = "embedded", api_key: str | None = None, host: str = "127.0.0.1",
                  extra_args: list[str] | None = None, options: dict | None = None, keep: int = 2, version: int = 0,
-                 seed: int | None = None):
+                 seed: int | None = None, env: dict[str, str] | None = None):
         self.supervisor, self.name = supervisor, name
         extra, options = list(extra_args or []), dict(options or {})
         if seed is not None:  # the sampling stream follows the run's seed (and differs after a resume at `version`)
@@ -38,7 +40,7 @@ class PolicyServer:
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self.keep, self.version = keep, version
         spec = ServerSpec(name=name, model_path=str(model_dir), backend=backend, host=host, api_key=api_key,
-                          extra_args=extra, options=options, weight_version=str(version))
+                          extra_args=extra, options=options, weight_version=str(version), env=dict(env or {}))
         self.url = supervisor.start([spec])[name]
         # retries ride out a supervisor restart of this server (tens of seconds on a loaded machine): ~30 s budget
         self.client = EngineClient(self.url, api_key=api_key, max_retries=10, backoff_base=0.25, backoff_max=4.0)
@@ -48,8 +50,10 @@ class PolicyServer:
     def for_engine(cls, engine_cfg, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path,
                    **kw) -> "PolicyServer":
         """A rollout server launched as `engine_cfg` (infra.config.EngineConfig) says: backend (embedded or real
-        SGLang), its options, bind address, API key."""
-        return cls(supervisor, name, model_dir, work_dir, **launch_settings(engine_cfg), api_key=engine_cfg.api_key,
+        SGLang), its options, bind address, API key; on the GPUs the trainer process was given for it
+        (infra/placement.py `trainer_env`: PLACEMENT_ENV), if any."""
+        settings = launch_settings(engine_cfg, rollout_placement(os.environ))
+        return cls(supervisor, name, model_dir, work_dir, **settings, api_key=engine_cfg.api_key,
                    host=engine_cfg.host, **kw)
 
     async def push(self, train_backend, tokenizer, version: int) -> str:

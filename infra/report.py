@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 STAGES = ("base", "specialist", "student")
+RESOURCE_STAGES = ("base", "specialists", "student")
 TIMING_KEYS = ("base", "specialists", "teachers_up", "distill", "eval", "total")
 
 
@@ -40,7 +41,8 @@ def domain_table(scores: pd.DataFrame, domains: list[str]) -> dict[str, dict[str
 
 def build_report(*, config: str, run_id: str, mlflow: dict, scores: pd.DataFrame, domains: list[str],
                  n_teachers: int = 0, timings_s: dict | None = None, throughput: dict | None = None,
-                 guard: dict | None = None, artifacts: dict | None = None) -> dict:
+                 guard: dict | None = None, artifacts: dict | None = None, resources: dict | None = None) -> dict:
+    """`resources`: {stage: {"world_size": W}} as the trainers ran (see `resources_of`); missing stages are null."""
     table = domain_table(scores, domains)
     recoveries = [v["recovery"] for v in table.values() if v["recovery"] is not None]
     summary = {
@@ -64,7 +66,18 @@ def build_report(*, config: str, run_id: str, mlflow: dict, scores: pd.DataFrame
         "throughput": {"distill_sampled_tokens_per_s": None, "teacher_scored_tokens_per_s": None, **(throughput or {})},
         "guard": {"tool_calls": 0, "flagged": 0, "blocked": 0, **(guard or {})},
         "artifacts": {"student_checkpoint": None, "registered_model": None, **(artifacts or {})},
+        "resources": {k: {"world_size": None, **(resources or {}).get(k, {})} for k in RESOURCE_STAGES},
     }
+
+
+def resources_of(base: dict | None, specialists: list[dict], student: dict | None) -> dict:
+    """The report's `resources` from what the trainers recorded: the base stage's {"world_size": W}, and the
+    `world_size` in each specialist's and the student's result (torch.distributed's world size in the trainer; a
+    result from before this field: null). Specialists trained with different world sizes report the largest."""
+    spec = [s.get("world_size") for s in specialists if s.get("world_size") is not None]
+    return {"base": {"world_size": (base or {}).get("world_size")},
+            "specialists": {"world_size": max(spec) if spec else None},
+            "student": {"world_size": (student or {}).get("world_size")}}
 
 
 def _fmt(x: Any) -> str:
@@ -107,6 +120,8 @@ REPORT_SHAPE: dict[str, str] = {
                                                                       "teacher_scored_tokens_per_s")},
     "guard": _MAP, **{f"guard.{k}": _INT for k in ("tool_calls", "flagged", "blocked")},
     "artifacts": _MAP, "artifacts.student_checkpoint": _STR + _OPT, "artifacts.registered_model": _STR + _OPT,
+    "resources": _MAP, **{f"resources.{k}": _MAP for k in RESOURCE_STAGES},
+    **{f"resources.{k}.world_size": _INT + _OPT for k in RESOURCE_STAGES},
 }
 
 

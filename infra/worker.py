@@ -131,7 +131,7 @@ class Worker:
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
         from infra.config import load_config
 
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, args.set, check_model_path=False)  # the flow that started us checked it
         if self.threads is not None:
             import torch
 

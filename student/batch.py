@@ -45,8 +45,11 @@ def reward_advantage(rewards: Sequence[float], groups: Sequence[str]) -> list[fl
     return [float(r) - means[g] for r, g in zip(rewards, groups)]
 
 
-def collate(samples: Sequence[StudentSample], pad_id: int, version: int, with_topk: bool) -> OPDBatch:
-    """Pad scored samples into an `OPDBatch` (see the module docstring for the alignment)."""
+def collate(samples: Sequence[StudentSample], pad_id: int, version: int, with_topk: bool,
+            reward_adv: Sequence[float] | None = None) -> OPDBatch:
+    """Pad scored samples into an `OPDBatch` (see the module docstring for the alignment). `reward_adv`: the
+    samples' task-reward advantages when the baseline is taken over more than these samples (a rank's shard of a
+    global batch); default `reward_advantage` over these samples."""
     if not samples:
         raise ValueError("collate: no samples")
     B, T = len(samples), max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
@@ -76,7 +79,7 @@ def collate(samples: Sequence[StudentSample], pad_id: int, version: int, with_to
             k_ids[b, P - 1:P - 1 + L] = s.teacher_topk_ids
             k_lp[b, P - 1:P - 1 + L] = s.teacher_topk_logprobs
     rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
-    adv = reward_advantage(rewards, [s.domain for s in samples])
+    adv = reward_advantage(rewards, [s.domain for s in samples]) if reward_adv is None else list(reward_adv)
     return OPDBatch(
         torch.from_numpy(ids), torch.from_numpy(attn), torch.from_numpy(mask), torch.from_numpy(t_lp),
         torch.from_numpy(r_lp), torch.from_numpy(k_ids) if with_topk else None,

@@ -11,6 +11,9 @@ The result (summary, throughput, per-teacher totals, evals, the final checkpoint
 
 The recipe (`run_distillation`): build the DeepSpeed student → resume if a checkpoint exists → serve it on an engine
 server → one EngineClient per teacher endpoint → train (student/trainer.py) → commit `final/`.
+With `distill.train.world_size` W > 1 the task starts this under torchrun: rank 0 runs the recipe (engine server,
+sampling, teacher scoring, ledger, evals, MLflow, commits) and announces each update, weight save and state
+save/load; ranks 1..W-1 follow (infra/ranks.py) and train their shards of each batch (student/trainer.opd_update).
 The process around the recipe (flags, config, MLflow, torch.distributed, signals, the result file) is the
 trainer skeleton's, infra/worker.py; `WORKER` describes this entry point to the tasks that start it.
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from domains.registry import load_domains
 from infra.engine.client import EngineClient
+from infra.ranks import Ranks, process_world_size
 from infra.training import commit_final, fresh_final, serve_and_run, train_settings, trainable
 from infra.worker import Worker, WorkerRun, arg
 from student.losses import get_loss
@@ -30,8 +34,6 @@ from student.scoring import TeacherScorer
 from student.trainer import DistillTrainer
 
 log = logging.getLogger("alloy.student")
-
-
 
 
 def teacher_clients(endpoints: dict[str, str], dc, api_key: str | None) -> dict[str, EngineClient]:
@@ -51,12 +53,20 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     dc, work = cfg.distill, Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     tok, backend = trainable(student_init, train_settings(dc.train, max(dc.steps, 1), cfg.run.seed))
+    ranks = Ranks()
+    if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
+        DistillTrainer(dc, backend, tok, None, None, domains, out_url=out_url, work_dir=work, tracker=tracker,
+                       seed=cfg.run.seed, ranks=ranks)
+        ranks.follow()
+        backend.close()
+        return {"world_size": ranks.world_size}
     scorer = TeacherScorer(teacher_clients(teachers, dc, cfg.engine.api_key),
                            top_k=dc.top_k if get_loss(dc.loss).needs_teacher_topk else 0,
                            batch_size=dc.score_batch_size, vocab_size=len(tok), attempts=dc.score_attempts)
     trainer = DistillTrainer(dc, backend, tok, None, scorer, domains, out_url=out_url, work_dir=work,
                              tracker=tracker, seed=cfg.run.seed, eval_max_new_tokens=cfg.eval.max_new_tokens,
-                             eval_batch_size=cfg.eval.batch_size, on_step=on_step)
+                             eval_batch_size=cfg.eval.batch_size, on_step=on_step, ranks=ranks)
+    backend = trainer.backend  # on rank 0 of several: its collective calls are announced to the other ranks
     serve_dir = trainer.resume() or student_init
     tracker.log_dict({"teachers": teachers, "resumed_at_step": trainer.state.step}, "distill/teachers.json")
     summary = serve_and_run(cfg.engine, work, "student", serve_dir, version=trainer.state.step, seed=cfg.run.seed,
@@ -67,6 +77,8 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     summary["student_checkpoint"] = commit_final(final, out_url, trainer.state.step,
                                                  meta={"stage": "student", "steps": trainer.state.step})
     summary["student_dir"] = str(final)
+    summary["world_size"] = process_world_size()  # the process group the student trained in (report.json)
+    ranks.finish()
     backend.close()
     return summary
 

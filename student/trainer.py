@@ -36,8 +36,9 @@ import numpy as np
 from domains.evaluate import evaluate_model
 from infra.engine.client import seed_for
 from infra.ledger import Ledger
+from infra.ranks import Ranks, led, require_same_world
 from infra.storage import checkpoint_name, join, load_latest, prune, save_checkpoint
-from student.batch import collate, opd_loss
+from student.batch import collate, opd_loss, reward_advantage
 from student.losses import get_loss
 from student.sampler import PromptStream, StudentSample, decode_response, domain_weights, sample_batch
 from student.scoring import TeacherScorer
@@ -78,9 +79,15 @@ class DistillTrainer:
 
     def __init__(self, dc, backend, tokenizer, policy, scorer: TeacherScorer, domains: dict, *, out_url: str,
                  work_dir: str | Path, tracker, seed: int = 0, eval_max_new_tokens: int = 16,
-                 eval_batch_size: int = 128, on_step=None):
-        self.dc, self.backend, self.tok, self.policy, self.scorer = dc, backend, tokenizer, policy, scorer
+                 eval_batch_size: int = 128, on_step=None, ranks=None):
+        # several ranks (torchrun): rank 0 drives this loop, the others run `ranks.follow()` (student/distill_main)
+        self.ranks = ranks or Ranks()
+        raw, backend = backend, led(backend, self.ranks, "student")
         self.loss = get_loss(dc.loss)  # the OPD loss, looked up once; it says what it needs (teacher top-k)
+        self.ranks.on("opd", lambda samples, version: opd_update(
+            raw, samples, version, dc, self.loss, tokenizer.pad_token_id, rank=self.ranks.rank,
+            world=self.ranks.world_size))
+        self.dc, self.backend, self.tok, self.policy, self.scorer = dc, backend, tokenizer, policy, scorer
         self.domains, self.out_url, self.work_dir, self.tracker = domains, out_url, Path(work_dir), tracker
         self.seed, self.eval_max_new_tokens, self.eval_batch_size = seed, eval_max_new_tokens, eval_batch_size
         self.on_step = on_step  # called as on_step(trainer, metrics) after every committed step (tests, progress)
@@ -102,8 +109,10 @@ class DistillTrainer:
         url = load_latest(self.out_url, local)  # newest checkpoint that verifies; a corrupt one is skipped
         if url is None:
             return None
-        self.backend.load_state(local / "state")
         data = json.loads((local / STATE_FILE).read_text())
+        require_same_world(data.pop("world_size", None), self.ranks.world_size, "student", "distill.train.world_size",
+                           url)
+        self.backend.load_state(local / "state")
         self.ledger.load_state_dict(data.pop("ledger"))
         self.state = TrainerState(**data)
         if self.state.stream:
@@ -238,36 +247,8 @@ class DistillTrainer:
 
     # -- one update (worker thread) ---------------------------------------------------------------------------------
     def _update(self, samples: list[StudentSample], version: int) -> dict:
-        """One optimizer step over `samples` in exactly G = grad_accum micro-batches (DeepSpeed's boundary count)."""
-        dc, backend = self.dc, self.backend
-        G = dc.train.grad_accum
-        norm = backend.loss_normalizer(sum(len(s.output_ids) for s in samples))
-        # fewer samples than micro-batches: zero-loss micro-steps (first) keep DeepSpeed's boundary count
-        chunks = sorted(np.array_split(np.arange(len(samples)), G), key=len)
-        sums: dict[str, float] = {}
-        tokens = 0
-        backend.train_mode()
-        for idx in chunks:
-            if len(idx) == 0:
-                one = collate(samples[:1], self.pad, version, with_topk=False)
-                out = backend(input_ids=one.input_ids.to(backend.device),
-                              attention_mask=one.attention_mask.to(backend.device))
-                backend.step(out.logits.sum() * 0.0)
-                continue
-            mb = collate([samples[i] for i in idx], self.pad, version, with_topk=self.loss.needs_teacher_topk)
-            out = backend(input_ids=mb.input_ids.to(backend.device), attention_mask=mb.attention_mask.to(backend.device))
-            loss, m = opd_loss(out.logits, mb, loss=self.loss, direction=dc.direction, beta=dc.beta,
-                               reward_coef=dc.reward_coef, is_clip=dc.is_clip, global_token_count=norm)
-            m.update(backend.step(loss))
-            n = mb.num_tokens
-            tokens += n
-            for k, v in m.items():  # token-weighted means; `loss` is already a share of the global mean
-                sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "reward_pg_loss") else v * n)
-        out_m = {f"train/{k}": (v / G if k in ("loss", "reward_pg_loss") else v / max(tokens, 1))
-                 for k, v in sums.items() if k not in ("stepped", "lr", "grad_norm")}
-        out_m.update({"train/lr": sums.get("lr", 0.0) / max(tokens, 1), "train/grad_norm": m.get("grad_norm", 0.0),
-                      "train/tokens": float(tokens)})
-        return out_m
+        """One optimizer step over `samples` (every rank: its shard, `opd_update`)."""
+        return self.ranks.call("opd", samples, version)
 
     # -- eval, checkpoint, summary ----------------------------------------------------------------------------------
     async def _evaluate(self) -> dict:
@@ -298,7 +279,7 @@ class DistillTrainer:
         shutil.rmtree(local, ignore_errors=True)
         self.backend.save_hf(local / "hf", tokenizer=self.tok)
         self.backend.save_state(local / "state")
-        data = dict(vars(self.state), ledger=self.ledger.state_dict())
+        data = dict(vars(self.state), ledger=self.ledger.state_dict(), world_size=self.ranks.world_size)
         (local / STATE_FILE).write_text(json.dumps(data))
         url = save_checkpoint(str(local), join(self.out_url, checkpoint_name(self.state.step)), self.state.step,
                               meta={"stage": "student", "cursor": self.state.cursor})
@@ -326,3 +307,69 @@ class DistillTrainer:
             "throughput": self.throughput(), "teachers": self.scorer.totals(), "evals": list(self.state.evals),
             "checkpoint": getattr(self, "last_checkpoint", None), "last_metrics": self._last_metrics,
         }
+
+
+def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pad: int, *, rank: int = 0,
+               world: int = 1) -> dict:
+    """One optimizer step over rank `rank`'s shard (samples rank, rank + W, ...) of the global batch `samples`, in
+    exactly G = grad_accum micro-batches (DeepSpeed's boundary count). The loss is normalised by the token count of
+    the whole global batch (`loss_normalizer`), so the W ranks together apply the update one rank applies to all of
+    `samples`. Returns the global batch's metrics."""
+    G = dc.train.grad_accum
+    norm = backend.loss_normalizer(sum(len(s.output_ids) for s in samples))
+    mine = samples[rank::world]
+    adv = None  # W > 1: the reward baseline of the global batch (what one rank with grad_accum 1 uses), not a shard's
+    if world > 1:
+        adv = reward_advantage([s.reward if s.reward is not None else 0.0 for s in samples],
+                               [s.domain for s in samples])[rank::world]
+    # fewer samples than micro-batches: zero-loss micro-steps (first) keep DeepSpeed's boundary count
+    chunks = sorted(np.array_split(np.arange(len(mine)), G), key=len)
+    sums: dict[str, float] = {}
+    m: dict[str, float] = {}
+    tokens = 0
+    backend.train_mode()
+    for idx in chunks:
+        if len(idx) == 0:
+            one = collate(samples[:1], pad, version, with_topk=False)
+            out = backend(input_ids=one.input_ids.to(backend.device),
+                          attention_mask=one.attention_mask.to(backend.device))
+            backend.step(out.logits.sum() * 0.0)
+            continue
+        mb = collate([mine[i] for i in idx], pad, version, with_topk=loss.needs_teacher_topk,
+                     reward_adv=None if adv is None else [adv[i] for i in idx])
+        out = backend(input_ids=mb.input_ids.to(backend.device), attention_mask=mb.attention_mask.to(backend.device))
+        loss_t, m = opd_loss(out.logits, mb, loss=loss, direction=dc.direction, beta=dc.beta,
+                             reward_coef=dc.reward_coef, is_clip=dc.is_clip, global_token_count=norm)
+        m.update(backend.step(loss_t))
+        n = mb.num_tokens
+        tokens += n
+        for k, v in m.items():  # token-weighted means; `loss` is already a share of the global mean
+            sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "reward_pg_loss") else v * n)
+    out_m = {f"train/{k}": (v / G if k in ("loss", "reward_pg_loss") else v / max(tokens, 1))
+             for k, v in sums.items() if k not in ("stepped", "lr", "grad_norm")}
+    out_m.update({"train/lr": sums.get("lr", 0.0) / max(tokens, 1), "train/grad_norm": m.get("grad_norm", 0.0),
+                  "train/tokens": float(tokens)})
+    return _global_metrics(out_m, backend, tokens) if world > 1 else out_m
+
+
+def _global_metrics(local: dict, backend, tokens: int) -> dict:
+    """A shard's `opd_update` metrics → the global batch's (a collective). Every rank sends the same keys: a rank
+    whose micro-batches were all empty has none of the loss's own keys, so the union is agreed on first."""
+    import torch.distributed as dist
+
+    keys: list = [None] * backend.world_size
+    dist.all_gather_object(keys, sorted(local))
+    names = sorted(set().union(*keys))
+    tokens_all = backend.all_reduce_sum(tokens)
+    out = {}
+    for k in names:
+        v = local.get(k, 0.0)
+        if k == "train/tokens":
+            out[k] = tokens_all
+        elif k in ("train/loss", "train/reward_pg_loss"):  # shares of the global token mean
+            out[k] = backend.all_reduce_mean(v)
+        elif k in ("train/grad_norm", "train/lr"):  # the same on every rank that trained a row
+            out[k] = backend.all_reduce_sum(v if tokens else 0.0) / max(backend.all_reduce_sum(float(tokens > 0)), 1.0)
+        else:
+            out[k] = backend.all_reduce_sum(v * tokens) / max(tokens_all, 1.0)
+    return out

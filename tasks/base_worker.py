@@ -48,16 +48,17 @@ def run_base_sft(cfg, domains: dict, init_dir: str, out_dir: str, tracker) -> di
 
         last = train_sft(backend, tok, pairs, cfg.base.steps, batch, seed=cfg.run.seed, on_step=on_step)
     backend.save_hf(out_dir, tokenizer=tok)
-    return last
+    return {**last, "world_size": backend.world_size}  # the process group it trained in (report.json `resources`)
 
 
 WORKER = Worker("tasks.base_worker", "Alloy base SFT worker (one process per rank)",
                 args=(arg("--init", required=True, help="HF dir to start from"),
                       arg("--out", required=True, help="where rank 0 writes the HF checkpoint")))
+# `--result`: rank 0 writes the last step's metrics and `world_size` there
 
 
-def _run(w: WorkerRun) -> None:
-    run_base_sft(w.cfg, load_domains(w.cfg), w.args.init, w.args.out, w.tracker)
+def _run(w: WorkerRun) -> dict:
+    return run_base_sft(w.cfg, load_domains(w.cfg), w.args.init, w.args.out, w.tracker)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ class RunContext:
     parent_run_id: str | None
     domains: dict  # name → domains.base.Domain
     timings: dict = field(default_factory=dict)
+    resources: dict = field(default_factory=dict)  # stage → {"world_size": W} as the trainer ran (report.json)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -41,15 +42,17 @@ class stage_timer:
         return False
 
 
-def open_context(config_path: str, overrides: list[str], parent_run_id: str | None = None) -> RunContext:
+def open_context(config_path: str, overrides: list[str], parent_run_id: str | None = None,
+                 check_model_path: bool = True) -> RunContext:
     """Load the config and domains, make the run's scratch dir, and open tracking: a new MLflow parent run, or
-    (`parent_run_id`, e.g. a deployment run working for a pipeline run elsewhere) that existing run."""
+    (`parent_run_id`, e.g. a deployment run working for a pipeline run elsewhere) that existing run.
+    `check_model_path=False` for a flow that starts from a base checkpoint in storage (it never reads model.path)."""
     import uuid
 
     from infra.config import load_config
     from infra.tracking import NoopTracker, Tracker
 
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, check_model_path=check_model_path)
     domains = load_domains(cfg)
     work_dir = Path(cfg.run.root).resolve() / cfg.run.name / "work"  # local scratch; storage holds what is committed
     work_dir.mkdir(parents=True, exist_ok=True)

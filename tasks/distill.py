@@ -16,8 +16,9 @@ from prefect.cache_policies import NO_CACHE
 from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
 from student.distill_main import WORKER as STUDENT_WORKER
 from tasks.context import RunContext, stage_timer
+from tasks.gpu_lanes import trainer_lane
 from tasks.prefixes import student_prefix_of
-from tasks.worker_process import run_worker, worker_command
+from tasks.worker_process import on_ranks, run_worker, worker_command
 
 log = logging.getLogger("alloy")
 
@@ -34,7 +35,7 @@ def distill_command(ctx: RunContext, student_init: str, endpoints: dict[str, str
     """The trainer's argv (a `WorkerCommand`): secret overrides ride in its environment, never in argv."""
     cmd = STUDENT_WORKER.argv(config=ctx.config_path, student_init=student_init, teachers=json.dumps(endpoints),
                               out=out_url, work_dir=ctx.work_dir / "distill", result=result, mlflow_run_id=run_id)
-    return worker_command(cmd, ctx.overrides)
+    return on_ranks(worker_command(cmd, ctx.overrides), ctx.cfg.distill.train.world_size)
 
 
 @task(name="distill-student", cache_policy=NO_CACHE)
@@ -54,8 +55,9 @@ def train_student(ctx: RunContext, student_init: str, endpoints: dict[str, str])
             summary = read_json(join(prefix, "result.json"))
         else:
             cmd = distill_command(ctx, student_init, endpoints, prefix, result_path, getattr(run, "run_id", None))
-            run_worker(cmd, ctx.work_dir / "logs" / "distill.log", cfg.distill.steps, "distill",
-                       rb"student step (\d+)/\d+")
+            with trainer_lane(cmd, cfg, "distill") as cmd:  # its GPUs, when there are (tasks/gpu_lanes.py)
+                run_worker(cmd, ctx.work_dir / "logs" / "distill.log", cfg.distill.steps, "distill",
+                           rb"student step (\d+)/\d+")
             summary = json.loads(result_path.read_text())
             write_json(join(prefix, "result.json"), summary)
         load_checkpoint(final, local)

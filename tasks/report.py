@@ -23,7 +23,8 @@ log = logging.getLogger("alloy")
 
 @task(name="publish-report", cache_policy=NO_CACHE)
 def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | None = None, n_teachers: int = 0,
-                   throughput: dict | None = None, guard: dict | None = None, artifacts: dict | None = None) -> dict:
+                   throughput: dict | None = None, guard: dict | None = None, artifacts: dict | None = None,
+                   resources: dict | None = None) -> dict:
     ctx.timings["total"] = time.monotonic() - ctx.started
     tracker = ctx.tracker
     report = build_report(
@@ -31,6 +32,7 @@ def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | Non
         mlflow={"tracking_uri": mask_url(getattr(tracker, "tracking_uri", None) or ""), "experiment": ctx.cfg.tracking.experiment,
                 "parent_run_id": ctx.parent_run_id},
         n_teachers=n_teachers, timings_s=ctx.timings, throughput=throughput, guard=guard, artifacts=artifacts,
+        resources=resources,
     )
     write_json(join(ctx.storage_url, "report.json"), report)
     if report_path:

@@ -16,8 +16,9 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
 from tasks.context import RunContext
+from tasks.gpu_lanes import trainer_lane
 from tasks.prefixes import specialist_prefix_of
-from tasks.worker_process import WorkerCommand, run_worker, worker_command
+from tasks.worker_process import WorkerCommand, on_ranks, run_worker, worker_command
 from teachers.specialist_main import WORKER as SPECIALIST_WORKER
 
 log = logging.getLogger("alloy")
@@ -32,7 +33,8 @@ def specialist_command(ctx: RunContext, domain: str, base_dir: str, out_url: str
     """The trainer's argv; secret overrides ride in its environment (`worker_command`), never in argv."""
     cmd = SPECIALIST_WORKER.argv(config=ctx.config_path, domain=domain, init=base_dir, out=out_url,
                                  work_dir=ctx.work_dir / "specialists" / domain, result=result, mlflow_run_id=run_id)
-    return worker_command(cmd, ctx.overrides)
+    ranks = ctx.cfg.specialists.for_domain(domain).policy_train.world_size  # = critic_train's (one process group)
+    return on_ranks(worker_command(cmd, ctx.overrides), ranks)
 
 
 def _progress_artifact(domain: str):
@@ -66,8 +68,9 @@ def train_specialist(ctx: RunContext, domain: str, base_dir: str) -> dict:
                     update_progress_artifact(art, progress=100.0 * step / max(steps, 1))
 
             cmd = specialist_command(ctx, domain, base_dir, prefix, result, getattr(run, "run_id", None))
-            run_worker(cmd, ctx.work_dir / "logs" / f"specialist-{domain}.log", steps, f"specialist {domain}",
-                       rb"specialist \S+ step (\d+)/\d+", on_step)
+            with trainer_lane(cmd, cfg, "specialists") as cmd:  # its GPUs, when there are (tasks/gpu_lanes.py)
+                run_worker(cmd, ctx.work_dir / "logs" / f"specialist-{domain}.log", steps, f"specialist {domain}",
+                           rb"specialist \S+ step (\d+)/\d+", on_step)
             summary = json.loads(result.read_text())
             write_json(join(prefix, "result.json"), summary)
             if art is not None:

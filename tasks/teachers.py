@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.engine.launcher import Supervisor, launch_settings
 from tasks.context import RunContext, stage_timer
+from tasks.gpu_lanes import teacher_placements
 from teachers.registry import TeacherRegistry
 
 log = logging.getLogger("alloy")
@@ -57,10 +58,10 @@ def teacher_sources(domains: list[str], checkpoints: Mapping[str, str],
 
 
 def start_teachers(domains: list[str], checkpoints: Mapping[str, str], student_dir: str, *, log_dir: str | Path,
-                   engine_cfg, teachers_cfg) -> TeacherFleet:
+                   engine_cfg, teachers_cfg, placements: Mapping[str, dict] | None = None) -> TeacherFleet:
     """Launch / register every domain's teacher, wait for health, check tokenizers against `student_dir`.
     `engine_cfg` / `teachers_cfg` are `infra.config.EngineConfig` / `TeachersConfig`; launched servers bind to
-    `engine_cfg.host`."""
+    `engine_cfg.host`. `placements`: {domain: its planned GPUs} (tasks/gpu_lanes.py `teacher_placements`)."""
     launch, external = teacher_sources(domains, checkpoints, teachers_cfg.external)
     for d in sorted(set(external) & set(checkpoints)):
         log.info("teachers: %s uses the external teacher %s, not its specialist checkpoint", d, external[d])
@@ -71,8 +72,10 @@ def start_teachers(domains: list[str], checkpoints: Mapping[str, str], student_d
     try:
         client_kwargs = {"timeout": 30.0, "max_retries": 3}
         if sup is not None:
+            placed = {d: launch_settings(engine_cfg, p) for d, p in (placements or {}).items() if d in launch}
             registry = TeacherRegistry.launch(sup, launch, **launch_settings(engine_cfg), api_key=engine_cfg.api_key,
-                                              host=engine_cfg.host, external=external, client_kwargs=client_kwargs)
+                                              host=engine_cfg.host, external=external, client_kwargs=client_kwargs,
+                                              per_server=placed)
         else:
             registry = TeacherRegistry(external, api_key=engine_cfg.api_key, client_kwargs=client_kwargs)
         if external:
@@ -94,7 +97,8 @@ def serve_teachers(ctx: RunContext, checkpoints: dict[str, str], student_dir: st
     """One teacher per configured domain (specialist checkpoint or `teachers.external`), tokenizers checked."""
     with stage_timer(ctx, "teachers_up"):
         fleet = start_teachers(list(ctx.domains), checkpoints, student_dir, log_dir=ctx.work_dir / "logs" / "teachers",
-                               engine_cfg=ctx.cfg.engine, teachers_cfg=ctx.cfg.teachers)
+                               engine_cfg=ctx.cfg.engine, teachers_cfg=ctx.cfg.teachers,
+                               placements=teacher_placements(ctx.cfg))
     ctx.tracker.set_tags({"alloy.teachers.n": len(fleet.endpoints()), "alloy.teachers.launched": ",".join(fleet.launched),
                           "alloy.teachers.external": ",".join(fleet.external)})
     return fleet

@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -54,6 +55,22 @@ def worker_command(argv: list[str], overrides: list[str]) -> WorkerCommand:
     """`argv` plus the config overrides: `--set` arguments for the plain ones, environment for the secret ones."""
     return WorkerCommand(list(argv) + overrides_args(overrides),
                          secret_overrides_env(split_secret_overrides(overrides)[1], os.environ))
+
+
+def torchrun_command(module: str, nproc: int, args: list[str]) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc_per_node N -m module args…` (single node)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module,
+            *args]
+
+
+def on_ranks(cmd: list[str], world_size: int) -> list[str]:
+    """A worker's command (`[python, -m, module, flags…]`; a `WorkerCommand` keeps its env) as is for one rank, else
+    under torchrun with `world_size` ranks: the launch path of every multi-rank trainer (base, specialists, student)."""
+    if world_size == 1:
+        return cmd
+    if list(cmd[1:2]) != ["-m"]:
+        raise ValueError(f"on_ranks: expected [python, -m, module, ...], got {list(cmd)[:3]}")
+    return WorkerCommand(torchrun_command(cmd[2], world_size, list(cmd[3:])), getattr(cmd, "env", {}))
 
 
 def worker_env(cmd: list[str]) -> dict[str, str]:

@@ -15,6 +15,7 @@ You Off-Policy RL").
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -65,12 +66,22 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  sum_all: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """(x − mean) / sqrt(var + eps) over valid entries (mean/var over the whole batch). Padded positions → 0.
 
     Shapes: x, mask (B, T) → (B, T). With ``shift_mean=False`` the mean is added back (scale only).
+    ``sum_all``: sums a scalar over the data-parallel ranks (each holding a shard of the batch); mean and var are
+    then those of the whole global batch (two passes, as ``masked_var``), so W shards whiten as one batch would.
     """
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    if sum_all is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
+    else:
+        n = sum_all(mask.to(x.dtype).sum())
+        mean = sum_all(masked_sum(x, mask)) / n.clamp_min(torch.finfo(x.dtype).tiny)
+        var = sum_all(masked_sum((x - mean) ** 2, mask)) / n.clamp_min(torch.finfo(x.dtype).tiny)
+        if n > 1:
+            var = var * n / (n - 1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

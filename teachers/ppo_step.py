@@ -21,7 +21,8 @@ The update (`ppo_update`) is the textbook recipe:
                critic  ℓ = ½·max((clip(v) − G)², (v − G)²)                                 → critic.step
 Each epoch is one optimizer step on the whole local batch. Losses are summed over tokens and divided by
 `backend.loss_normalizer(N)`, N = valid tokens over all ranks, so every token weighs the same on any world size.
-Advantage whitening uses this rank's batch statistics.
+Advantages are whitened with the statistics of the whole global batch (all ranks' shards), so W ranks on their
+shards apply the update one rank applies to the global batch (`reduce_metrics` then gives the global metrics).
 """
 from __future__ import annotations
 
@@ -184,9 +185,10 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
         old_logp = (first_pi[0].detach() if reuse_pi else token_logprobs(policy, batch, temperature)).cpu()
         old_values = (first_v.detach() if reuse_v else _values(critic, batch)).cpu()
         kl = None if ref_logprobs is None else ppo_math.kl_estimator(old_logp, ref_logprobs.float(), "k1")
-        r = ppo_math.token_rewards(rewards, mask, kl, kl_coef)
+        # a fully masked batch: a rank without rows of the global batch (teachers/specialist.ppo_shard); it adds 0
+        r = ppo_math.token_rewards(rewards, mask, kl, kl_coef) if mask.any() else torch.zeros_like(mask)
         advantages, returns = ppo_math.compute_gae(r, old_values, mask, gamma, lam)
-        advantages = ppo_math.masked_whiten(advantages, mask)
+        advantages = ppo_math.masked_whiten(advantages, mask, sum_all=_sum_over_ranks(policy))
         # TIS: the rollout engine sampled the tokens; re-weight them towards the trainer's π_old
         tis = ppo_math.tis_weights(old_logp, batch.rollout_logprobs, tis_clip) if use_tis else None
         explained_var = ppo_math.explained_variance(old_values, returns, mask).item()
@@ -224,3 +226,33 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
         sums["vf_loss"] = sums.get("vf_loss", 0.0) + vf_m["vf_loss"]
     metrics.update({k: v / ppo_epochs for k, v in sums.items()})
     return metrics
+
+
+def _sum_over_ranks(backend):
+    """A scalar-tensor sum over the data-parallel ranks of `backend`, or None in a world of one."""
+    if backend.world_size == 1:
+        return None
+    return lambda t: torch.tensor(backend.all_reduce_sum(float(t)), dtype=t.dtype)
+
+
+def reduce_metrics(metrics: dict[str, float], backend, rows: int) -> dict[str, float]:
+    """`ppo_update`'s metrics of this rank's shard → those of the global batch (a collective: every rank calls it
+    with the same keys). Losses are shares of the global token mean (their rank mean is the global value);
+    `reward_mean` is weighted by `rows` (this shard's real samples), the other metrics by this shard's tokens."""
+    if backend.world_size == 1:
+        return metrics
+    n = metrics.get("num_tokens", 0.0)
+    rows_all = backend.all_reduce_sum(rows)
+    tokens_all = backend.all_reduce_sum(n)
+    out = {}
+    for k in sorted(metrics):
+        v = metrics[k]
+        if k == "num_tokens":
+            out[k] = tokens_all
+        elif k in ("pg_loss", "vf_loss"):
+            out[k] = backend.all_reduce_mean(v)
+        elif k == "reward_mean":
+            out[k] = backend.all_reduce_sum(v * rows) / max(rows_all, 1)
+        else:
+            out[k] = backend.all_reduce_sum(v * n if n else 0.0) / max(tokens_all, 1.0)
+    return out

@@ -59,14 +59,18 @@ class TeacherRegistry:
     def launch(cls, supervisor: Supervisor, checkpoints: Mapping[str, str | Path], *, backend: str = "embedded",
                api_key: str | None = None, host: str = "127.0.0.1", external: Mapping[str, str] | None = None,
                options: Mapping[str, Any] | None = None, extra_args: list[str] | None = None,
-               client_kwargs: Mapping[str, Any] | None = None) -> "TeacherRegistry":
+               client_kwargs: Mapping[str, Any] | None = None,
+               per_server: Mapping[str, Mapping[str, Any]] | None = None) -> "TeacherRegistry":
         """Launch one server per `{domain: checkpoint_dir}` (server name = `teacher-<domain>`, bound to `host`),
-        wait until all are healthy, and register them, plus any `external` `{domain: url}` servers."""
+        wait until all are healthy, and register them, plus any `external` `{domain: url}` servers. `per_server`:
+        {domain: {"options": ..., "env": ...}} added to that domain's server (its GPU placement)."""
         overlap = set(checkpoints) & set(external or {})
         if overlap:
             raise ValueError(f"domains given both a checkpoint and an external URL: {sorted(overlap)}")
-        specs = [ServerSpec(name=f"teacher-{d}", model_path=str(p), backend=backend, host=host,
-                            api_key=api_key, options=dict(options or {}), extra_args=list(extra_args or []))
+        own = per_server or {}
+        specs = [ServerSpec(name=f"teacher-{d}", model_path=str(p), backend=backend, host=host, api_key=api_key,
+                            options={**(options or {}), **own.get(d, {}).get("options", {})},
+                            extra_args=list(extra_args or []), env=dict(own.get(d, {}).get("env", {})))
                  for d, p in checkpoints.items()]
         urls = supervisor.start(specs) if specs else {}
         reg = cls(external, api_key=api_key, client_kwargs=client_kwargs)

@@ -28,9 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from infra.ranks import Ranks, led, require_same_world
 from teachers import ppo_math
 from teachers.april import AprilBuffer, Sample
-from teachers.ppo_step import build_batch, ppo_update, token_logprobs
+from teachers.ppo_step import build_batch, ppo_update, reduce_metrics, token_logprobs
 from teachers.rollout import PromptCursor, Roller, rollout_step
 from teachers.selection import Selection
 
@@ -71,7 +72,13 @@ class SpecialistTrainer:
     """`sc`: infra.config.SpecialistsConfig; `policy`/`critic`: DeepSpeedBackends; `server`: a PolicyServer."""
 
     def __init__(self, sc, domain, tokenizer, policy, critic, server, *, out_url: str, work_dir, tracker, seed: int,
-                 max_new_tokens: int, guard=None, ref_model=None, on_step=None):
+                 max_new_tokens: int, guard=None, ref_model=None, on_step=None, ranks=None):
+        # several ranks (torchrun): rank 0 drives this loop, the others run `ranks.follow()` (teachers/specialist_main)
+        self.ranks = ranks or Ranks()
+        policy, critic = led(policy, self.ranks, "policy"), led(critic, self.ranks, "critic")
+        self.ranks.on("ppo", lambda *args: ppo_shard(sc, tokenizer.pad_token_id, _raw(policy), _raw(critic),
+                                                     ref_model, *args, rank=self.ranks.rank,
+                                                     world=self.ranks.world_size))
         self.sc, self.domain, self.tok, self.policy, self.critic = sc, domain, tokenizer, policy, critic
         self.server, self.out_url, self.work_dir, self.tracker = server, out_url, Path(work_dir), tracker
         self.max_new_tokens, self.guard, self.on_step, self.seed = max_new_tokens, guard, on_step, seed
@@ -91,9 +98,11 @@ class SpecialistTrainer:
         url = load_latest(self.out_url, local)  # newest checkpoint that verifies; a corrupt one is skipped
         if url is None:
             return None
+        data = json.loads((local / STATE_FILE).read_text())
+        require_same_world(data.pop("world_size", None), self.ranks.world_size, f"specialist {self.domain.name}",
+                           "specialists.policy_train/critic_train.world_size", url)
         self.policy.load_state(local / "policy-state")
         self.critic.load_state(local / "critic-state")
-        data = json.loads((local / STATE_FILE).read_text())
         self.buffer.load_state_dict(data.pop("april"))
         self.state = SpecialistState.from_json(data)
         self.cursor.cursor = self.state.cursor
@@ -115,7 +124,8 @@ class SpecialistTrainer:
         if self.best_dir.is_dir():
             shutil.copytree(self.best_dir, local / BEST_DIR)
         self.state.cursor = self.cursor.cursor
-        (local / STATE_FILE).write_text(json.dumps(dict(self.state.to_json(), april=self.buffer.state_dict())))
+        (local / STATE_FILE).write_text(json.dumps(dict(self.state.to_json(), april=self.buffer.state_dict(),
+                                                        world_size=self.ranks.world_size)))
         url = save_checkpoint(str(local), join(self.out_url, checkpoint_name(self.state.step)), self.state.step,
                               meta={"stage": "specialist", "domain": self.domain.name})
         prune(self.out_url, keep_last=2)
@@ -217,25 +227,43 @@ class SpecialistTrainer:
         return out
 
     def _update(self, samples: list[Sample], rewards: list[float], version: int) -> dict:
-        sc = self.sc
-        batch = build_batch(samples, self.tok.pad_token_id, rewards)
-        if sc.mask_offpolicy:
-            batch.mask = offpolicy_mask(samples, batch.mask, version, sc.max_staleness)
-            if batch.num_tokens == 0:
-                return {}
         # every reward equal (all 0 on a hard domain, all 1 on a solved one): the whitened advantages would be pure
         # critic noise, and following them drifts the policy (seen as collapse to empty answers); train the critic only
         no_signal = max(rewards) - min(rewards) < 1e-9
-        ref = None
-        if sc.kl_coef and self.ref_model is not None:
-            with torch.no_grad():
-                ref = token_logprobs(self.ref_model, batch, sc.temperature)
-        return ppo_update(self.policy, self.critic, batch, ppo_epochs=sc.ppo_epochs, eps_clip=sc.eps_clip,
-                          eps_clip_high=sc.eps_clip_high, eps_clip_c=sc.eps_clip_c, value_clip=sc.value_clip,
-                          gamma=sc.gamma, lam=sc.lam, entropy_coef=sc.entropy_coef,
-                          kl_coef=sc.kl_coef if ref is not None else 0.0, ref_logprobs=ref,
-                          tis_clip=sc.tis_clip, critic_only=version < sc.critic_warmup_steps or no_signal,
-                          temperature=sc.temperature)
+        critic_only = version < self.sc.critic_warmup_steps or no_signal
+        return self.ranks.call("ppo", samples, rewards, version, critic_only)  # every rank: its shard (ppo_shard)
+
+
+def _raw(backend):
+    return getattr(backend, "_backend", backend)
+
+
+def ppo_shard(sc, pad_id: int, policy, critic, ref_model, samples: list[Sample], rewards: list[float], version: int,
+              critic_only: bool, *, rank: int = 0, world: int = 1) -> dict:
+    """One PPO update on rank `rank`'s shard (rows rank, rank + W, ...) of the global batch `samples`; with the
+    global-token loss normalisation and global advantage whitening of `ppo_update` the W ranks together apply the
+    update one rank applies to the whole batch. A rank without rows trains on a fully masked copy of row 0 (zero
+    gradient; it must still take part in every collective). Returns the global batch's metrics ({} when
+    `mask_offpolicy` leaves no token on any rank)."""
+    rows = list(range(rank, len(samples), world))
+    part = [samples[i] for i in rows or [0]]
+    batch = build_batch(part, pad_id, [rewards[i] for i in rows or [0]])
+    if not rows:
+        batch.mask = torch.zeros_like(batch.mask)
+    if sc.mask_offpolicy:
+        batch.mask = offpolicy_mask(part, batch.mask, version, sc.max_staleness)
+        if policy.all_reduce_sum(batch.num_tokens) == 0:
+            return {}
+    ref = None
+    if sc.kl_coef and ref_model is not None:
+        with torch.no_grad():
+            ref = token_logprobs(ref_model, batch, sc.temperature)
+    m = ppo_update(policy, critic, batch, ppo_epochs=sc.ppo_epochs, eps_clip=sc.eps_clip,
+                   eps_clip_high=sc.eps_clip_high, eps_clip_c=sc.eps_clip_c, value_clip=sc.value_clip,
+                   gamma=sc.gamma, lam=sc.lam, entropy_coef=sc.entropy_coef,
+                   kl_coef=sc.kl_coef if ref is not None else 0.0, ref_logprobs=ref,
+                   tis_clip=sc.tis_clip, critic_only=critic_only, temperature=sc.temperature)
+    return reduce_metrics(m, policy, len(rows))
 
 
 def _example(s: Sample):

@@ -6,9 +6,13 @@
 `--init` is the HF dir the policy (and the critic's backbone) start from: the base checkpoint. `--out` is the
 storage prefix of this specialist: resumable `step-*` checkpoints and `final/` (the HF model served as the
 domain's teacher). A rerun with the same `--out` resumes from the newest complete `step-*` (APRIL buffer, ledger,
-cursor and both optimizers included). The result JSON has the per-step history, guard and APRIL totals, the
+cursor and both optimizers included; on the world size that wrote it). The result JSON has the per-step history,
+guard and APRIL totals, the
 specialist's own eval score and the `final/` URL. The specialist (`final/`) is the policy of the best validation (`specialists.select: best`,
 teachers/selection.py) or the last one.
+With `specialists.policy_train/critic_train.world_size` W > 1 the task starts this under torchrun: rank 0 runs the
+recipe below (engine server, rollouts, APRIL, ledger, guard, validation, MLflow, commits) and announces each update,
+weight save and state save/load; ranks 1..W-1 follow (infra/ranks.py) and train their shards (ppo_shard).
 The process around the recipe (flags, config, MLflow, torch.distributed, signals, the result file) is the
 trainer skeleton's, infra/worker.py; `WORKER` describes this entry point to the tasks that start it.
 """
@@ -24,6 +28,7 @@ from pathlib import Path
 from domains.registry import load_domains
 from infra.deepspeed_backend import DeepSpeedBackend
 from infra.models import load_model
+from infra.ranks import Ranks, process_world_size
 from infra.training import commit_final, fresh_final, serve_and_run, train_settings, trainable
 from infra.worker import Worker, WorkerRun, arg
 from teachers.critic import ValueModel
@@ -69,10 +74,19 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     tok, policy = trainable(init_dir, settings(sc.policy_train, sc.steps, seed))
     critic = DeepSpeedBackend(ValueModel.from_pretrained(init_dir), settings(sc.critic_train, sc.steps, seed))
     ref = load_model(init_dir).eval() if sc.kl_coef else None
+    ranks = Ranks()
+    if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
+        SpecialistTrainer(sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work, tracker=tracker,
+                          seed=seed, max_new_tokens=response_budget(cfg, domain), ref_model=ref, ranks=ranks)
+        ranks.follow()
+        policy.close()
+        critic.close()
+        return {"world_size": ranks.world_size}
     guard = make_guard(sc.guard) if hasattr(domain, "env") else None
     trainer = SpecialistTrainer(sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work,
                                 tracker=tracker, seed=seed, max_new_tokens=response_budget(cfg, domain), guard=guard,
-                                ref_model=ref, on_step=on_step)
+                                ref_model=ref, on_step=on_step, ranks=ranks)
+    policy = trainer.policy  # on rank 0 of several: its collective calls are announced to the other ranks
     serve_dir = trainer.resume() or init_dir
     summary = serve_and_run(cfg.engine, work, f"policy-{domain.name}", serve_dir, version=trainer.state.step,
                             seed=seed * 1009 + zlib.crc32(domain.name.encode()) % 100_003, server_dir="server",
@@ -100,6 +114,8 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
                                          meta={"stage": "specialist", "domain": domain.name,
                                                "score": summary["score"], "step": summary["selected_step"]})
     summary["specialist_dir"] = str(final)
+    summary["world_size"] = process_world_size()  # the process group this specialist trained in (report.json)
+    ranks.finish()
     policy.close()
     critic.close()
     return summary

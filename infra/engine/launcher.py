@@ -55,14 +55,22 @@ class ServerSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def launch_settings(engine_cfg) -> dict[str, Any]:
+def launch_settings(engine_cfg, placement: dict | None = None) -> dict[str, Any]:
     """`ServerSpec` fields (backend, options, extra_args) for a server launched under `engine_cfg` (an
-    `infra.config.EngineConfig`): SGLang gets `sglang_args` as options, both get `max_running_requests`."""
+    `infra.config.EngineConfig`): SGLang gets `sglang_args` as options, both get `max_running_requests`. With a
+    `placement` (a planned server of infra/placement.py plus the node's `visible` devices) also `env`, and SGLang
+    gets the plan's --base-gpu-id / --tp-size / --mem-fraction-static (over those of `sglang_args`)."""
     backend = server_backend(engine_cfg.backend)
     options = dict(engine_cfg.sglang_args) if backend.takes_sglang_args else {}
     if engine_cfg.max_running_requests:
         options.setdefault("max_running_requests", engine_cfg.max_running_requests)
-    return {"backend": backend.name, "options": options, "extra_args": []}
+    if placement is None:
+        return {"backend": backend.name, "options": options, "extra_args": []}
+    from infra.placement import server_launch
+
+    placed = server_launch(placement, placement["visible"], backend.takes_sglang_args)
+    return {"backend": backend.name, "options": {**options, **placed["options"]}, "extra_args": [],
+            "env": placed["env"]}
 
 
 def sglang_option_args(options: dict[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from infra.storage import latest_complete, read_json, verify_checkpoint
+from infra.storage import latest_complete, read_json, to_local, verify_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +18,8 @@ SMOKE = str(ROOT / "configs" / "smoke.yaml")
 FAST = ["base.steps=20", "base.n_train_per_domain=200", "eval.n_eval=10", "specialists.steps=3", "specialists.batch_size=8",
         "specialists.checkpoint_every=2", "specialists.critic_warmup_steps=1", "distill.steps=3", "distill.batch_size=12", "distill.eval_every=0"]
 
-REPORT_KEYS = {"config", "run_id", "mlflow", "domains", "summary", "timings_s", "throughput", "guard", "artifacts"}
+REPORT_KEYS = {"config", "run_id", "mlflow", "domains", "summary", "timings_s", "throughput", "guard", "artifacts",
+               "resources"}
 
 
 def check_report(report: dict, n_domains: int, specialists: bool = True) -> None:
@@ -131,17 +132,33 @@ def test_cli_run_exit_codes(tmp_path):
     assert plugin.returncode == 2 and "nowhere.mod:Cls" in plugin.stderr and "domains.0.impl" in plugin.stderr
 
 
-def test_base_stage_two_ranks_under_torchrun(tmp_path, prefect_harness):
-    """base.train.world_size=2 launches the base SFT under torchrun (ZeRO-2, gloo); rank 0 logs and saves."""
+def test_every_trainer_two_ranks_under_torchrun(tmp_path, prefect_harness):
+    """The whole smoke pipeline with every trainer on 2 ranks under torchrun (gloo): the base SFT (ZeRO-2), the
+    specialists (policy + critic in one process group; rank 0 drives rollouts; its checkpoint holds both ranks'
+    states) and the student. report.json's `resources` is what the trainers' process groups were."""
     from flows.pipeline import pipeline
 
-    report = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}", "base.train.world_size=2",
-                                                      "specialists.enabled=false",
-                                                      "base.train.zero_stage=2", "base.train.micro_batch_size=32"])
-    check_report(report, 3, specialists=False)
+    report = pipeline(config=SMOKE, overrides=FAST + [
+        f"run.root={tmp_path}", "base.train.world_size=2", "base.train.zero_stage=2", "base.train.micro_batch_size=32",
+        "specialists.policy_train.world_size=2", "specialists.critic_train.world_size=2",
+        "distill.train.world_size=2", "specialists.steps=2", "distill.steps=2"])  # checkpoints at the last step
+    print("2-rank pipeline timings (s):", report["timings_s"])
+    check_report(report, 3)
+    assert report["resources"] == {"base": {"world_size": 2}, "specialists": {"world_size": 2},
+                                   "student": {"world_size": 2}}
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     parent = client.get_run(report["mlflow"]["parent_run_id"])
+    assert parent.info.status == "FINISHED"
     children = {c.info.run_name: c for c in client.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
     assert "sft/loss" in children["base"].data.metrics
-    assert "2 rank(s)" in (tmp_path / "smoke" / "work" / "logs" / "base.log").read_text()
+    assert "value_loss" in children["specialist/reverse"].data.metrics
+    assert "train/loss" in children["student"].data.metrics
+    logs = tmp_path / "smoke" / "work" / "logs"
+    assert "2 rank(s)" in (logs / "base.log").read_text()
+    # a specialist's resumable checkpoint holds both ranks' DeepSpeed states and says which world size wrote it
+    spec = [p for p in (tmp_path / "smoke").iterdir() if p.name.startswith("specialist-reverse-")]
+    ckpt = Path(to_local(latest_complete(f"file://{spec[0]}")))
+    assert (ckpt / "policy-state" / "state" / "rng_rank1.pt").is_file()
+    assert (ckpt / "critic-state" / "state" / "rng_rank1.pt").is_file()
+    assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 2

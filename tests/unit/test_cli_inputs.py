@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from infra.config import ConfigError, config_from_dict
-from infra.report import build_report, report_problems
+from infra.report import build_report, report_problems, resources_of
 
 pytestmark = pytest.mark.unit
 
@@ -61,6 +61,20 @@ def test_report_problems_name_the_key_path():
         "timings_s: must be an object, got a list",
         "guard.blocked: must be an integer, got a boolean"]
     assert report_problems([]) == ["<top level>: must be an object, got a list"]
+    assert good["resources"] == {s: {"world_size": None} for s in ("base", "specialists", "student")}
+    bad = json.loads(json.dumps(good))
+    bad["resources"]["student"]["world_size"] = 2.0
+    del bad["resources"]["base"]
+    assert report_problems(bad) == ["resources.base: missing (must be an object)",
+                                    "resources.student.world_size: must be an integer or null, got a float"]
+
+
+def test_report_resources_come_from_the_trainers_results():
+    res = resources_of({"world_size": 2}, [{"world_size": 2}, {"world_size": 1}, {}], {"world_size": 2})
+    assert res == {"base": {"world_size": 2}, "specialists": {"world_size": 2}, "student": {"world_size": 2}}
+    assert resources_of(None, [], None) == {s: {"world_size": None} for s in ("base", "specialists", "student")}
+    report = build_report(config="c", run_id="r", mlflow={}, domains=[], scores=pd.DataFrame(), resources=res)
+    assert report["resources"] == res and report_problems(report) == []
 
 
 def test_cli_report_of_the_wrong_shape_exits_2_naming_the_key(tmp_path):

@@ -56,6 +56,23 @@ def test_several_errors_reported_at_once():
     assert "3 error(s)" in msg and "domains.0.difficulty" in msg and "bogus: unknown key" in msg and "eval.n_eval" in msg
 
 
+def test_multi_rank_trainers(tmp_path):
+    """Specialists and the student may run on several ranks; policy and critic share one process group, and rank 0
+    generates with the weights it holds (no ZeRO-3 with world_size > 1)."""
+    cfg = load_config(write(tmp_path, MINIMAL), ["specialists.policy_train.world_size=2",
+                                                "specialists.critic_train.world_size=2", "distill.train.world_size=2"])
+    assert cfg.specialists.critic_train.world_size == cfg.distill.train.world_size == 2
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, MINIMAL), ["specialists.policy_train.world_size=2"])
+    assert "specialists.policy_train.world_size (2) and specialists.critic_train.world_size (1)" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # a per-domain override is checked merged
+        load_config(write(tmp_path, {**MINIMAL, "specialists": {"per_domain": {
+            "reverse": {"critic_train": {"world_size": 4}}}}}))
+    assert "specialists.per_domain.reverse" in str(err.value) and "critic_train.world_size (4)" in str(err.value)
+    with pytest.raises(ConfigError, match=r"distill\.train\.zero_stage: 3 shards the weights over the 2 ranks"):
+        load_config(write(tmp_path, MINIMAL), ["distill.train.world_size=2", "distill.train.zero_stage=3"])
+
+
 def test_duplicate_domains_and_unknown_external_teacher():
     with pytest.raises(ConfigError, match="repeated: \\['a'\\]"):
         config_from_dict({"domains": [{"name": "a"}, {"name": "a"}]})

@@ -23,9 +23,12 @@ OPS_CHANGES = {
     "teachers.health_timeout_s": 5.0, "teachers.max_restarts": 0, "teachers.check_tokenizers": False,
     "distill.score_batch_size": 4, "distill.teacher_timeout_s": 5.0, "distill.teacher_retries": 0,
     "distill.score_attempts": 1, "distill.checkpoint_every": 7, "distill.log_every": 3, "distill.threads": 2,
+    "distill.mode": "deployment", "distill.deployment": "other/distill",
     "specialists.checkpoint_every": 7, "specialists.log_every": 3, "specialists.max_parallel": 4,
     "specialists.mode": "deployment", "specialists.deployment": "other/flow", "specialists.retries": 0,
     "specialists.threads": 2, "specialists.guard.judge_api_key": "k3y",
+    "resources.gpus_per_node": 8, "resources.gpu_memory_gb": 40.0, "resources.model_gb": 3.0,
+    "resources.kv_cache_gb": 2.0, "resources.trainer_overhead_gb": 1.0, "resources.colocate_rollout": True,
 }
 
 STAGES = ("base", "specialist", "student")

@@ -1,0 +1,437 @@
+"""GPU placement: which GPUs each trainer, rollout server and teacher server of a run gets (docs/placement.md).
+
+Pure: no torch, no Prefect, no I/O except reading a checkpoint's `config.json` (`model_size`). `make_plan(cfg, gpus)`
+turns a config (an `infra.config.AlloyConfig`, read by attribute) and the GPUs of one node into a `Plan`: a list of
+`Proc(stage, name, kind, gpus, mem_fraction)`. The launcher side (`trainer_env`, `server_launch`) turns one entry
+into what the process gets: `CUDA_VISIBLE_DEVICES` for a trainer, `--base-gpu-id/--tp-size/--mem-fraction-static`
+for an SGLang server.
+
+Memory model (GB = 1e9 bytes; all fractions in whole hundredths of one GPU, so sums are exact):
+- a model copy weighs `params × bytes` (bytes of the checkpoint's dtype; `resources.model_gb` overrides);
+- a server (rollout or teacher) with tensor-parallel size tp needs, on each of its tp GPUs,
+  (weights + KV cache) / tp + SERVER_OVERHEAD_GB; its mem_fraction is that over the GPU size, rounded up;
+- a trainer rank holds its DeepSpeed state, per parameter (W ranks, ZeRO stage z; bf16/fp16: 2 B weights, 2 B
+  grads, 12 B fp32 master + Adam m, v; fp32: 4 + 4 + 8):
+      z0: w + g + o    z1: w + g + o/W    z2: w + (g + o)/W    z3: (w + g + o)/W
+  times the models it trains (specialists: policy + critic; student: one), plus a frozen reference policy
+  (specialists with kl_coef > 0: fp32, unsharded) and `resources.trainer_overhead_gb` (activations, CUDA context).
+Rules, per stage: the fractions on one GPU sum to at most BUDGET (0.95); no GPU holds two trainers; a server shares
+a trainer's GPU only when it is that trainer's own rollout server and `resources.colocate_rollout` is true (the
+trainer then gets what the server leaves). The distill stage's student and the teachers run at the same time, so
+they are planned together on one node's GPUs (the JSON still labels them "distill" and "teachers").
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+GB = 1e9
+BUDGET = 95  # hundredths of one GPU that one stage's processes may take together (SGLang's own margin aside)
+SERVER_OVERHEAD_GB = 1.0  # per server process and GPU: CUDA context, activations, CUDA graphs
+DEFAULT_GPU_MEMORY_GB = 80.0  # an A100/H100 80 GB
+PRESET_MODEL_GB = 0.01  # Alloy's fresh preset models (nano..base) weigh under 10 MB
+PLACEMENT_ENV = "ALLOY_PLACEMENT"  # JSON a trainer process gets: its own rollout server's placement (see trainer_env)
+_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
+
+
+class PlacementError(ValueError):
+    """A request that does not fit; the message says which stage, what it needs, and what to change."""
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One planned process. `mem_fraction`: the share of each listed GPU it may use (SGLang's mem_fraction_static
+    for a server; for a trainer, what the plan leaves it on its GPUs)."""
+    stage: str  # "base" | "specialists" | "distill" | "teachers"
+    name: str  # "base", "lane-0", "student", or a teacher's domain
+    kind: str  # "trainer" | "rollout" | "teacher"
+    gpus: tuple[int, ...]
+    mem_fraction: float
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["gpus"] = list(self.gpus)
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    gpus: int
+    gpu_memory_gb: float
+    model_gb: float
+    model_source: str  # where model_gb came from
+    processes: tuple[Proc, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict:
+        return {"processes": [p.to_json() for p in self.processes]}
+
+    def get(self, stage: str, name: str, kind: str) -> Proc | None:
+        return next((p for p in self.processes if (p.stage, p.name, p.kind) == (stage, name, kind)), None)
+
+    def trainers(self, stage: str) -> list[Proc]:
+        return [p for p in self.processes if p.stage == stage and p.kind == "trainer"]
+
+
+# ------------------------------------------------------------------------------------------ model size
+
+
+def estimate_params(hf_config: dict) -> float | None:
+    """Parameters of a decoder-only transformer from its HF `config.json` (Llama/Qwen/Mistral layout: gated MLP,
+    grouped-query attention), or None when a field is missing. Norms and biases (< 0.1 %) are left out:
+        attention = h·(nh·hd) [q] + 2·h·(kvh·hd) [k, v] + (nh·hd)·h [o];  mlp = 3·h·I;
+        params = L·(attention + mlp) + V·h · (1 if tie_word_embeddings else 2)."""
+    c = hf_config.get("text_config", hf_config)
+    try:
+        h, layers, vocab = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
+        inter, nh = int(c["intermediate_size"]), int(c["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    kvh = int(c.get("num_key_value_heads") or nh)
+    hd = int(c.get("head_dim") or h // nh)
+    attention = h * nh * hd + 2 * h * kvh * hd + nh * hd * h
+    embeddings = vocab * h * (1 if c.get("tie_word_embeddings", hf_config.get("tie_word_embeddings")) else 2)
+    return float(layers * (attention + 3 * h * inter) + embeddings)
+
+
+def model_size(model_path: str | None, model_gb: float | None = None) -> tuple[float, int, str]:
+    """(params, bytes per parameter, source) of the run's model: `resources.model_gb` if given (taken as bf16),
+    else the checkpoint's config.json (params × its torch_dtype; 2 bytes when unnamed), else the weight files'
+    size on disk, else (no model.path) a fresh preset model. Raises PlacementError when nothing is readable."""
+    if model_gb is not None:
+        return model_gb * GB / 2, 2, "resources.model_gb"
+    if not model_path:
+        return PRESET_MODEL_GB * GB / 4, 4, "preset model (fresh, < 10 MB)"
+    d = Path(model_path).expanduser()
+    cfg_file = d / "config.json"
+    if cfg_file.is_file():
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            hf = {}
+        params = estimate_params(hf) if isinstance(hf, dict) else None
+        if params:
+            name = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").removeprefix("torch.")
+            return params, _DTYPE_BYTES.get(name, 2), f"{cfg_file} ({params / 1e9:.2f}B params, {name})"
+    files = [f for f in d.glob("*") if f.suffix in (".safetensors", ".bin") and f.is_file()] if d.is_dir() else []
+    if files:
+        size = sum(f.stat().st_size for f in files)
+        return size / 2, 2, f"size of the weight files in {d}"
+    raise PlacementError(f"cannot estimate the size of model.path {model_path!r} (no readable config.json or weight "
+                         "files here): set resources.model_gb (GB of one bf16 copy of the weights)")
+
+
+def trainer_gb(params: float, dtype: str, zero_stage: int, world_size: int, n_models: int) -> float:
+    """GB one trainer rank holds for `n_models` trained models (module docstring), without overhead."""
+    w, g, o = (4, 4, 8) if dtype == "fp32" else (2, 2, 12)
+    per_param = {0: w + g + o, 1: w + g + o / world_size, 2: w + (g + o) / world_size,
+                 3: (w + g + o) / world_size}[zero_stage]
+    return params * per_param * n_models / GB
+
+
+def hundredths(gb: float, gpu_gb: float) -> int:
+    """`gb` as whole hundredths of a `gpu_gb` GPU, rounded up (a process never gets less than it needs)."""
+    return max(1, math.ceil(round(gb / gpu_gb * 100, 6)))
+
+
+# ------------------------------------------------------------------------------------------ packing
+
+
+@dataclass(frozen=True)
+class _Server:
+    name: str
+    kind: str
+    tp: int
+    share: int  # hundredths on each of its tp GPUs
+
+
+def server_share(model_gb: float, kv_gb: float, tp: int, gpu_gb: float) -> int:
+    """Hundredths of each GPU a server of tensor-parallel size `tp` needs."""
+    return hundredths((model_gb + kv_gb) / tp + SERVER_OVERHEAD_GB, gpu_gb)
+
+
+def server_tp(model_gb: float, kv_gb: float, gpu_gb: float, fixed: int | None, most: int) -> int | None:
+    """The tensor-parallel size of a server: `fixed` (engine.sglang_args.tp_size) if given, else the smallest power
+    of two ≤ `most` GPUs whose per-GPU share fits a GPU; None when none does (the server is larger than `most`
+    GPUs)."""
+    options = [fixed] if fixed else [t for t in (1, 2, 4, 8, 16) if t <= max(most, 1)]
+    for tp in options:
+        if server_share(model_gb, kv_gb, tp, gpu_gb) <= BUDGET:
+            return tp
+    return None
+
+
+def pack(servers: Sequence[_Server], free: Sequence[int], used: dict[int, int]) -> dict[str, tuple[int, ...]] | None:
+    """Spread, in the given order: each server goes on the least-used GPU (tp = 1; ties: the lowest id) or the least-
+    used aligned group of tp consecutive GPUs (tp > 1: ids [k·tp, (k+1)·tp) all in `free`; load = its fullest GPU)
+    where its share still fits under BUDGET. So servers share a GPU only once every free GPU holds one. Updates
+    `used` (hundredths per GPU); None (and `used` untouched) when some server finds no place."""
+    trial, out, free = dict(used), {}, list(free)
+    for s in servers:
+        groups = [tuple(range(g, g + s.tp)) for g in free if g % s.tp == 0]
+        groups = [g for g in groups if all(x in free for x in g)
+                  and all(trial.get(x, 0) + s.share <= BUDGET for x in g)]
+        if not groups:
+            return None
+        spot = min(groups, key=lambda g: (max(trial.get(x, 0) for x in g), g[0]))
+        for x in spot:
+            trial[x] = trial.get(x, 0) + s.share
+        out[s.name] = spot
+    used.update(trial)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+@dataclass
+class _Sizes:
+    params: float
+    bytes: int
+    gpu_gb: float
+    kv_gb: float
+    overhead_gb: float
+    colocate: bool
+    fixed_tp: int | None
+
+    @property
+    def model_gb(self) -> float:
+        return self.params * self.bytes / GB
+
+
+def _sizes(cfg) -> tuple[_Sizes, str]:
+    r = cfg.resources
+    params, nbytes, source = model_size(cfg.model.path, r.model_gb)
+    model_gb = params * nbytes / GB
+    kv = r.kv_cache_gb if r.kv_cache_gb is not None else max(1.0, 0.5 * model_gb)
+    fixed = (cfg.engine.sglang_args or {}).get("tp_size") if cfg.engine.backend == "sglang" else None
+    return _Sizes(params, nbytes, r.gpu_memory_gb, kv, r.trainer_overhead_gb, r.colocate_rollout,
+                  int(fixed) if fixed else None), source
+
+
+def _trainer_share(sz: _Sizes, train, n_models: int, extra_gb: float = 0.0) -> tuple[int, float]:
+    """(hundredths, GB) one rank of a trainer with TrainConfig `train` needs on its GPU."""
+    gb = trainer_gb(sz.params, train.dtype, train.zero_stage, train.world_size, n_models) + extra_gb + sz.overhead_gb
+    return hundredths(gb, sz.gpu_gb), gb
+
+
+def _rollout(sz: _Sizes, most: int, stage: str) -> _Server:
+    tp = server_tp(sz.model_gb, sz.kv_gb, sz.gpu_gb, sz.fixed_tp, most)
+    if tp is None:
+        raise PlacementError(f"{stage}: a rollout server of the model ({sz.model_gb:.1f} GB weights + {sz.kv_gb:.1f} GB "
+                             f"KV cache) does not fit on {sz.fixed_tp or most} GPU(s) of {sz.gpu_gb:g} GB")
+    return _Server("", "rollout", tp, server_share(sz.model_gb, sz.kv_gb, tp, sz.gpu_gb))
+
+
+def _lanes(stage: str, n: int, world: int, t_share: int, t_gb: float, sz: _Sizes, gpus: int,
+           what: str) -> list[Proc]:
+    """`n` lanes of one trainer (`world` ranks, `t_share` hundredths per rank) plus its own rollout server each, on
+    GPUs 0..gpus-1, or PlacementError naming the largest number of lanes that fits."""
+    fit = _fit_lanes(n, world, t_share, sz, gpus, stage)
+    if isinstance(fit, list):
+        return fit
+    best = max((k for k in range(n - 1, 0, -1) if isinstance(_fit_lanes(k, world, t_share, sz, gpus, stage), list)),
+               default=0)
+    server = _rollout(sz, gpus, stage)
+    need = (f"{world} GPU(s) for the trainer ({what}.world_size={world}, about {t_gb:.1f} GB per rank) "
+            f"{'shared with' if sz.colocate else 'plus'} its own rollout server (tp {server.tp}, mem_fraction "
+            f"{server.share / 100:.2f} per GPU)")
+    if stage == "specialists":
+        what_fails = (f"specialists: {n} lanes at once (specialists.max_parallel, at most one per domain) do not fit "
+                      f"on {gpus} GPU(s) of {sz.gpu_gb:g} GB; each lane needs {need}")
+        hint = (f"at most {best} fit: set specialists.max_parallel={best}" if best
+                else "not even one lane fits")
+    else:
+        what_fails = f"{stage}: the student does not fit on {gpus} GPU(s) of {sz.gpu_gb:g} GB; it needs {need}"
+        hint = "add GPUs"
+    if not sz.colocate and t_share + server.share <= BUDGET:
+        hint += ", or set resources.colocate_rollout: true (a trainer shares its GPUs with its own rollout server)"
+    raise PlacementError(f"{what_fails}: {hint}")
+
+
+def _fit_lanes(n: int, world: int, t_share: int, sz: _Sizes, gpus: int, stage: str) -> list[Proc] | str:
+    if t_share > BUDGET:
+        raise PlacementError(f"{stage}: one trainer rank needs {t_share / 100:.2f} of a {sz.gpu_gb:g} GB GPU, over "
+                             f"the {BUDGET / 100:.2f} a stage may use: raise its zero_stage or world_size, or check "
+                             "resources.gpu_memory_gb / model_gb / trainer_overhead_gb")
+    server = _rollout(sz, gpus, stage)
+    procs: list[Proc] = []
+    if sz.colocate:  # lane i: a block of max(world, tp) GPUs; rollout on its first tp, trainer on its first world
+        block = max(world, server.tp)
+        if n * block > gpus or t_share + server.share > BUDGET:
+            return "no"
+        for i in range(n):
+            name = "student" if stage == "distill" else f"lane-{i}"
+            t_gpus = tuple(range(i * block, i * block + world))
+            r_gpus = tuple(range(i * block, i * block + server.tp))
+            left = BUDGET - (server.share if set(t_gpus) & set(r_gpus) else 0)
+            procs += [Proc(stage, name, "trainer", t_gpus, left / 100),
+                      Proc(stage, name, "rollout", r_gpus, server.share / 100)]
+        return procs
+    if n * world >= gpus:  # trainers take the first n·world GPUs; the rollout servers pack onto the rest
+        return "no"
+    used: dict[int, int] = {}
+    names = ["student" if stage == "distill" else f"lane-{i}" for i in range(n)]
+    placed = pack([_Server(nm, "rollout", server.tp, server.share) for nm in names], range(n * world, gpus), used)
+    if placed is None:
+        return "no"
+    for i, nm in enumerate(names):
+        procs += [Proc(stage, nm, "trainer", tuple(range(i * world, (i + 1) * world)), BUDGET / 100),
+                  Proc(stage, nm, "rollout", placed[nm], server.share / 100)]
+    return procs
+
+
+def _kl_ref(cfg) -> bool:
+    sc = cfg.specialists
+    return any(sc.for_domain(d).kl_coef > 0 for d in cfg.domain_names())
+
+
+def _base(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
+    """One trainer, base.train.world_size ranks on GPUs 0..W-1, nothing beside it."""
+    bt = cfg.base.train
+    if bt.world_size > gpus:
+        raise PlacementError(f"base: base.train.world_size={bt.world_size} ranks need {bt.world_size} GPUs; "
+                             f"{gpus} available")
+    share, gb = _trainer_share(sz, bt, 1)
+    if share > BUDGET:
+        raise PlacementError(f"base: one trainer rank needs about {gb:.1f} GB (ZeRO-{bt.zero_stage}, "
+                             f"{bt.world_size} rank(s)), over {BUDGET / 100:.2f} of a {sz.gpu_gb:g} GB GPU: raise "
+                             "base.train.zero_stage or world_size")
+    return [Proc("base", "base", "trainer", tuple(range(bt.world_size)), BUDGET / 100)]
+
+
+def _specialists(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
+    """min(max_parallel, domains) lanes, each a trainer (policy + critic share its ranks) + its rollout server."""
+    sc = cfg.specialists
+    if not sc.enabled:
+        return []
+    world = max(sc.policy_train.world_size, sc.critic_train.world_size)
+    ref_gb = sz.params * 4 / GB if _kl_ref(cfg) else 0.0
+    p_gb = trainer_gb(sz.params, sc.policy_train.dtype, sc.policy_train.zero_stage, world, 1)
+    c_gb = trainer_gb(sz.params, sc.critic_train.dtype, sc.critic_train.zero_stage, world, 1)
+    gb = p_gb + c_gb + ref_gb + sz.overhead_gb
+    n = min(sc.max_parallel, len(cfg.domain_names()))
+    return _lanes("specialists", n, world, hundredths(gb, sz.gpu_gb), gb, sz, gpus, "specialists.policy_train")
+
+
+def _distill(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
+    """The student's trainer + rollout server, and the teachers beside them (they run at the same time)."""
+    teachers = [d for d in cfg.domain_names() if d not in cfg.teachers.external]
+    if teachers and server_tp(sz.model_gb, sz.kv_gb, sz.gpu_gb, sz.fixed_tp, gpus) is None:
+        raise PlacementError(f"teachers: one teacher server ({sz.model_gb:.1f} GB weights + {sz.kv_gb:.1f} GB KV "
+                             f"cache + {SERVER_OVERHEAD_GB:g} GB) is larger than "
+                             + (f"engine.sglang_args.tp_size={sz.fixed_tp} GPU(s)" if sz.fixed_tp else
+                                f"the {gpus} GPU(s)") + f" of {sz.gpu_gb:g} GB (at most {BUDGET / 100:.2f} of each)")
+    dt = cfg.distill.train
+    share, gb = _trainer_share(sz, dt, 1)
+    student = _lanes("distill", 1, dt.world_size, share, gb, sz, gpus, "distill.train")
+    if not teachers:
+        return student
+    used: dict[int, int] = {}
+    for p in student:
+        for g in p.gpus:
+            used[g] = used.get(g, 0) + (BUDGET if p.kind == "trainer" else round(p.mem_fraction * 100))
+    free = [g for g in range(gpus) if g not in student[0].gpus]
+    tp = server_tp(sz.model_gb, sz.kv_gb, sz.gpu_gb, sz.fixed_tp, len(free))
+    if tp is None:
+        raise PlacementError(f"teachers: one teacher server ({sz.model_gb:.1f} GB weights + {sz.kv_gb:.1f} GB KV "
+                             f"cache) is larger than the {len(free)} GPU(s) of {sz.gpu_gb:g} GB left beside the "
+                             f"student trainer (GPUs {list(student[0].gpus)})")
+    share = server_share(sz.model_gb, sz.kv_gb, tp, sz.gpu_gb)
+    servers = [_Server(d, "teacher", tp, share) for d in teachers]
+    placed = pack(servers, free, used)
+    if placed is None:
+        fits = max((k for k in range(len(servers)) if pack(servers[:k], free, dict(used)) is not None), default=0)
+        raise PlacementError(
+            f"teachers: {len(servers)} teacher servers (tp {tp}, mem_fraction {share / 100:.2f} per GPU each) do not "
+            f"fit on the {len(free)} GPU(s) left beside the student trainer (GPUs {list(student[0].gpus)}) and its "
+            f"rollout server: {fits} fit; add GPUs, or serve some teachers elsewhere (teachers.external)")
+    return student + [Proc("teachers", d, "teacher", placed[d], share / 100) for d in teachers]
+
+
+def make_plan(cfg, gpus: int) -> Plan:
+    """The placement of every stage of `cfg` on one node with `gpus` GPUs (module docstring). A stage that does not
+    fit raises PlacementError, whose message names every stage that does not fit and why. `gpus` = 0: an empty
+    plan (CPU: nothing is placed)."""
+    sz, source = _sizes(cfg)
+    plan = dict(gpus=gpus, gpu_memory_gb=sz.gpu_gb, model_gb=round(sz.model_gb, 3), model_source=source)
+    if gpus <= 0:
+        return Plan(**plan)
+    procs: list[Proc] = []
+    errors: list[str] = []
+    for stage in (_base, _specialists, _distill):
+        try:
+            procs += stage(cfg, sz, gpus)
+        except PlacementError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise PlacementError(f"does not fit on {gpus} GPU(s):\n  " + "\n  ".join(errors))
+    return Plan(**plan, processes=tuple(procs))
+
+
+def plan_problems(plan: Plan) -> list[str]:
+    """The rules a plan breaks (empty for every plan `make_plan` returns): per stage (distill and teachers counted
+    together, they run at once), fractions on one GPU sum to ≤ BUDGET, no GPU holds two trainers, and a GPU holding
+    a trainer holds nothing else but that trainer's own rollout server."""
+    problems: list[str] = []
+    groups: dict[str, list[Proc]] = {}
+    for p in plan.processes:
+        groups.setdefault("distill" if p.stage == "teachers" else p.stage, []).append(p)
+    for stage, procs in groups.items():
+        for g in sorted({g for p in procs for g in p.gpus}):
+            on = [p for p in procs if g in p.gpus]
+            total = sum(round(p.mem_fraction * 100) for p in on)
+            if total > BUDGET:
+                problems.append(f"{stage}: GPU {g} is {total / 100:.2f} full")
+            trainers = [p for p in on if p.kind == "trainer"]
+            if len(trainers) > 1:
+                problems.append(f"{stage}: GPU {g} holds {len(trainers)} trainers")
+            if trainers and any(p.kind != "rollout" or p.name != trainers[0].name for p in on if p.kind != "trainer"):
+                problems.append(f"{stage}: GPU {g} holds trainer {trainers[0].name} and another's server")
+            if g >= plan.gpus:
+                problems.append(f"{stage}: GPU {g} does not exist ({plan.gpus} GPUs)")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------ launching
+
+
+def visible_devices(environ_value: str | None, gpus: int) -> list[str]:
+    """The node's device ids that plan GPU 0..gpus-1 stand for: the entries of CUDA_VISIBLE_DEVICES as the pipeline
+    saw it, or 0..gpus-1 when it is unset. Raises when it lists fewer devices than the plan uses."""
+    if environ_value is None or not environ_value.strip():
+        return [str(i) for i in range(gpus)]
+    ids = [x.strip() for x in environ_value.split(",") if x.strip()]
+    if len(ids) < gpus:
+        raise PlacementError(f"CUDA_VISIBLE_DEVICES={environ_value!r} shows {len(ids)} GPU(s), the plan uses {gpus} "
+                             "(resources.gpus_per_node / --gpus)")
+    return ids[:gpus]
+
+
+def trainer_env(plan: Plan, trainer: Proc, visible: Sequence[str]) -> dict[str, str]:
+    """What a trainer process gets: CUDA_VISIBLE_DEVICES = its GPUs (its ranks see them as cuda:0..W-1), and
+    PLACEMENT_ENV = JSON of its own rollout server's placement (read back by `rollout_placement`)."""
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(visible[g] for g in trainer.gpus)}
+    rollout = plan.get(trainer.stage, trainer.name, "rollout")
+    if rollout is not None:
+        env[PLACEMENT_ENV] = json.dumps({"visible": list(visible), **rollout.to_json()})
+    return env
+
+
+def rollout_placement(environ: dict[str, str] | Any) -> dict | None:
+    """The rollout server placement a trainer process was given (`trainer_env`), or None."""
+    raw = environ.get(PLACEMENT_ENV)
+    return json.loads(raw) if raw else None
+
+
+def server_launch(proc: dict, visible: Sequence[str], takes_sglang_args: bool) -> dict[str, Any]:
+    """{"env": ..., "options": ...} for a server placed as `proc` (a `Proc.to_json()`). SGLang sees the node's
+    devices and gets --base-gpu-id (first GPU) --tp-size (GPU count) --mem-fraction-static; a server that takes no
+    SGLang options (the embedded CPU server) gets CUDA_VISIBLE_DEVICES = its own GPUs."""
+    gpus = list(proc["gpus"])
+    if takes_sglang_args:
+        return {"env": {"CUDA_VISIBLE_DEVICES": ",".join(visible)},
+                "options": {"base_gpu_id": gpus[0], "tp_size": len(gpus), "mem_fraction_static": proc["mem_fraction"]}}
+    return {"env": {"CUDA_VISIBLE_DEVICES": ",".join(visible[g] for g in gpus)}, "options": {}}

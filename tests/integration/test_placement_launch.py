@@ -1,0 +1,86 @@
+"""GPU placement reaches the real processes (CPU: embedded servers, no CUDA needed): with `resources.gpus_per_node`
+set, teacher servers launched by `start_teachers`, trainer processes launched by `run_worker` in a held lane, and the
+rollout server each trainer starts through `PolicyServer.for_engine` get the CUDA_VISIBLE_DEVICES of their plan
+entry (read back from the live processes with psutil)."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import threading
+
+import psutil
+import pytest
+
+from infra.config import config_from_dict
+from infra.placement import make_plan
+from tasks.gpu_lanes import teacher_placements, trainer_lane
+from tasks.teachers import start_teachers
+from tasks.worker_process import WorkerCommand, run_worker
+
+pytestmark = pytest.mark.integration
+
+DOMAINS = ["reverse", "max_list"]
+
+# What a trainer does with its placement: start its rollout server the way infra/training.py does, then record its
+# own CUDA_VISIBLE_DEVICES and the live server's (environment and argv) before stopping it.
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    import psutil
+    from infra.config import EngineConfig
+    from infra.engine.launcher import Supervisor
+    from infra.policy_server import PolicyServer
+    work, model = sys.argv[1], sys.argv[2]
+    with Supervisor(work + "/logs") as sup:
+        PolicyServer.for_engine(EngineConfig(), sup, "policy", model, work + "/server")
+        proc = psutil.Process(sup.status()[0]["pid"])
+        out = {"trainer": os.environ.get("CUDA_VISIBLE_DEVICES"), "server": proc.environ().get("CUDA_VISIBLE_DEVICES"),
+               "server_cmd": proc.cmdline()}
+    print("probe step 1/1", flush=True)
+    open(work + "/probe.json", "w").write(json.dumps(out))
+""")
+
+
+def test_launched_processes_get_their_planned_gpus(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the node's GPUs 4-7 are the plan's 0-3
+    monkeypatch.setenv("ALLOY_LANE_DIR", str(tmp_path / "lanes"))
+    cfg = config_from_dict({"domains": [{"name": d} for d in DOMAINS], "resources": {"gpus_per_node": 4},
+                            "specialists": {"max_parallel": 2}})
+    # the plan (tests/unit/test_placement.py derives such plans by hand): specialist trainers on GPUs 0 and 1, their
+    # rollout servers on 2 and 3; teachers reverse → 2, max_list → 3 (beside the student on 0 and its rollout on 1)
+    plan = make_plan(cfg, 4)
+    assert [(p.name, p.kind, p.gpus) for p in plan.processes if p.stage in ("specialists", "teachers")] == [
+        ("lane-0", "trainer", (0,)), ("lane-0", "rollout", (2,)), ("lane-1", "trainer", (1,)),
+        ("lane-1", "rollout", (3,)), ("reverse", "teacher", (2,)), ("max_list", "teacher", (3,))]
+
+    # two trainers at once, each in its own lane (held as in tasks/specialist.py), each starting its rollout server
+    works = [tmp_path / f"t{i}" for i in range(2)]
+    cmds = [WorkerCommand([sys.executable, "-c", PROBE, str(w), str(tiny_model_dir)]) for w in works]
+    errors: list[BaseException] = []
+
+    def run(cmd, work):
+        try:
+            run_worker(cmd, work / "trainer.log", 1, work.name, rb"probe step (\d+)/\d+")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with trainer_lane(cmds[0], cfg, "specialists") as a, trainer_lane(cmds[1], cfg, "specialists") as b:
+        threads = [threading.Thread(target=run, args=(c, w)) for c, w in zip((a, b), works)]
+        for t in threads:
+            t.start()
+        # teachers meanwhile, launched as the distill stage launches them
+        fleet = start_teachers(DOMAINS, {d: str(tiny_model_dir) for d in DOMAINS}, str(tiny_model_dir),
+                               log_dir=tmp_path / "teachers", engine_cfg=cfg.engine, teachers_cfg=cfg.teachers,
+                               placements=teacher_placements(cfg))
+        try:
+            teacher_env = {s["name"]: psutil.Process(s["pid"]).environ().get("CUDA_VISIBLE_DEVICES")
+                           for s in fleet.status()}
+        finally:
+            fleet.stop()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors
+    assert teacher_env == {"teacher-reverse": "6", "teacher-max_list": "7"}
+    probes = [json.loads((w / "probe.json").read_text()) for w in works]
+    assert [(p["trainer"], p["server"]) for p in probes] == [("4", "6"), ("5", "7")]
+    assert all("--base-gpu-id" not in p["server_cmd"] for p in probes)  # the embedded server takes no SGLang flags

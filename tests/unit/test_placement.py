@@ -1,0 +1,198 @@
+"""GPU placement planner (infra/placement.py): plans derived by hand in the comments, the rules every plan keeps,
+infeasible requests that name what does not fit, and what a planned process is launched with."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.config import config_from_dict
+from infra.engine.launcher import ServerSpec, build_command, launch_settings
+from infra.placement import (PlacementError, Plan, Proc, estimate_params, make_plan, plan_problems, rollout_placement,
+                             server_launch, trainer_env, trainer_gb, visible_devices)
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+DOMAINS = [{"name": "addition"}, {"name": "reverse"}, {"name": "max_list"}]
+
+
+def cfg(resources: dict, **sections):
+    return config_from_dict({"domains": DOMAINS, "resources": resources, **sections})
+
+
+def table(plan: Plan) -> list[tuple]:
+    return [(p.stage, p.name, p.kind, p.gpus, p.mem_fraction) for p in plan.processes]
+
+
+# A 1B model (model_gb 2 → 1e9 params, bf16) on 80 GB GPUs, default trainers (fp32, ZeRO-0, 1 rank):
+#   server (rollout or teacher): 2 GB weights + KV max(1, 0.5·2) = 1 GB + 1 GB overhead = 4 GB = 0.05 of a GPU, tp 1
+#   base trainer: 16 B/param · 1e9 = 16 GB + 4 GB overhead = 20 GB = 0.25 (fits under 0.95)
+#   specialist trainer: policy 16 + critic 16 + fp32 reference (kl_coef 0.05 > 0) 4 + overhead 4 = 40 GB = 0.50
+#   student trainer: 16 + 4 = 20 GB = 0.25
+ONE_B = {"gpu_memory_gb": 80, "model_gb": 2}
+
+
+def test_four_gpus_no_colocation():
+    # base: GPU 0. specialists (max_parallel 2 of 3 domains → 2 lanes): trainers on GPUs 0 and 1, their rollout
+    # servers spread over the free GPUs 2, 3 (least used first, ties to the lower id): lane-0 → 2, lane-1 → 3.
+    # distill: student trainer GPU 0; free 1, 2, 3: rollout → 1 (5); teachers in domain order, each to the least
+    # used free GPU: addition → 2 (1 holds 5), reverse → 3, max_list → 1 (all at 5, lowest id).
+    plan = make_plan(cfg({**ONE_B}), 4)
+    assert table(plan) == [
+        ("base", "base", "trainer", (0,), 0.95),
+        ("specialists", "lane-0", "trainer", (0,), 0.95), ("specialists", "lane-0", "rollout", (2,), 0.05),
+        ("specialists", "lane-1", "trainer", (1,), 0.95), ("specialists", "lane-1", "rollout", (3,), 0.05),
+        ("distill", "student", "trainer", (0,), 0.95), ("distill", "student", "rollout", (1,), 0.05),
+        ("teachers", "addition", "teacher", (2,), 0.05), ("teachers", "reverse", "teacher", (3,), 0.05),
+        ("teachers", "max_list", "teacher", (1,), 0.05),
+    ]
+    assert plan_problems(plan) == [] and plan.model_source == "resources.model_gb"
+
+
+def test_two_gpus_colocated_rollout():
+    # colocate_rollout: each lane is one GPU holding its trainer and its own rollout server (0.05), the trainer gets
+    # the 0.95 − 0.05 = 0.90 left (its 0.50 fits). The student likewise on GPU 0; the three teachers can only go to
+    # GPU 1 (the trainer's GPU is never shared with another's server): 3 × 0.05 there.
+    plan = make_plan(cfg({**ONE_B, "colocate_rollout": True}), 2)
+    assert table(plan) == [
+        ("base", "base", "trainer", (0,), 0.95),
+        ("specialists", "lane-0", "trainer", (0,), 0.90), ("specialists", "lane-0", "rollout", (0,), 0.05),
+        ("specialists", "lane-1", "trainer", (1,), 0.90), ("specialists", "lane-1", "rollout", (1,), 0.05),
+        ("distill", "student", "trainer", (0,), 0.90), ("distill", "student", "rollout", (0,), 0.05),
+        ("teachers", "addition", "teacher", (1,), 0.05), ("teachers", "reverse", "teacher", (1,), 0.05),
+        ("teachers", "max_list", "teacher", (1,), 0.05),
+    ]
+    assert plan_problems(plan) == []
+
+
+def test_tensor_parallel_servers_on_aligned_pairs():
+    # A 7B model (model_gb 14 → 7e9 params) on 8 GPUs, SGLang with sglang_args.tp_size 2:
+    #   server: (14 GB + KV 7 GB) / 2 + 1 GB = 11.5 GB per GPU = 0.14375 → rounded up 0.15, on GPUs (2k, 2k+1)
+    #   base: 8 ranks, ZeRO-3 bf16: 16 B / 8 = 2 B/param · 7e9 = 14 GB + 4 = 18 GB per rank: GPUs 0-7
+    #   student: 4 ranks ZeRO-2 bf16: 2 + 14/4 = 5.5 B/param = 38.5 GB + 4 = 42.5 GB: GPUs 0-3
+    #   specialists off. Student rollout: pairs (4,5), (6,7) both empty → (4,5). Teachers: addition → (6,7)
+    #   (0 < 0.15), reverse → (4,5) (tie at 0.15, lower id), max_list → (6,7) (0.15 < 0.30).
+    bf16 = {"dtype": "bf16"}
+    plan = make_plan(cfg({"gpu_memory_gb": 80, "model_gb": 14},
+                         engine={"backend": "sglang", "sglang_args": {"tp_size": 2}},
+                         base={"train": {**bf16, "zero_stage": 3, "world_size": 8}},
+                         specialists={"enabled": False},
+                         distill={"train": {**bf16, "zero_stage": 2, "world_size": 4}}), 8)
+    assert table(plan) == [
+        ("base", "base", "trainer", tuple(range(8)), 0.95),
+        ("distill", "student", "trainer", (0, 1, 2, 3), 0.95), ("distill", "student", "rollout", (4, 5), 0.15),
+        ("teachers", "addition", "teacher", (6, 7), 0.15), ("teachers", "reverse", "teacher", (4, 5), 0.15),
+        ("teachers", "max_list", "teacher", (6, 7), 0.15),
+    ]
+    assert plan_problems(plan) == []
+
+
+def test_external_teachers_are_not_placed_and_no_gpus_is_an_empty_plan():
+    c = cfg({**ONE_B}, teachers={"external": {"reverse": "http://t:1", "max_list": "http://t:2"}})
+    assert [p.name for p in make_plan(c, 4).processes if p.kind == "teacher"] == ["addition"]
+    assert make_plan(c, 0).processes == ()
+
+
+def test_too_few_gpus_for_the_lanes_names_what_fits():
+    # 2 GPUs, no colocation: 2 lanes need 2 trainer GPUs + at least one for the rollout servers; 1 lane fits
+    # (trainer GPU 0, rollout GPU 1), and colocation would fit (0.50 + 0.05 ≤ 0.95). distill fits on 2 GPUs.
+    with pytest.raises(PlacementError) as e:
+        make_plan(cfg({**ONE_B}), 2)
+    msg = str(e.value)
+    assert "specialists: 2 lanes at once" in msg and "set specialists.max_parallel=1" in msg
+    assert "resources.colocate_rollout: true" in msg and "distill" not in msg and "base" not in msg
+
+
+def test_trainer_larger_than_its_share():
+    # colocated, one GPU: a specialist trainer (0.50) beside its rollout server (KV 35 GB: 2 + 35 + 1 = 38 GB =
+    # 0.475 → 0.48) would take 0.98 > 0.95: not even one lane fits
+    with pytest.raises(PlacementError, match="not even one lane fits"):
+        make_plan(cfg({**ONE_B, "colocate_rollout": True, "kv_cache_gb": 35}), 1)
+
+
+def test_teacher_larger_than_a_gpu():
+    # KV 200 GB: a server needs 2 + 200 + 1 = 203 GB; at the fixed tp_size 1 that is 2.54 GPUs
+    c = cfg({**ONE_B, "kv_cache_gb": 200}, engine={"backend": "sglang", "sglang_args": {"tp_size": 1}})
+    with pytest.raises(PlacementError) as e:
+        make_plan(c, 8)
+    assert "teachers: one teacher server (2.0 GB weights + 200.0 GB KV cache" in str(e.value)
+    assert "larger than engine.sglang_args.tp_size=1 GPU(s) of 80 GB" in str(e.value)
+    # without a fixed tp the planner takes tp 4: 203/4 + 1 = 51.75 GB = 0.65 per GPU, on aligned groups of 4
+    # (GPUs 4k..4k+3): the student trainer holds GPU 0, so its rollout server gets 4-7 and the one launched
+    # teacher (the others external) 8-11; GPUs 1-3 form no aligned group and stay idle
+    plan = make_plan(cfg({**ONE_B, "kv_cache_gb": 200}, specialists={"enabled": False},
+                         teachers={"external": {"reverse": "http://t:1", "max_list": "http://t:2"}}), 12)
+    assert table(plan)[1:] == [("distill", "student", "trainer", (0,), 0.95),
+                               ("distill", "student", "rollout", (4, 5, 6, 7), 0.65),
+                               ("teachers", "addition", "teacher", (8, 9, 10, 11), 0.65)]
+
+
+def test_plan_problems_catches_broken_plans():
+    bad = Plan(4, 80, 1, "x", (Proc("s", "a", "trainer", (0,), 0.9), Proc("s", "b", "trainer", (0,), 0.05),
+                                 Proc("s", "c", "teacher", (1,), 0.5), Proc("s", "d", "teacher", (1,), 0.5),
+                                 Proc("s", "e", "trainer", (2,), 0.5), Proc("s", "f", "teacher", (2, 4), 0.1)))
+    assert plan_problems(bad) == ["s: GPU 0 holds 2 trainers", "s: GPU 1 is 1.00 full",
+                                  "s: GPU 2 holds trainer e and another's server", "s: GPU 4 does not exist (4 GPUs)"]
+
+
+def test_memory_arithmetic():
+    # Qwen2.5-1.5B: h 1536, 28 layers, 12 heads of 128, 2 KV heads, mlp 8960, vocab 151936, tied embeddings:
+    # attention 1536·1536 + 2·1536·256 + 1536·1536 = 5,505,024; mlp 3·1536·8960 = 41,287,680;
+    # 28 · 46,792,704 = 1,310,195,712 (the model card's 1.31B non-embedding) + 151936·1536 = 1,543,569,408
+    qwen = {"hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12, "num_hidden_layers": 28,
+            "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
+    assert estimate_params(qwen) == 1_543_569_408
+    assert estimate_params({"hidden_size": 8}) is None
+    # 1e9 params, bf16, 4 ranks: z0 16 B, z1 2 + 2 + 12/4 = 7 B, z2 2 + 14/4 = 5.5 B, z3 16/4 = 4 B per param
+    assert [trainer_gb(1e9, "bf16", z, 4, 1) for z in range(4)] == [16.0, 7.0, 5.5, 4.0]
+    assert trainer_gb(1e9, "fp32", 2, 2, 2) == 2 * (4 + 12 / 2)
+
+
+def test_model_size_from_checkpoint_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8, "num_hidden_layers": 10,
+        "vocab_size": 1000, "torch_dtype": "float32"}))
+    # 10 · (4 · 1024² + 3 · 1024 · 4096) + 2 · 1000 · 1024 = 167,772,160 + 2,048,000 params · 4 bytes
+    plan = make_plan(config_from_dict({"domains": DOMAINS, "model": {"path": str(tmp_path)}}), 0)
+    assert plan.model_gb == round(169_820_160 * 4 / 1e9, 3)
+    with pytest.raises(PlacementError, match="set resources.model_gb"):
+        make_plan(config_from_dict({"domains": DOMAINS, "model": {"path": str(tmp_path / "x")}},
+                                   check_model_path=False), 1)
+
+
+def test_launch_environment_and_sglang_flags():
+    plan = make_plan(cfg({**ONE_B}), 4)
+    visible = visible_devices("4,5,6,7", 4)  # the pipeline sees node GPUs 4-7 as plan GPUs 0-3
+    env = trainer_env(plan, plan.get("specialists", "lane-1", "trainer"), visible)
+    assert env["CUDA_VISIBLE_DEVICES"] == "5"
+    rollout = rollout_placement(env)
+    assert rollout["gpus"] == [3] and rollout["visible"] == ["4", "5", "6", "7"]
+    # SGLang sees the node's devices and is pointed at plan GPU 3 by --base-gpu-id; the embedded server is confined
+    assert server_launch(rollout, visible, True) == {
+        "env": {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+        "options": {"base_gpu_id": 3, "tp_size": 1, "mem_fraction_static": 0.05}}
+    assert server_launch(rollout, visible, False) == {"env": {"CUDA_VISIBLE_DEVICES": "7"}, "options": {}}
+    sg = cfg({**ONE_B}, engine={"backend": "sglang", "sglang_args": {"mem_fraction_static": 0.5}}).engine
+    settings = launch_settings(sg, rollout)  # the plan wins over sglang_args
+    argv = build_command(ServerSpec("x", "/m", backend="sglang", options=settings["options"]), 1234)
+    assert argv[argv.index("--base-gpu-id") + 1] == "3" and argv[argv.index("--mem-fraction-static") + 1] == "0.05"
+    assert argv[argv.index("--tp-size") + 1] == "1" and settings["env"] == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    with pytest.raises(PlacementError, match="shows 2 GPU"):
+        visible_devices("0,1", 4)
+
+
+def test_alloy_plan_cli(tmp_path):
+    """`alloy plan configs/gpu-example.yaml --gpus 8 --json` keeps the rules; 1 GPU with 8 lanes exits 2."""
+    run = lambda *a: subprocess.run([sys.executable, "-m", "alloy.cli", "plan", "configs/gpu-example.yaml", *a],
+                                    capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = run("--gpus", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    procs = json.loads(out.stdout)["processes"]
+    assert {tuple(sorted(p)) for p in procs} == {("gpus", "kind", "mem_fraction", "name", "stage")}
+    plan = Plan(8, 80, 3.1, "", tuple(Proc(**{**p, "gpus": tuple(p["gpus"])}) for p in procs))
+    assert plan_problems(plan) == [] and len(plan.trainers("specialists")) == 4
+    assert len([p for p in procs if p["kind"] == "teacher"]) == 13
+    bad = run("--gpus", "1", "--set", "specialists.max_parallel=8")
+    assert bad.returncode == 2 and "specialists: 8 lanes at once" in bad.stderr, bad.stderr
