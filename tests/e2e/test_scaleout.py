@@ -211,7 +211,7 @@ def trainer_after_a_checkpoint(cluster, prefix: str, copy: Path, domain: str):
 
 def test_pipeline_on_pool_a_specialists_and_distill_on_pool_b_with_a_killed_specialist(cluster):
     from infra.config import load_config
-    from tasks.prefixes import specialist_prefix_of
+    from tasks.prefixes import base_prefix, specialist_prefix_of
 
     api, copies = cluster["api"], cluster["copies"]
     # the deployment records the pull step, not the deploying copy's folder: each worker resolves its own
@@ -266,6 +266,10 @@ def test_pipeline_on_pool_a_specialists_and_distill_on_pool_b_with_a_killed_spec
     for dom, row in report["domains"].items():
         assert all(0.0 <= row[s] <= 1.0 for s in ("base", "specialist", "student")), (dom, row)
     assert report["artifacts"]["student_checkpoint"].startswith(cluster["storage"])
+    # the base checkpoint the specialists were handed: committed in S3 by its manifest (written last)
+    cfg = load_config(ROOT / "configs" / "smoke.yaml", overrides)
+    base_keys = s3_keys(cluster, base_prefix(cfg, cluster["storage"]).split(f"s3://{cluster['bucket']}/", 1)[1])
+    assert any(k.endswith("/COMPLETE") for k in base_keys) and any(k.endswith(".safetensors") for k in base_keys)
     assert all(u.startswith(cluster["storage"]) for u in report["artifacts"]["specialists"].values())
     # the trainers ran in B's copy, the pipeline's evaluations in A's: no work dir was shared
     assert all((copies["b"] / "runs" / "smoke" / "work" / "logs" / f"specialist-{d}.log").is_file() for d in DOMAINS)

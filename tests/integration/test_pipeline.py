@@ -92,56 +92,30 @@ def _base_dir(tmp_path: Path) -> str:
     return dirs[0]
 
 
-def test_smoke_pipeline_on_s3(tmp_path, s3_bucket, prefect_harness):
-    from flows.pipeline import pipeline
-
-    storage = f"{s3_bucket}/alloy/smoke"
-    report = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}", f"run.storage={storage}"])
-    check_report(report, 3)
-    assert read_json(f"{storage}/report.json")["run_id"] == report["run_id"]
-    from infra.storage import get_fs
-
-    fs, path = get_fs(storage)
-    bases = [p for p in fs.ls(path) if p.rsplit("/", 1)[-1].startswith("base-")]
-    assert len(bases) == 1
-    ckpt = latest_complete("s3://" + bases[0])
-    assert ckpt and verify_checkpoint(ckpt, deep=True)[0]
-
-
 def clean_env() -> dict:
     """The environment a user's shell would have: no rendezvous variables left by in-process DeepSpeed tests."""
     drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PREFECT_API_URL"}
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def test_cli_run_exit_codes(tmp_path):
-    """The real CLI: a good run exits 0 and writes the report; a bad override exits 2 naming the field."""
+TWO_RANKS = ["base.train.world_size=2", "base.train.zero_stage=2", "base.train.micro_batch_size=32",
+             "specialists.policy_train.world_size=2", "specialists.critic_train.world_size=2",
+             "distill.train.world_size=2", "specialists.steps=2", "distill.steps=2"]  # checkpoints at the last step
+
+
+def test_cli_run_every_trainer_on_two_ranks_and_exit_codes(tmp_path):
+    """The real CLI as a user types it, `alloy run configs/smoke.yaml --set …world_size=2 …`: the whole smoke pipeline
+    with every trainer on 2 ranks under torchrun (gloo) — the base SFT (ZeRO-2), the specialists (policy + critic in
+    one process group; rank 0 drives rollouts; its checkpoint holds both ranks' states) and the student — exits 0 and
+    writes the report, whose `resources` is what the trainers' process groups were. Then a bad override and a bad
+    plugin exit 2 naming the field."""
     out = tmp_path / "report.json"
-    sets = sum((["--set", s] for s in FAST + [f"run.root={tmp_path}", "tracking.enabled=false"]), [])
+    sets = sum((["--set", s] for s in FAST + [f"run.root={tmp_path}"] + TWO_RANKS), [])
     proc = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, *sets, "--report", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check_report(json.loads(out.read_text()), 3)
     assert "reverse" in proc.stdout and "report written to" in proc.stdout
-
-    bad = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "base.steps=-3"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
-    assert bad.returncode == 2 and "base.steps" in bad.stderr
-    plugin = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "domains.0.impl=nowhere.mod:Cls",
-                             "--set", f"run.root={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
-    assert plugin.returncode == 2 and "nowhere.mod:Cls" in plugin.stderr and "domains.0.impl" in plugin.stderr
-
-
-def test_every_trainer_two_ranks_under_torchrun(tmp_path, prefect_harness):
-    """The whole smoke pipeline with every trainer on 2 ranks under torchrun (gloo): the base SFT (ZeRO-2), the
-    specialists (policy + critic in one process group; rank 0 drives rollouts; its checkpoint holds both ranks'
-    states) and the student. report.json's `resources` is what the trainers' process groups were."""
-    from flows.pipeline import pipeline
-
-    report = pipeline(config=SMOKE, overrides=FAST + [
-        f"run.root={tmp_path}", "base.train.world_size=2", "base.train.zero_stage=2", "base.train.micro_batch_size=32",
-        "specialists.policy_train.world_size=2", "specialists.critic_train.world_size=2",
-        "distill.train.world_size=2", "specialists.steps=2", "distill.steps=2"])  # checkpoints at the last step
+    report = json.loads(out.read_text())
     print("2-rank pipeline timings (s):", report["timings_s"])
     check_report(report, 3)
     assert report["resources"] == {"base": {"world_size": 2}, "specialists": {"world_size": 2},
@@ -162,3 +136,10 @@ def test_every_trainer_two_ranks_under_torchrun(tmp_path, prefect_harness):
     assert (ckpt / "policy-state" / "state" / "rng_rank1.pt").is_file()
     assert (ckpt / "critic-state" / "state" / "rng_rank1.pt").is_file()
     assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 2
+
+    bad = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "base.steps=-3"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+    assert bad.returncode == 2 and "base.steps" in bad.stderr
+    plugin = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "domains.0.impl=nowhere.mod:Cls",
+                             "--set", f"run.root={tmp_path}"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert plugin.returncode == 2 and "nowhere.mod:Cls" in plugin.stderr and "domains.0.impl" in plugin.stderr

@@ -204,7 +204,7 @@ def test_a_secret_override_passed_to_a_flow_is_refused(prefect_harness, flow_nam
     key = f"sk-REFUSED-{uuid.uuid4().hex}"
     overrides = ["base.steps=1", f"engine.api_key={key}", "specialists.guard.judge_api_key=j"]
     call = {"pipeline": lambda: pipeline(config=SMOKE, overrides=overrides),
-            "specialist": lambda: specialist(config=SMOKE, domain="add", base_dir="/nonexistent", overrides=overrides),
+            "specialist": lambda: specialist(config=SMOKE, domain="add", base_url="/nonexistent", overrides=overrides),
             "distill": lambda: distill(config=SMOKE, student_init="/nonexistent", teachers={}, overrides=overrides)}
     with pytest.raises(ConfigError) as err:
         call[flow_name]()
