@@ -26,9 +26,9 @@ mlflow and does without) and that none was loaded. Parts:
   both run at the same time as the GPU parts, which run one after another):
   2 PPO steps of `teachers.specialist_main.run_specialist` and 2 OPD steps of `student.distill_main.
   run_distillation` on a fresh `tiny` model, each with its own embedded engine server (the student's teacher is
-  another embedded server), no tracking; the specialist without critic warm-up, so both steps update the policy.
-  Checks: 2 steps done, every loss reported finite (a value loss each step, a policy loss in at least one: a
-  step can report none), an OPD loss each step.
+  another embedded server), no tracking; the specialist without critic warm-up.
+  Checks: 2 steps done, every loss reported finite (a value loss each step; a policy loss where the step had one:
+  from a random-init model every reward can be 0, so no advantage and no policy update), an OPD loss each step.
 
 Without CUDA the GPU parts are `skipped` and `"cuda": false`. Any failed part (an exception, a failed check, a
 timeout, a blocked module loaded) makes `"ok": false` and the exit code 1.
@@ -245,9 +245,11 @@ def part_specialist_step(args) -> dict:
     out = run_specialist(cfg, load_domains(cfg)["reverse"], str(base), f"file://{work}/out", work / "work",
                          NoopTracker())
     losses = [(h.get("policy_loss"), h.get("value_loss")) for h in out["history"]]
-    reported = [x for pair in losses for x in pair if x is not None]  # a step may report no policy loss
+    # a step may report no policy loss: from a random-init model every reward can be 0 (no advantage, no policy
+    # update; a CI run saw that on both steps), so the check asks for finite numbers and a critic update each step
+    reported = [x for pair in losses for x in pair if x is not None]
     ok = (out["steps"] == 2 and len(losses) == 2 and all(math.isfinite(x) for x in reported)
-          and all(v is not None for _, v in losses) and any(p is not None for p, _ in losses))
+          and all(v is not None for _, v in losses))
     return {"steps": out["steps"], "policy_value_loss": losses, "run_s": round(time.perf_counter() - t0, 2),
             "score": out.get("score"), "check": None if ok else f"steps {out['steps']}, (policy, value) losses {losses}"}
 
