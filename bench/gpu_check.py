@@ -29,6 +29,9 @@ mlflow and does without) and that none was loaded. Parts:
   another embedded server), no tracking; the specialist without critic warm-up.
   Checks: 2 steps done, every loss reported finite (a value loss each step; a policy loss where the step had one:
   from a random-init model every reward can be 0, so no advantage and no policy update), an OPD loss each step.
+- `loss_memory` (CUDA): `bench/loss_memory.py --device cuda` at 1 × 1024, 4 × 1024 and 16 × 2048 tokens: extra GPU
+  memory (torch.cuda.max_memory_allocated) of the OPD losses and the specialists' log-probs + entropy on bf16
+  logits with V = 151,936, before and after chunking; fails if a chunked run takes more than 1.5× the logits.
 
 Without CUDA the GPU parts are `skipped` and `"cuda": false`. Any failed part (an exception, a failed check, a
 timeout, a blocked module loaded) makes `"ok": false` and the exit code 1.
@@ -289,6 +292,26 @@ PARTS = {
     "distill_step": (part_distill_step, False, 0, 600),
 }
 CPU_PARTS = ("specialist_step", "distill_step")
+
+
+def part_loss_memory(args) -> dict:
+    """bench/loss_memory.py on the GPU: extra memory of the OPD losses and the specialists' log-probs, old (full
+    float32 copies) vs chunked, bf16 logits at V = 151,936; a chunked run above 1.5× the logits fails the part."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import loss_memory
+
+    out = Path(tempfile.gettempdir()) / "loss_memory.json"
+    code = loss_memory.main(["--device", "cuda", "--shapes", "1x1024,4x1024,16x2048", "--out", str(out)])
+    report = json.loads(out.read_text())
+    res = {k: report[k] for k in ("V", "method", "max_new_over_logits", "target_met")}
+    res["runs"] = [{k: r.get(k) for k in ("variant", "impl", "B", "T", "extra_over_logits", "extra_bytes", "seconds",
+                                          "skipped", "error")} for r in report["runs"]]
+    if code != 0 or not report["target_met"]:
+        res["check"] = f"loss_memory: exit {code}, max chunked extra {report['max_new_over_logits']}× (target ≤ 1.5×)"
+    return res
+
+
+PARTS["loss_memory"] = (part_loss_memory, True, 1, 600)
 
 
 def run_part_here(name: str, args) -> int:

@@ -33,11 +33,19 @@ def _unless_stopped(task, task_run, state) -> bool:
     return not stop_requested()
 
 
+def launch_order(sc, domains) -> list[str]:
+    """Domains in the order their specialists start: the longest expected first (most configured steps, with
+    `specialists.per_domain` overrides), ties in config order. With `max_parallel` lanes, a long run started last
+    would leave the other lanes idle at the end of the stage (list scheduling: longest first bounds the makespan)."""
+    names = list(domains)
+    return sorted(names, key=lambda d: (-sc.for_domain(d).steps, names.index(d)))
+
+
 def _local(ctx: RunContext, base_dir: str) -> dict[str, dict]:
     sc = ctx.cfg.specialists
     task = train_specialist.with_options(retries=sc.retries, retry_delay_seconds=2, retry_condition_fn=_unless_stopped)
-    futures = {d: task.submit(ctx, d, base_dir) for d in ctx.domains}
-    return {d: f.result() for d, f in futures.items()}
+    futures = {d: task.submit(ctx, d, base_dir) for d in launch_order(sc, ctx.domains)}
+    return {d: futures[d].result() for d in ctx.domains}
 
 
 def _deployments(ctx: RunContext, base_url: str) -> dict[str, dict]:

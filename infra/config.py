@@ -215,6 +215,11 @@ class EngineConfig(_Strict):
                                              "(--max-running-requests; the rest queue). None = the backend's own: "
                                              f"embedded {MAX_RUNNING_REQUESTS}, SGLang sized from GPU memory.")
     sglang_args: dict[str, Any] = Field(default_factory=dict, description="Extra sglang.launch_server options (GPU).")
+    weight_sync: Literal["memory", "disk"] = ops_field(
+        "memory", description="How a trainer pushes new weights to its rollout server. memory: a weight buffer in "
+        "/dev/shm (or the work dir) copied into the embedded server's model in place (the load can overlap the next "
+        "step); disk: an HF dir loaded with update_weights_from_disk. Embedded servers only: an SGLang server takes "
+        "no weight buffers.")
 
 
 class TeachersConfig(_Strict):

@@ -488,6 +488,31 @@ class DeepSpeedBackend:
                 tokenizer.save_pretrained(str(out))
         self.barrier()
 
+    def named_weights(self) -> dict[str, torch.Tensor] | None:
+        """The current weights as {HF state-dict name: CPU tensor} on rank 0 (None on the other ranks), in the
+        training dtype, each tied tensor once (under its first name, e.g. the input embeddings, not the tied LM
+        head): what `save_hf` writes, without the files (a weight push through `infra.engine.weight_buffer`).
+
+        A collective under ZeRO-3 (the same layer-by-layer gather as `save_hf`: call it on every rank). On a CPU
+        accelerator the tensors are the live parameters themselves, not copies: read them before the next
+        optimizer step (`PolicyServer.push` snapshots them into a buffer file first)."""
+        if self.settings.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # all ranks take part; None off rank 0
+        else:
+            state = self.module.state_dict() if self.is_main else None
+        if not self.is_main or state is None:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, int]] = set()
+        for name, t in state.items():
+            t = t.detach()
+            key = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (id(t), 0)
+            if key in seen:  # a tied weight: the same tensor under a second name
+                continue
+            seen.add(key)
+            out[name] = t if t.device.type == "cpu" else t.to("cpu")
+        return out
+
     def save_state(self, state_dir: str | Path) -> Path:
         """Save everything needed to resume (a collective: call on every rank). Returns state_dir/CHECKPOINT_TAG.
 

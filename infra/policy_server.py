@@ -1,19 +1,31 @@
 """A trainer's own rollout server: one engine server serving the current policy, weights pushed after each step.
 
-Used by both RL trainers (specialist PPO, OPD student). The trainer saves HF weights to a versioned directory,
-the live server loads them with `update_weights_from_disk`, and the supervisor records them so that a restarted
-server comes back with the latest weights and the same `weight_version`.
+Used by both RL trainers (specialist PPO, OPD student). A push has two halves:
+  1. the snapshot: the trainer's weights written where the server can read them, done before the caller's next
+     optimizer step may touch them;
+  2. the load: the live server takes them as `weight_version = version`, and the supervisor records them so
+     that a restarted server comes back with the latest weights and the same version.
+`weight_sync: memory` (the default for the embedded server): the snapshot is a weight buffer
+(infra/engine/weight_buffer.py: `DeepSpeedBackend.named_weights` as raw tensors) in /dev/shm when it has room,
+else under the work dir, two files alternating by version (A/B: the server may still read one while the next is
+written); the load is `update_weights_from_buffer`, an in-place copy into the server's model. `disk` (and any
+SGLang server): an HF dir (`save_hf`) loaded with `update_weights_from_disk`. With `push(..., wait=False)` the
+load runs as a task while the caller goes on (sampling the next batch on the previous weights).
 """
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from infra.engine.backends import server_backend
 from infra.engine.client import EngineClient
 from infra.engine.launcher import ServerSpec, Supervisor, launch_settings
+from infra.engine.weight_buffer import write_buffer
 from infra.placement import rollout_placement
 
 log = logging.getLogger("alloy.policy_server")
@@ -21,30 +33,39 @@ log = logging.getLogger("alloy.policy_server")
 
 class PolicyServer:
     """Serve `model_dir` under `name`, bound to `host` (the trainer passes `cfg.engine.host`);
-    `push(backend, tokenizer, version)` publishes new weights.
+    `push(backend, tokenizer, version)` publishes new weights (see the module docstring).
 
-    Keeps the last `keep` weight directories under `work_dir/weights/` (the server may still be reading the
-    previous one while it swaps).
+    `weight_sync="disk"` (or an SGLang server) keeps the last `keep` weight directories under `work_dir/weights/`
+    (the server may still be reading the previous one while it swaps); "memory" keeps two buffer files, removed
+    by `aclose`. `loaded_version`: the version the server has loaded (the last finished load).
     """
 
     def __init__(self, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path, *,
                  backend: str = "embedded", api_key: str | None = None, host: str = "127.0.0.1",
                  extra_args: list[str] | None = None, options: dict | None = None, keep: int = 2, version: int = 0,
-                 seed: int | None = None, env: dict[str, str] | None = None):
+                 seed: int | None = None, env: dict[str, str] | None = None, weight_sync: str = "memory"):
+        if weight_sync not in ("memory", "disk"):
+            raise ValueError(f"PolicyServer: weight_sync must be 'memory' or 'disk', got {weight_sync!r}")
         self.supervisor, self.name = supervisor, name
+        # memory needs a server that takes weight buffers (the embedded one); SGLang keeps the disk path
+        self.memory = weight_sync == "memory" and server_backend(backend).weights_buffer_flag is not None
         extra, options = list(extra_args or []), dict(options or {})
         if seed is not None:  # the sampling stream follows the run's seed (and differs after a resume at `version`)
             stream = (seed * 1_000_003 + version) % 2 ** 31
             options[server_backend(backend).seed_option] = stream
         self.weights_dir = Path(work_dir) / "weights"
         self.weights_dir.mkdir(parents=True, exist_ok=True)
-        self.keep, self.version = keep, version
+        self.keep, self.version, self.loaded_version = keep, version, version
         spec = ServerSpec(name=name, model_path=str(model_dir), backend=backend, host=host, api_key=api_key,
                           extra_args=extra, options=options, weight_version=str(version), env=dict(env or {}))
         self.url = supervisor.start([spec])[name]
         # retries ride out a supervisor restart of this server (tens of seconds on a loaded machine): ~30 s budget
         self.client = EngineClient(self.url, api_key=api_key, max_retries=10, backoff_base=0.25, backoff_max=4.0)
         self._pushed: list[Path] = []
+        self._loading: asyncio.Task | None = None
+        self._buffer_dir: Path | None = None  # chosen at the first memory push (by then the size is known)
+        self._buffers: set[Path] = set()
+        atexit.register(self._remove_buffers)
 
     @classmethod
     def for_engine(cls, engine_cfg, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path,
@@ -54,21 +75,95 @@ class PolicyServer:
         (infra/placement.py `trainer_env`: PLACEMENT_ENV), if any."""
         settings = launch_settings(engine_cfg, rollout_placement(os.environ))
         return cls(supervisor, name, model_dir, work_dir, **settings, api_key=engine_cfg.api_key,
-                   host=engine_cfg.host, **kw)
+                   host=engine_cfg.host, weight_sync=engine_cfg.weight_sync, **kw)
 
-    async def push(self, train_backend, tokenizer, version: int) -> str:
-        """Save the trainer's weights (rank 0) and load them into the live server as `weight_version=version`."""
-        path = self.weights_dir / f"v{version:06d}"
+    async def push(self, train_backend, tokenizer, version: int, wait: bool = True) -> str:
+        """Publish the trainer's weights (rank 0; `save_hf`/`named_weights` are collectives the other ranks join)
+        as `weight_version=version`: first awaits the previous load (re-raising its error), then snapshots the
+        weights (in a thread) and starts the server's load. `wait=True`: returns once the server has them;
+        `wait=False`: returns after the snapshot (the caller may step its optimizer) and the load runs as a task
+        (`wait_loaded`). Returns the buffer file or weight dir."""
+        await self.wait_loaded()
+        if self.memory:
+            path = await asyncio.to_thread(self._snapshot_buffer, train_backend, version)
+            load = self._load_buffer(path, version)
+        else:
+            path = self.weights_dir / f"v{version:06d}"
+            await asyncio.to_thread(self._snapshot_dir, train_backend, tokenizer, path)
+            load = self._load_dir(path, version)
+        self.version = version
+        self._loading = asyncio.ensure_future(load)
+        if wait:
+            await self.wait_loaded()
+        return str(path)
+
+    async def wait_loaded(self) -> None:
+        """Await the load of the last push, if one is in flight; re-raises its error (once)."""
+        task, self._loading = self._loading, None
+        if task is not None:
+            await task
+
+    # -- the two halves ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _snapshot_dir(train_backend, tokenizer, path: Path) -> None:
         if path.exists():
             shutil.rmtree(path)
         train_backend.save_hf(str(path), tokenizer=tokenizer)
+
+    def _snapshot_buffer(self, train_backend, version: int) -> Path:
+        weights = train_backend.named_weights()
+        if weights is None:
+            raise RuntimeError("PolicyServer.push: named_weights() returned nothing (only rank 0 pushes weights)")
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        path = self._pick_buffer_dir(nbytes) / f"{self.name}-{'ab'[version % 2]}.wbuf"
+        self._buffers.add(path)
+        write_buffer(path, weights, str(version))
+        return path
+
+    def _pick_buffer_dir(self, nbytes: int) -> Path:
+        """/dev/shm (a private directory) when writable with room for three buffers (A, B and the one being
+        written), else `work_dir/weights`."""
+        if self._buffer_dir is None:
+            shm, room = Path("/dev/shm"), 0
+            try:
+                if shm.is_dir() and os.access(shm, os.W_OK):
+                    room = shutil.disk_usage(shm).free
+            except OSError:
+                pass
+            if room >= 3 * nbytes + 64 * 2**20:
+                self._buffer_dir = Path(tempfile.mkdtemp(prefix=f"alloy-{self.name}-", dir=shm))
+            else:
+                log.info("%s: /dev/shm has no room for weight buffers (%d bytes free, %d needed); using %s", self.name,
+                         room, 3 * nbytes, self.weights_dir)
+                self._buffer_dir = self.weights_dir
+        return self._buffer_dir
+
+    async def _load_buffer(self, path: Path, version: int) -> None:
+        await self.client.update_weights_from_buffer(path=str(path), version=str(version), flush_cache=True)
+        self.supervisor.set_weights(self.name, None, str(version), buffer=str(path))
+        self.loaded_version = version
+
+    async def _load_dir(self, path: Path, version: int) -> None:
         await self.client.update_weights(str(path), version=str(version), flush_cache=True)
         self.supervisor.set_weights(self.name, str(path), str(version))
-        self.version = version
+        self.loaded_version = version
         self._pushed.append(path)
         while len(self._pushed) > self.keep:
             shutil.rmtree(self._pushed.pop(0), ignore_errors=True)
-        return str(path)
+
+    def _remove_buffers(self) -> None:
+        for p in self._buffers:
+            p.unlink(missing_ok=True)
+        self._buffers.clear()
+        if self._buffer_dir is not None and self._buffer_dir != self.weights_dir:
+            shutil.rmtree(self._buffer_dir, ignore_errors=True)
 
     async def aclose(self) -> None:
+        """Finish an in-flight load (its error is logged, not raised), close the client, remove the buffers."""
+        try:
+            await self.wait_loaded()
+        except Exception as e:  # noqa: BLE001 - closing anyway
+            log.warning("%s: the last weight load failed: %s", self.name, e)
         await self.client.aclose()
+        self._remove_buffers()
+        atexit.unregister(self._remove_buffers)

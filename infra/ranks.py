@@ -10,7 +10,7 @@ MLflow, checkpoint commits) and names each collective step before taking part in
         ranks.follow()                               # run each announced handler until rank 0 finishes
 
 `led(backend, ranks, "policy")` wraps a DeepSpeedBackend for rank 0 so that its collective methods (`save_hf`,
-`save_state`, `load_state`) are announced first: code written for one rank (a weight push, a checkpoint) then
+`save_state`, `load_state`, `named_weights` under ZeRO-3) are announced first: code written for one rank (a weight push, a checkpoint) then
 works unchanged. With a world of one nothing is broadcast and `led` returns the backend itself.
 Paths in announced calls are rank 0's: the ranks share one machine (torchrun --standalone).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 DONE = "__done__"
-COLLECTIVE_METHODS = ("save_hf", "save_state", "load_state")
+COLLECTIVE_METHODS = ("save_hf", "save_state", "load_state", "named_weights")
 
 
 def process_world_size() -> int:
@@ -104,6 +104,11 @@ class _Led:
 
     def save_state(self, state_dir):
         return self._ranks.call(f"{self._name}.save_state", state_dir)
+
+    def named_weights(self):
+        if self._backend.settings.zero_stage != 3:  # a collective only under ZeRO-3 (the gather)
+            return self._backend.named_weights()
+        return self._ranks.call(f"{self._name}.named_weights")
 
     def load_state(self, state_dir):
         return self._ranks.call(f"{self._name}.load_state", state_dir)

@@ -13,7 +13,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from student.losses import OPDInputs, OPDLoss, get_loss
+from infra.logprobs import gather_log_softmax
+from student.losses import OPDInputs, OPDLoss, check_teacher_topk, get_loss
 from student.sampler import StudentSample
 
 
@@ -97,15 +98,26 @@ def opd_loss(logits: torch.Tensor, batch: OPDBatch, *, loss: OPDLoss | str, dire
     `logp_abs_diff` = token-mean |log π_now − log π_rollout| (train/inference mismatch plus staleness).
     """
     spec = get_loss(loss) if isinstance(loss, str) else loss
-    logits = logits[:, :-1].float()  # (B, T-1, V): position t predicts token t+1
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)  # (B, T-1)
+    # Every full-vocabulary quantity is one chunked gather over the whole (B, T, V) logits (no float32 copy, no
+    # slice, so backward allocates one logits-sized gradient; infra/logprobs.py): column 0 the sampled token, then
+    # the teacher's top-k ids. The last position predicts nothing: it gets a target 0 and stays off the mask.
+    B, T, V = logits.shape
     mask = batch.mask
+    off = torch.zeros((B, 1), dtype=torch.long, device=batch.input_ids.device)
+    ids = torch.cat([batch.input_ids[:, 1:], off], dim=1).unsqueeze(-1)  # (B, T, 1): position t predicts token t+1
+    with_topk = spec.needs_teacher_topk and batch.topk_ids is not None and batch.topk_logp is not None
+    if with_topk:
+        topk = check_teacher_topk("opd_loss", batch.topk_ids, batch.topk_logp, mask, V, direction, beta)
+        ids = torch.cat([ids, torch.cat([topk, off[..., None].expand(B, 1, topk.shape[-1])], dim=1)], dim=-1)
+    valid = torch.cat([mask != 0, off.bool()], dim=1).to(logits.device)
+    gathered = gather_log_softmax(logits, ids.to(logits.device), valid)[:, :-1]  # (B, T-1, 1 [+ K])
+    logp = gathered[..., 0]  # (B, T-1); −log V off the mask, where no loss reads it
     # train/inference log-prob gap |log π_now − log π_rollout| per token: ~1e-6 on-policy, grows with staleness
     gap = {"logp_abs_diff": float(((logp.detach() - batch.rollout_logp).abs() * mask).sum() / mask.sum().clamp_min(1))}
-    inputs = OPDInputs(logits=logits, logp=logp, teacher_logp=batch.teacher_logp, rollout_logp=batch.rollout_logp,
-                       mask=mask, reward_adv=batch.reward_adv if reward_coef else None, topk_ids=batch.topk_ids,
-                       topk_logp=batch.topk_logp)
+    inputs = OPDInputs(logits=logits[:, :-1], logp=logp, teacher_logp=batch.teacher_logp,
+                       rollout_logp=batch.rollout_logp, mask=mask, reward_adv=batch.reward_adv if reward_coef else None,
+                       topk_ids=batch.topk_ids, topk_logp=batch.topk_logp,
+                       student_topk_logp=gathered[..., 1:] if with_topk else None)
     total, metrics = spec(inputs, direction=direction, beta=beta, reward_coef=reward_coef, is_clip=is_clip,
                           global_token_count=global_token_count)
     return total, {**metrics, **gap}

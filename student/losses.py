@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from infra.config import OPD_LOSSES
+from infra.logprobs import gather_log_softmax
 
 DIRECTIONS = ("forward", "reverse", "jsd")
 # Tail mass is clamped to ≥ TAIL_MIN so log(tail) stays finite (reverse KL against a teacher whose top-k already holds
@@ -154,7 +155,8 @@ def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 
 def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor, teacher_topk_logp: torch.Tensor,
                  mask: torch.Tensor, direction: str = "forward", beta: float = 0.5,
-                 global_token_count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 global_token_count: float | torch.Tensor | None = None,
+                 chunk_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level KL between the teacher's top-k distribution and the student's, each with one tail bucket.
 
     Buckets at each position: the K teacher ids, plus a tail holding the rest of the mass,
@@ -168,7 +170,9 @@ def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor, t
                  and, as TRL special-cases them, β = 0 → KL(T‖S) (forward) and β = 1 → KL(S‖T) (reverse).
                  Note JSD_β itself → 0 at both ends; the continuous limits are JSD_β/β → KL(T‖S) as β → 0 and
                  JSD_β/(1 − β) → KL(S‖T) as β → 1, so the special cases are a (documented) jump, as in TRL.
-    loss = token-mean over the mask. All in log space (logsumexp, log1mexp), in float32 or wider.
+    loss = token-mean over the mask. All in log space (logsumexp, log1mexp), in float32 or wider. The student's
+    log-softmax over V is taken ``chunk_tokens`` positions at a time (``infra.logprobs.gather_log_softmax``), so no
+    float32 copy of the whole logits is kept; only the (B, T, K + 1) buckets are.
 
     Shapes: student_logits (B, T, V) logits or full log-probs (log_softmax is applied; it is the identity on log-probs);
     teacher_topk_ids (B, T, K) integer ids, distinct per position; teacher_topk_logp (B, T, K) teacher log-probs of
@@ -177,43 +181,63 @@ def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor, t
     """
     if student_logits.dim() != 3:
         raise ValueError(f"topk_kl_loss: student_logits must be (B, T, V), got shape {tuple(student_logits.shape)}")
-    B, T, V = student_logits.shape
+    B, T, _ = student_logits.shape
+    if tuple(mask.shape) != (B, T):
+        raise ValueError(f"topk_kl_loss: mask has shape {tuple(mask.shape)}, expected ({B}, {T})")
+    ids = check_teacher_topk("topk_kl_loss", teacher_topk_ids, teacher_topk_logp, mask, student_logits.shape[-1],
+                             direction, beta)
+    s_top = gather_log_softmax(student_logits, ids, mask != 0, chunk_tokens=chunk_tokens)
+    return topk_kl_from_student_logp(s_top, teacher_topk_logp, mask, direction, beta, global_token_count)
+
+
+def check_teacher_topk(fn: str, teacher_topk_ids: torch.Tensor, teacher_topk_logp: torch.Tensor, mask: torch.Tensor,
+                       vocab_size: int, direction: str = "forward", beta: float = 0.5) -> torch.Tensor:
+    """Validate the teacher's top-k against ``mask`` (B, T) and the vocabulary size; returns the ids as long with
+    padded positions replaced by 0 … K−1 (padding may hold garbage ids). Errors name ``fn`` and the field."""
+    if mask.dim() != 2:
+        raise ValueError(f"{fn}: mask must be (B, T), got shape {tuple(mask.shape)}")
+    B, T = mask.shape
+    V = int(vocab_size)
     if teacher_topk_ids.dim() != 3 or tuple(teacher_topk_ids.shape[:2]) != (B, T):
-        raise ValueError(f"topk_kl_loss: teacher_topk_ids has shape {tuple(teacher_topk_ids.shape)}, "
-                         f"expected ({B}, {T}, K)")
+        raise ValueError(f"{fn}: teacher_topk_ids has shape {tuple(teacher_topk_ids.shape)}, expected ({B}, {T}, K)")
     if teacher_topk_logp.shape != teacher_topk_ids.shape:
-        raise ValueError(f"topk_kl_loss: teacher_topk_logp has shape {tuple(teacher_topk_logp.shape)} but "
+        raise ValueError(f"{fn}: teacher_topk_logp has shape {tuple(teacher_topk_logp.shape)} but "
                          f"teacher_topk_ids has {tuple(teacher_topk_ids.shape)}")
     K = teacher_topk_ids.shape[-1]
     if not 1 <= K <= V:
-        raise ValueError(f"topk_kl_loss: need 1 <= K <= V, got K={K}, V={V}")
-    if tuple(mask.shape) != (B, T):
-        raise ValueError(f"topk_kl_loss: mask has shape {tuple(mask.shape)}, expected ({B}, {T})")
+        raise ValueError(f"{fn}: need 1 <= K <= V, got K={K}, V={V}")
     if direction not in DIRECTIONS:
-        raise ValueError(f"topk_kl_loss: direction={direction!r}; valid directions are {list(DIRECTIONS)}")
+        raise ValueError(f"{fn}: direction={direction!r}; valid directions are {list(DIRECTIONS)}")
     if direction == "jsd" and not 0.0 <= beta <= 1.0:
-        raise ValueError(f"topk_kl_loss: beta must be in [0, 1], got {beta}")
-
+        raise ValueError(f"{fn}: beta must be in [0, 1], got {beta}")
     valid = mask != 0
     valid_k = valid[..., None].expand(B, T, K)
     ids = teacher_topk_ids.long()
     if bool(((ids < 0) | (ids >= V))[valid_k].any()):
-        raise ValueError(f"topk_kl_loss: teacher_topk_ids out of range [0, {V}) at a valid position")
+        raise ValueError(f"{fn}: teacher_topk_ids out of range [0, {V}) at a valid position")
     sorted_ids = ids.sort(dim=-1).values
     dup = (sorted_ids[..., 1:] == sorted_ids[..., :-1]).any(dim=-1) & valid
     if bool(dup.any()):
         b, t = dup.nonzero()[0].tolist()
-        raise ValueError(f"topk_kl_loss: teacher_topk_ids has a repeated id at (row, t)=({b}, {t})")
+        raise ValueError(f"{fn}: teacher_topk_ids has a repeated id at (row, t)=({b}, {t})")
+    return torch.where(valid_k, ids, torch.arange(K, device=ids.device).expand(B, T, K))
 
-    dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    # Padded positions may hold garbage ids/log-probs; replace them so no nan can reach a gradient.
-    ids = torch.where(valid_k, ids, torch.arange(K, device=ids.device).expand(B, T, K))
-    filler = torch.full((), -math.log(K), dtype=dtype, device=student_logits.device)
+
+def topk_kl_from_student_logp(student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tensor, mask: torch.Tensor,
+                              direction: str = "forward", beta: float = 0.5,
+                              global_token_count: float | torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, dict[str, float]]:
+    """``topk_kl_loss`` from the student's log-probs of the teacher's top-k ids (B, T, K) (with grad; float32 or
+    wider), already gathered from its full log-softmax, and validated ids (``check_teacher_topk``)."""
+    valid = mask != 0
+    B, T, K = student_topk_logp.shape
+    valid_k = valid[..., None].expand(B, T, K)
+    dtype = student_topk_logp.dtype
+    # Padded positions may hold garbage log-probs; replace them so no nan can reach a gradient.
+    filler = torch.full((), -math.log(K), dtype=dtype, device=student_topk_logp.device)
     t_top = torch.where(valid_k, teacher_topk_logp.detach().to(dtype), filler)
-    student_logits = torch.where(valid[..., None], student_logits.to(dtype), torch.zeros((), dtype=dtype,
-                                                                                         device=student_logits.device))
-    s_full = torch.log_softmax(student_logits, dim=-1)
-    s_log = _with_tail(s_full.gather(-1, ids).clamp_min(LOG_FLOOR))     # (B, T, K+1)
+    s_top = torch.where(valid_k, student_topk_logp, filler)
+    s_log = _with_tail(s_top.clamp_min(LOG_FLOOR))                      # (B, T, K+1)
     t_log = _with_tail(t_top.clamp_min(LOG_FLOOR))                      # (B, T, K+1)
 
     if direction == "forward" or (direction == "jsd" and beta == 0.0):
@@ -241,7 +265,9 @@ class OPDInputs:
 
     logits (B, T, V) student logits (grad); logp (B, T) student log π_s(y_t) (grad); teacher_logp, rollout_logp,
     mask (B, T); reward_adv (B,) or None (rewards off); topk_ids, topk_logp (B, T, K) the teacher's top-k, or None
-    when it was not scored with top-k."""
+    when it was not scored with top-k; student_topk_logp (B, T, K) the student's log-probs of topk_ids (grad), when
+    the caller gathered them together with ``logp`` in one pass over the logits (student/batch.py: one logits-sized
+    gradient instead of two), else None (gathered from ``logits``)."""
 
     logits: torch.Tensor
     logp: torch.Tensor
@@ -251,6 +277,7 @@ class OPDInputs:
     reward_adv: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_logp: torch.Tensor | None = None
+    student_topk_logp: torch.Tensor | None = None
 
 
 Objective = Callable[..., tuple[torch.Tensor, dict[str, float]]]
@@ -309,8 +336,14 @@ def topk_kl_objective(x: OPDInputs, *, direction: str, beta: float, reward_coef:
     reward_coef > 0, the importance-weighted policy-gradient term of the task reward alone (``sampled_rkl_loss``
     with π_T := π_s, so its KL advantage is exactly 0). Metrics add the sampled-token ``reverse_kl`` and
     ``is_weight_mean`` (and ``reward_pg_loss``)."""
-    total, metrics = topk_kl_loss(x.logits, x.topk_ids, x.topk_logp, x.mask, direction=direction, beta=beta,
-                                  global_token_count=global_token_count)
+    if x.student_topk_logp is None:
+        total, metrics = topk_kl_loss(x.logits, x.topk_ids, x.topk_logp, x.mask, direction=direction, beta=beta,
+                                      global_token_count=global_token_count)
+    else:
+        check_teacher_topk("topk_kl", x.topk_ids, x.topk_logp, x.mask, x.logits.shape[-1], direction, beta)
+        _check_bt("topk_kl", x.mask, student_topk_logp=x.student_topk_logp[..., 0])
+        total, metrics = topk_kl_from_student_logp(x.student_topk_logp, x.topk_logp, x.mask, direction, beta,
+                                                   global_token_count)
     _, rkl_m = sampled_rkl_loss(x.logp.detach(), x.teacher_logp, x.mask, rollout_logp=x.rollout_logp,
                                 is_clip=is_clip)
     metrics.update(reverse_kl=rkl_m["reverse_kl"], is_weight_mean=rkl_m["is_weight_mean"])

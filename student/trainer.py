@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from domains.evaluate import evaluate_model
+from infra.batching import length_buckets, length_sorted_split
 from infra.engine.client import seed_for
 from infra.ledger import Ledger
 from infra.ranks import Ranks, led, require_same_world
@@ -44,6 +45,7 @@ from student.sampler import PromptStream, StudentSample, decode_response, domain
 from student.scoring import TeacherScorer
 
 log = logging.getLogger("alloy.student")
+MAX_BUCKETS = 4  # forward calls per micro-batch at most (rows grouped by length: infra.batching.length_buckets)
 STATE_FILE = "trainer.json"
 DROP_STALE = "stale"
 
@@ -95,9 +97,13 @@ class DistillTrainer:
         self.state = TrainerState()
         self.ledger = Ledger()  # the exactly-once ledger of trained ids
         self.stream = PromptStream(domains, tokenizer, dc.n_prompts_per_domain, seed)
-        self.timing = {"sample_s": 0.0, "score_s": 0.0, "train_s": 0.0, "push_s": 0.0, "eval_s": 0.0, "ckpt_s": 0.0}
+        self.timing = {"sample_s": 0.0, "score_s": 0.0, "train_s": 0.0, "push_s": 0.0, "push_load_s": 0.0,
+                       "eval_s": 0.0, "ckpt_s": 0.0}
         self._version_changed = asyncio.Condition()  # also notified when a batch has been sampled
         self._sampled = 0  # batches whose sampling returned (the producer's next index)
+        self._loaded = 0  # the newest weight version the rollout server has loaded
+        self._loads: list[asyncio.Future] = []  # in-flight weight loads (`_watch_load`)
+        self._load_error: BaseException | None = None
         self._producer: asyncio.Task | None = None
         self._last_metrics: dict = {}
 
@@ -128,7 +134,7 @@ class DistillTrainer:
         t0 = self._t_start = time.perf_counter()
         self._tokens_at_start = (self.state.sampled_tokens, self.state.scored_tokens)
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.dc.max_staleness + 1)
-        self._sampled = self.state.step
+        self._sampled = self._loaded = self.state.step  # the server starts with the weights of this step
         producer = self._producer = asyncio.create_task(self._produce(queue))
         try:
             if self.state.step == 0 and self.dc.eval_every and not self.state.evals:
@@ -144,6 +150,11 @@ class DistillTrainer:
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
+            loads, self._loads = self._loads, []
+            done = await asyncio.gather(*loads, return_exceptions=True)  # the last push's load: the server is current
+        for r in done:
+            if isinstance(r, BaseException):
+                raise r
         self.wall_s = time.perf_counter() - t0
         if self.dc.eval_every and (not self.state.evals or self.state.evals[-1]["step"] != self.state.step):
             await self._evaluate()
@@ -153,8 +164,13 @@ class DistillTrainer:
     async def _produce(self, queue: asyncio.Queue) -> None:
         k = self.state.step
         while k < self.dc.steps:
-            async with self._version_changed:  # bounded staleness: batch k trains at version k
-                await self._version_changed.wait_for(lambda: self.state.step >= k - self.dc.max_staleness)
+            async with self._version_changed:  # bounded staleness: batch k trains at version k, sampled from
+                # weights the server has LOADED (a push loads while the next batch trains: double buffering)
+                await self._version_changed.wait_for(
+                    lambda: self._load_error is not None or self._loaded >= k - self.dc.max_staleness)
+            if self._load_error is not None:
+                raise RuntimeError(f"student: loading weights into the rollout server failed: {self._load_error}") \
+                    from self._load_error
             weights = None
             if self.dc.domain_weighting == "rkl":  # more prompts for the teachers the student is furthest from
                 weights = domain_weights(self.stream.names, self.scorer.recent_rkl(), self.dc.rkl_mix)
@@ -192,8 +208,11 @@ class DistillTrainer:
         if self.dc.deterministic:  # batch version + max_staleness must still be sampled from these weights
             await self._wait_sampled(min(version + self.dc.max_staleness, self.dc.steps - 1) + 1)
         t = time.perf_counter()
-        await self.policy.push(self.backend, self.tok, version + 1)
+        # the weights are copied out now (before the next update touches them); the server loads them while the
+        # next batch trains, and the producer's gate waits for that load only when staleness requires it
+        await self.policy.push(self.backend, self.tok, version + 1, wait=False)
         self.timing["push_s"] += time.perf_counter() - t
+        self._watch_load(version + 1)
         # commit point of this batch (in memory; durable at the next checkpoint, together with the weights)
         self.ledger.mark_trained(s.sample_id for s in fresh)
         st.dropped.update(dropped)
@@ -218,6 +237,24 @@ class DistillTrainer:
             await asyncio.to_thread(self.checkpoint)
         if self.on_step is not None:
             self.on_step(self, metrics)
+
+    def _watch_load(self, version: int) -> None:
+        """Mark `version` loaded (and wake the producer) when the server has it; a failed load fails the run."""
+        async def watch() -> None:
+            t = time.perf_counter()
+            try:
+                await self.policy.wait_loaded()
+            except Exception as e:  # the producer's gate re-raises it: a run must not wait on a load that failed
+                self._load_error = e
+                raise
+            finally:
+                self.timing["push_load_s"] += time.perf_counter() - t
+                async with self._version_changed:
+                    if self._load_error is None:
+                        self._loaded = max(self._loaded, version)
+                    self._version_changed.notify_all()
+
+        self._loads = [f for f in self._loads if not f.done()] + [asyncio.ensure_future(watch())]
 
     async def _wait_sampled(self, n: int) -> None:
         """Until the producer has sampled `n` batches; re-raises its error if it stops first."""
@@ -312,18 +349,22 @@ class DistillTrainer:
 def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pad: int, *, rank: int = 0,
                world: int = 1) -> dict:
     """One optimizer step over rank `rank`'s shard (samples rank, rank + W, ...) of the global batch `samples`, in
-    exactly G = grad_accum micro-batches (DeepSpeed's boundary count). The loss is normalised by the token count of
-    the whole global batch (`loss_normalizer`), so the W ranks together apply the update one rank applies to all of
-    `samples`. Returns the global batch's metrics."""
+    exactly G = grad_accum micro-batches (DeepSpeed's boundary count) of rows sorted by length, each forwarded in a
+    few length buckets (less padding). The loss is normalised by the token count of the whole global batch
+    (`loss_normalizer`), so the W ranks together apply the update one rank applies to all of `samples`, however the
+    rows are grouped. Returns the global batch's metrics."""
     G = dc.train.grad_accum
     norm = backend.loss_normalizer(sum(len(s.output_ids) for s in samples))
     mine = samples[rank::world]
-    adv = None  # W > 1: the reward baseline of the global batch (what one rank with grad_accum 1 uses), not a shard's
-    if world > 1:
-        adv = reward_advantage([s.reward if s.reward is not None else 0.0 for s in samples],
-                               [s.domain for s in samples])[rank::world]
-    # fewer samples than micro-batches: zero-loss micro-steps (first) keep DeepSpeed's boundary count
-    chunks = sorted(np.array_split(np.arange(len(mine)), G), key=len)
+    # the reward baseline of the global batch (what one rank with grad_accum 1 uses), not a shard's or a micro-batch's:
+    # the update is then the same sum however the rows are grouped
+    adv = reward_advantage([s.reward if s.reward is not None else 0.0 for s in samples],
+                           [s.domain for s in samples])[rank::world]
+    # micro-batches of similar lengths (sorted by prompt + response length, then split), each forwarded in up to
+    # MAX_BUCKETS length buckets: every bucket is padded to its own longest row, so little padding is computed; the
+    # loss is a sum over tokens / the global count, so the grouping changes nothing but float rounding. Fewer samples
+    # than micro-batches: zero-loss micro-steps (first) keep DeepSpeed's boundary count
+    chunks = sorted(length_sorted_split([len(s.prompt_ids) + len(s.output_ids) for s in mine], G), key=len)
     sums: dict[str, float] = {}
     m: dict[str, float] = {}
     tokens = 0
@@ -335,16 +376,25 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
                           attention_mask=one.attention_mask.to(backend.device))
             backend.step(out.logits.sum() * 0.0)
             continue
-        mb = collate([mine[i] for i in idx], pad, version, with_topk=loss.needs_teacher_topk,
-                     reward_adv=None if adv is None else [adv[i] for i in idx])
-        out = backend(input_ids=mb.input_ids.to(backend.device), attention_mask=mb.attention_mask.to(backend.device))
-        loss_t, m = opd_loss(out.logits, mb, loss=loss, direction=dc.direction, beta=dc.beta,
-                             reward_coef=dc.reward_coef, is_clip=dc.is_clip, global_token_count=norm)
-        m.update(backend.step(loss_t))
-        n = mb.num_tokens
-        tokens += n
-        for k, v in m.items():  # token-weighted means; `loss` is already a share of the global mean
-            sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "reward_pg_loss") else v * n)
+        # one micro-batch, forwarded in a few length buckets (each padded to its own longest row), one backward
+        total, n_mb = None, 0
+        for bucket in length_buckets([len(mine[i].prompt_ids) + len(mine[i].output_ids) for i in idx], MAX_BUCKETS):
+            rows = [idx[j] for j in bucket]
+            mb = collate([mine[i] for i in rows], pad, version, with_topk=loss.needs_teacher_topk,
+                         reward_adv=[adv[i] for i in rows])
+            out = backend(input_ids=mb.input_ids.to(backend.device),
+                          attention_mask=mb.attention_mask.to(backend.device))
+            loss_t, m = opd_loss(out.logits, mb, loss=loss, direction=dc.direction, beta=dc.beta,
+                                 reward_coef=dc.reward_coef, is_clip=dc.is_clip, global_token_count=norm)
+            total = loss_t if total is None else total + loss_t
+            n = mb.num_tokens
+            n_mb += n
+            for k, v in m.items():  # token-weighted means; `loss` is already a share of the global mean
+                sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "reward_pg_loss") else v * n)
+        m = backend.step(total)
+        tokens += n_mb
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v * n_mb
     out_m = {f"train/{k}": (v / G if k in ("loss", "reward_pg_loss") else v / max(tokens, 1))
              for k, v in sums.items() if k not in ("stepped", "lr", "grad_norm")}
     out_m.update({"train/lr": sums.get("lr", 0.0) / max(tokens, 1), "train/grad_norm": m.get("grad_norm", 0.0),

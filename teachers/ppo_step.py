@@ -31,6 +31,8 @@ from typing import Sequence
 
 import torch
 
+from infra.batching import length_buckets
+from infra.logprobs import gather_log_softmax
 from teachers import ppo_math
 from teachers.april import Sample
 
@@ -89,7 +91,7 @@ def build_batch(samples: Sequence[Sample], pad_id: int, rewards: Sequence[float]
 
 def _logits(model, batch: PPOBatch) -> torch.Tensor:
     out = model(input_ids=batch.input_ids.to(_device(model)), attention_mask=batch.attention_mask.to(_device(model)))
-    return (out.logits if hasattr(out, "logits") else out).float()
+    return out.logits if hasattr(out, "logits") else out  # any float dtype: gather_log_softmax works in float32+
 
 
 def _device(model) -> torch.device:
@@ -98,23 +100,61 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+# Rows are forwarded in at most this many length buckets (infra.batching.length_buckets): fewer padded positions.
+MAX_BUCKETS = 4
+
+
+def _bucketed(batch: PPOBatch, fn) -> tuple:
+    """`fn(sub_batch)` → a tuple of (b, L) tensors (or None) on each length bucket of `batch`'s rows (cut to that
+    bucket's longest row L), put back together as (B, T) tensors in row order, 0 past each bucket's L (padding only:
+    every row ends within its bucket). One bucket: `fn(batch)`. Causal models see the same prefixes either way, so
+    the values on real positions differ only by float rounding."""
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    groups = length_buckets(lengths, MAX_BUCKETS)
+    if len(groups) <= 1:
+        return fn(batch)
+    B, T = batch.input_ids.shape
+    parts = []
+    for g in groups:
+        rows, L = torch.tensor(g), max(lengths[i] for i in g)
+        parts.append(fn(PPOBatch(batch.input_ids[rows, :L], batch.attention_mask[rows, :L], batch.mask[rows, :L],
+                                 batch.rollout_logprobs[rows, :L], None, [batch.sample_ids[i] for i in g])))
+    order = torch.tensor([i for g in groups for i in g])
+    inverse = torch.empty(B, dtype=torch.long)
+    inverse[order] = torch.arange(B)
+
+    def merge(k: int) -> torch.Tensor | None:
+        if parts[0][k] is None:
+            return None
+        cat = torch.cat([torch.nn.functional.pad(p[k], (0, T - p[k].shape[1])) for p in parts])
+        return cat[inverse.to(cat.device)]
+    return tuple(merge(k) for k in range(len(parts[0])))
+
+
 def _logp_and_entropy(model, batch: PPOBatch, with_entropy: bool,
                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) log-probs of input_ids[:, t+1] from logits[:, t] / temperature (last column 0), and optionally the
-    entropy (B, T). The temperature is the sampling one: the engine reports log-probs of the tempered policy."""
+    entropy (B, T). The temperature is the sampling one: the engine reports log-probs of the tempered policy.
+    Forwarded in length buckets (`_bucketed`): 0 past the end of a row's bucket."""
+    return _bucketed(batch, lambda sub: _logp_and_entropy_one(model, sub, with_entropy, temperature))
+
+
+def _logp_and_entropy_one(model, batch: PPOBatch, with_entropy: bool,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits = _logits(model, batch)                                       # (B, T, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = batch.input_ids.to(logits.device)[:, 1:].unsqueeze(-1)    # (B, T-1, 1)
-    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, targets).squeeze(-1)
-    logp = torch.cat([logp, torch.zeros_like(logp[:, :1])], dim=1)      # (B, T): last position predicts nothing
-    entropy = ppo_math.entropy_from_logits(logits) if with_entropy else None
+    ids = batch.input_ids.to(logits.device)
+    targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1).unsqueeze(-1)  # (B, T, 1); last: unused
+    # token chunks, no float32 copy of the logits (infra/logprobs.py); the entropy comes from the same pass
+    out = gather_log_softmax(logits, targets, temperature=temperature, with_entropy=with_entropy)
+    lp, entropy = out if with_entropy else (out, None)
+    logp = torch.cat([lp[:, :-1, 0], torch.zeros_like(lp[:, :1, 0])], dim=1)  # (B, T): last position predicts nothing
     return logp, entropy
 
 
 def token_logprobs(backend_or_model, batch: PPOBatch, temperature: float = 1.0) -> torch.Tensor:
     """(B, T) log π(input_ids[:, t+1] | prefix) for a `DeepSpeedBackend` or a plain HF causal LM. Grad flows if
-    enabled; read it with `batch.mask` (off-mask entries are log-probs of prompt/padding tokens; last column 0)."""
+    enabled; read it with `batch.mask` (off-mask entries are log-probs of prompt tokens, or of padding tokens up to
+    the longest row of the row's length bucket, 0 after it; last column 0)."""
     return _logp_and_entropy(backend_or_model, batch, with_entropy=False, temperature=temperature)[0]
 
 
@@ -133,8 +173,10 @@ def is_deterministic(backend_or_model) -> bool:
 
 
 def _values(critic, batch: PPOBatch) -> torch.Tensor:
+    """(B, T) values, forwarded in length buckets (`_bucketed`: 0 past the end of a row's bucket)."""
     dev = _device(critic)
-    return critic(input_ids=batch.input_ids.to(dev), attention_mask=batch.attention_mask.to(dev)).float()
+    return _bucketed(batch, lambda sub: (critic(input_ids=sub.input_ids.to(dev),
+                                                attention_mask=sub.attention_mask.to(dev)).float(),))[0]
 
 
 def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence[float] | None = None, *,

@@ -54,6 +54,7 @@ class ServerBackend:
     api_key_in_argv: bool  # True: `--api-key KEY`; False: the key goes in the child's environment (API_KEY_ENV)
     cpu: bool  # a CPU server: DS_ACCELERATOR=cpu and the supervisor's thread count per server
     takes_sglang_args: bool  # launched with `engine.sglang_args` as options
+    weights_buffer_flag: str | None = None  # flag naming a weight buffer applied at start (infra/engine/weight_buffer.py)
 
     def option_args(self, options: Mapping[str, Any]) -> list[str]:
         """{"tp_size": 2, "trust_remote_code": True} → ["--tp-size", "2", "--trust-remote-code"]; unknown keys
@@ -75,7 +76,7 @@ class ServerBackend:
 BACKENDS: Mapping[str, ServerBackend] = MappingProxyType({b.name: b for b in (
     ServerBackend("embedded", label="embedded server", module="infra.engine.server", model_flag="--model",
                   options=MappingProxyType(EMBEDDED_OPTIONS), seed_option="seed", api_key_in_argv=False, cpu=True,
-                  takes_sglang_args=False),
+                  takes_sglang_args=False, weights_buffer_flag="--weights-buffer"),
     ServerBackend("sglang", label="SGLang", module="sglang.launch_server", model_flag="--model-path",
                   options=MappingProxyType(SGLANG_OPTIONS), seed_option="random_seed", api_key_in_argv=True,
                   cpu=False, takes_sglang_args=True),

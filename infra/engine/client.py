@@ -22,16 +22,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 import os
 import random
-from dataclasses import dataclass
-from typing import Any, Sequence
+import urllib.parse
+from typing import Any
 
 import aiohttp
-import numpy as np
 import orjson
 
+from infra.engine import wire
+from infra.engine.protocol import gc_paused
+from infra.engine.responses import (  # noqa: F401  (re-exported: callers import them from the client)
+    EngineError, EngineRequestError, EngineResponseError, EngineUnavailable, Generation, ScoreResult, _binary_items,
+    parse_finish_reason, parse_generation, parse_generation_arrays, parse_score, parse_score_arrays, parse_score_items,
+)
 from infra.http import SessionPerLoop, run_sync  # noqa: F401  (run_sync is re-exported)
 
 log = logging.getLogger(__name__)
@@ -40,56 +44,8 @@ API_KEY_ENV = "ALLOY_ENGINE_API_KEY"
 RETRY_STATUSES = frozenset({502, 503, 504})
 
 
-class EngineError(Exception):
-    """Base class of every error the engine client raises."""
-
-
-class EngineRequestError(EngineError):
-    """The server rejected the request (4xx, or a non-retryable 5xx). Not retried."""
-
-    def __init__(self, status: int, message: str, url: str = ""):
-        self.status, self.message, self.url = status, message, url
-        super().__init__(f"HTTP {status} from {url}: {message}")
-
-
-class EngineUnavailable(EngineError):
-    """The server could not be reached (or kept answering 502/503/504) after all retries."""
-
-
-class EngineResponseError(EngineError):
-    """The server answered 200 but the body is malformed: wrong lengths, nulls, non-finite log-probs."""
-
-
-@dataclass
-class Generation:
-    """One sampled completion. `output_logprobs[t]` = rollout log π(output_ids[t] | prefix) as the engine saw it."""
-
-    output_ids: list[int]
-    output_logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
-    prompt_tokens: int
-    completion_tokens: int
-    weight_version: str | None
-    rid: str | None
-
-
-@dataclass
-class ScoreResult:
-    """Teacher log-probs of the response tokens `input_ids[start:]` (L of them), each given its full prefix.
-
-    token_logprobs: (L,) float32, log P(ids[start+j] | ids[:start+j]).
-    topk_ids: (L, K) int64 and topk_logprobs: (L, K) float32, the teacher's top-K at each position, sorted
-    descending (K = the requested top_k; shape (L, 0) when top_k == 0).
-    """
-
-    token_logprobs: np.ndarray
-    topk_ids: np.ndarray
-    topk_logprobs: np.ndarray
-    weight_version: str | None = None
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# Pure helpers (unit-tested on hand-written protocol JSON)
+# Pure helpers (unit-tested on hand-written protocol JSON; the response parsers are in infra.engine.responses)
 # ---------------------------------------------------------------------------------------------------------------
 
 def backoff_delays(max_retries: int, base: float, max_delay: float, rng: random.Random | None = None) -> list[float]:
@@ -101,86 +57,6 @@ def backoff_delays(max_retries: int, base: float, max_delay: float, rng: random.
     """
     rng = rng or random.Random()
     return [min(max_delay, base * 2.0**i) * rng.uniform(0.5, 1.0) for i in range(max_retries)]
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def parse_finish_reason(fr: Any) -> str:
-    """`{"type": "stop"|"length"|"abort", ...}` (or a bare string) → the type string."""
-    kind = fr.get("type") if isinstance(fr, dict) else fr
-    if kind not in ("stop", "length", "abort"):
-        raise EngineResponseError(f"unknown finish_reason {fr!r}")
-    return kind
-
-
-def parse_generation(obj: dict, rid: str | None = None, want_logprobs: bool = True) -> Generation:
-    """One `/generate` response object → `Generation`; checks that log-probs match the output tokens."""
-    try:
-        meta = obj["meta_info"]
-        output_ids = [int(t) for t in obj["output_ids"]]
-    except (KeyError, TypeError, ValueError) as e:
-        raise EngineResponseError(f"generate response lacks output_ids/meta_info: {e!r}") from None
-    logprobs: list[float] = []
-    if want_logprobs:
-        entries = meta.get("output_token_logprobs")
-        if not isinstance(entries, list) or len(entries) != len(output_ids):
-            got = len(entries) if isinstance(entries, list) else entries
-            raise EngineResponseError(f"output_token_logprobs has {got} entries for {len(output_ids)} output tokens")
-        for j, (entry, tok) in enumerate(zip(entries, output_ids)):
-            if not isinstance(entry, (list, tuple)) or len(entry) < 2 or not _finite(entry[0]) or entry[1] != tok:
-                raise EngineResponseError(f"output_token_logprobs[{j}] = {entry!r} is not a finite log-prob of token {tok}")
-            logprobs.append(float(entry[0]))
-    return Generation(
-        output_ids=output_ids, output_logprobs=logprobs, finish_reason=parse_finish_reason(meta.get("finish_reason")),
-        prompt_tokens=int(meta.get("prompt_tokens", 0)), completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-        weight_version=meta.get("weight_version"), rid=meta.get("id", rid),
-    )
-
-
-def parse_score(obj: dict, input_ids: Sequence[int], start: int, top_k: int) -> ScoreResult:
-    """One scoring response → `ScoreResult` aligned to the response tokens `input_ids[start:]` (L = n - start).
-
-    Takes the last L entries of `input_token_logprobs` / `input_top_logprobs` (robust to both entry-0
-    conventions; entry 0 may be `null`), and checks each entry's token id against `input_ids`.
-    """
-    n, L = len(input_ids), len(input_ids) - start
-    meta = obj.get("meta_info") if isinstance(obj, dict) else None
-    if not isinstance(meta, dict):
-        raise EngineResponseError("score response lacks meta_info")
-    if "prompt_tokens" in meta and int(meta["prompt_tokens"]) != n:
-        raise EngineResponseError(f"server saw {meta['prompt_tokens']} prompt tokens, we sent {n}")
-    entries = meta.get("input_token_logprobs")
-    if not isinstance(entries, list) or len(entries) < L:
-        got = len(entries) if isinstance(entries, list) else entries
-        raise EngineResponseError(f"input_token_logprobs has {got} entries, need at least {L} (tokens {start}..{n - 1})")
-    tail = entries[len(entries) - L:] if L else []
-    token_lp = np.empty(L, dtype=np.float32)
-    for j, entry in enumerate(tail):
-        pos = start + j
-        if not isinstance(entry, (list, tuple)) or len(entry) < 2 or not _finite(entry[0]):
-            raise EngineResponseError(f"input_token_logprobs entry for position {pos} is {entry!r}, not a finite log-prob")
-        if entry[1] != input_ids[pos]:
-            raise EngineResponseError(f"input_token_logprobs entry for position {pos} is token {entry[1]}, sent {input_ids[pos]}")
-        token_lp[j] = entry[0]
-
-    topk_ids = np.zeros((L, top_k), dtype=np.int64)
-    topk_lp = np.zeros((L, top_k), dtype=np.float32)
-    if top_k > 0 and L > 0:
-        tops = meta.get("input_top_logprobs")
-        if not isinstance(tops, list) or len(tops) < L:
-            got = len(tops) if isinstance(tops, list) else tops
-            raise EngineResponseError(f"input_top_logprobs has {got} entries, need at least {L}")
-        for j, row in enumerate(tops[len(tops) - L:]):
-            if not isinstance(row, list) or len(row) != top_k:
-                got = len(row) if isinstance(row, list) else row
-                raise EngineResponseError(f"input_top_logprobs entry for position {start + j} has {got} items, want {top_k}")
-            for k, item in enumerate(row):
-                if not isinstance(item, (list, tuple)) or len(item) < 2 or not _finite(item[0]) or not isinstance(item[1], int):
-                    raise EngineResponseError(f"input_top_logprobs[{start + j}][{k}] = {item!r} is not [finite logprob, id, _]")
-                topk_lp[j, k], topk_ids[j, k] = item[0], item[1]
-    return ScoreResult(token_lp, topk_ids, topk_lp, meta.get("weight_version"))
 
 
 def seed_for(seed: int, key: str) -> int:
@@ -201,6 +77,16 @@ def expand_rids(rid: str | list[str] | None, n_prompts: int, n: int) -> list[str
     else:
         base = [rid] if n_prompts == 1 else [f"{rid}-{i}" for i in range(n_prompts)]
     return [r if n == 1 else f"{r}-{j}" for r in base for j in range(n)]
+
+
+GC_PAUSE_BYTES = 2**16
+
+
+def loads_json(raw: bytes) -> Any:
+    """`orjson.loads`, with the cyclic GC paused for a body over 64 KiB (`protocol.gc_paused`: a scoring answer is
+    millions of small lists, and the GC's collections during their allocation cost 3-4x the parse itself)."""
+    with gc_paused(len(raw) >= GC_PAUSE_BYTES):
+        return orjson.loads(raw)
 
 
 def _error_message(body: Any, text: str) -> str:
@@ -259,15 +145,21 @@ class EngineClient:
 
     # -- transport ----------------------------------------------------------------------------------------------
     async def request(self, method: str, path: str, payload: dict | None = None, *, retries: int | None = None,
-                       timeout: float | None = None) -> Any:
+                       timeout: float | None = None, data: bytes | None = None, accept: str | None = None) -> Any:
         """One raw protocol call with bounded retries (the typed methods all go through it). Returns the parsed JSON
-        body, or the text when the body is not JSON."""
+        body, or the text when the body is not JSON. `data`: a raw application/octet-stream body instead of
+        `payload`'s JSON. `accept` = `wire.ACCEPT` asks for a binary log-prob body, returned as its raw `bytes`
+        (the server may still answer JSON)."""
         url = f"{self.base_url}{path}"
         retries = self.max_retries if retries is None else retries
         delays: list[float] | None = None  # drawn on the first retry (a fresh RNG per call costs an os.urandom)
         kw: dict[str, Any] = {}
         if payload is not None:
             kw = {"data": orjson.dumps(payload), "headers": {"Content-Type": "application/json"}}
+        elif data is not None:
+            kw = {"data": data, "headers": {"Content-Type": "application/octet-stream"}}
+        if accept is not None:
+            kw["headers"] = {**kw.get("headers", {}), "Accept": accept}
         if timeout is not None:
             kw["timeout"] = aiohttp.ClientTimeout(total=timeout)
         self._counts["requests"] += 1
@@ -276,8 +168,10 @@ class EngineClient:
             try:
                 async with self._session().request(method, url, **kw) as resp:
                     raw = await resp.read()
+                    if resp.status == 200 and resp.content_type == wire.CONTENT_TYPE:
+                        return raw
                     try:
-                        body = orjson.loads(raw) if raw.strip() else None
+                        body = loads_json(raw) if raw.strip() else None
                     except ValueError:
                         body = None
                     text = raw.decode("utf-8", errors="replace") if body is None else ""
@@ -301,7 +195,7 @@ class EngineClient:
     async def generate(self, input_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
                        ignore_eos: bool = False, return_logprob: bool = True, rid: str | list[str] | None = None,
-                       n: int = 1, sampling_seed: int | None = None) -> list[Generation]:
+                       n: int = 1, sampling_seed: int | None = None, binary: bool = True) -> list[Generation]:
         """Sample completions for a batch of token prompts; returns len(input_ids) * n generations, prompt-major
         (all n samples of prompt 0, then prompt 1, ...). One HTTP call for the whole batch.
 
@@ -309,6 +203,8 @@ class EngineClient:
         and SGLang's prefix cache still shares the prompt's KV.
         `sampling_seed`: generation k of the call (prompt-major) samples from its own generator seeded with
         `sampling_seed + k`, so its tokens do not depend on which other requests share the server's batch.
+        `binary`: ask for the packed log-prob body (`infra.engine.wire`); a server that does not speak it (SGLang)
+        answers JSON, parsed as before.
         """
         if not input_ids or not all(isinstance(p, list) and p for p in input_ids):
             raise ValueError("input_ids must be a non-empty list of non-empty token lists")
@@ -327,8 +223,11 @@ class EngineClient:
                                    "return_logprob": bool(return_logprob)}
         if all_rids[0] is not None:
             payload["rid"] = all_rids
-        body = await self.request("POST", "/generate", payload)
+        body = await self.request("POST", "/generate", payload, accept=wire.ACCEPT if binary else None)
         try:
+            if isinstance(body, bytes):
+                items = _binary_items(body, len(prompts))
+                return [parse_generation_arrays(o, a, r, return_logprob) for (o, a), r in zip(items, all_rids)]
             if not isinstance(body, list) or len(body) != len(prompts):
                 got = len(body) if isinstance(body, list) else type(body).__name__
                 raise EngineResponseError(f"/generate returned {got} results for a batch of {len(prompts)}")
@@ -338,12 +237,14 @@ class EngineClient:
             raise
 
     async def score(self, input_ids: list[int] | list[list[int]], start: int | list[int],
-                    top_k: int = 0) -> ScoreResult | list[ScoreResult]:
+                    top_k: int = 0, binary: bool = True) -> ScoreResult | list[ScoreResult]:
         """Log-probs of the response tokens `input_ids[start:]` under this server's model (the teacher call).
 
         `start` = len(prompt), the index of the first response token (1 ≤ start ≤ len(input_ids)). Sends
         `logprob_start_len = start - 1` so the first scored token is `input_ids[start]`. A list of sequences is
         scored in one HTTP call and returns a list. Raises `EngineResponseError` on a malformed response.
+        `binary`: ask for packed float32/int32 arrays (`infra.engine.wire`; Alloy's embedded engine answers with
+        them, SGLang ignores the `Accept` header and answers JSON, which is then parsed vectorised).
         """
         single = bool(input_ids) and not isinstance(input_ids[0], list)
         seqs: list[list[int]] = [input_ids] if single else list(input_ids)  # type: ignore[list-item]
@@ -360,12 +261,16 @@ class EngineClient:
             "return_logprob": True, "logprob_start_len": lsl[0] if len(set(lsl)) == 1 else lsl,
             "top_logprobs_num": int(top_k),
         }
-        body = await self.request("POST", "/generate", payload)
+        body = await self.request("POST", "/generate", payload, accept=wire.ACCEPT if binary else None)
         try:
-            if not isinstance(body, list) or len(body) != len(seqs):
+            if isinstance(body, bytes):
+                out = [parse_score_arrays(o, a, s, st, int(top_k))
+                       for (o, a), s, st in zip(_binary_items(body, len(seqs)), seqs, starts)]
+            elif not isinstance(body, list) or len(body) != len(seqs):
                 got = len(body) if isinstance(body, list) else type(body).__name__
                 raise EngineResponseError(f"/generate (score) returned {got} results for a batch of {len(seqs)}")
-            out = [parse_score(o, s, st, int(top_k)) for o, s, st in zip(body, seqs, starts)]
+            else:
+                out = [parse_score(o, s, st, int(top_k)) for o, s, st in zip(body, seqs, starts)]
         except EngineResponseError:
             self._counts["errors"] += 1
             raise
@@ -403,6 +308,29 @@ class EngineClient:
         if not (isinstance(body, dict) and body.get("success")):
             msg = body.get("message") if isinstance(body, dict) else body
             raise EngineRequestError(200, f"update_weights_from_disk({path}) refused: {msg}", self.base_url)
+        return body
+
+    async def update_weights_from_buffer(self, path: str | None = None, data: bytes | None = None,
+                                         version: str | None = None, flush_cache: bool = True,
+                                         abort_all: bool = False) -> dict:
+        """Copy a weight buffer (infra/engine/weight_buffer.py) into the live embedded server's model in place:
+        `path` names a buffer file on the server's machine, or `data` is the buffer itself (sent as the body).
+        `version` None: the buffer's own. Raises `EngineRequestError` if refused."""
+        if (path is None) == (data is None):
+            raise ValueError("update_weights_from_buffer: give exactly one of path or data")
+        opts: dict[str, Any] = {"flush_cache": flush_cache, "abort_all_requests": abort_all}
+        if version is not None:
+            opts["weight_version"] = str(version)
+        if path is not None:
+            what = str(path)
+            body = await self.request("POST", "/update_weights_from_buffer", {"path": what, **opts})
+        else:
+            what = f"a {len(data)}-byte buffer"
+            query = urllib.parse.urlencode({k: (str(v).lower() if isinstance(v, bool) else v) for k, v in opts.items()})
+            body = await self.request("POST", f"/update_weights_from_buffer?{query}", data=data)
+        if not (isinstance(body, dict) and body.get("success")):
+            msg = body.get("message") if isinstance(body, dict) else body
+            raise EngineRequestError(200, f"update_weights_from_buffer({what}) refused: {msg}", self.base_url)
         return body
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:

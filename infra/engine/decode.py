@@ -23,7 +23,8 @@ class FusedDecoder:
     `for_model` returns None for anything else (other architectures, non-default RoPE, sliding windows, non-SDPA
     attention); the engine then runs the plain HF forward. The fused q/k/v and gate/up matrices are copies made at
     construction (≈ +60% of the layer weights in memory), so the engine builds a new decoder whenever it loads
-    new weights.
+    a new model, and calls `refresh` after copying new weights into the model's parameters in place (every other
+    tensor here is the model's own parameter, so it follows by itself).
     """
 
     def __init__(self, model):
@@ -53,6 +54,19 @@ class FusedDecoder:
                 q=(a.q_proj.weight, a.q_proj.bias), k=(a.k_proj.weight, a.k_proj.bias),
                 v=(a.v_proj.weight, a.v_proj.bias), gate=(mlp.gate_proj.weight, mlp.gate_proj.bias),
                 up=(mlp.up_proj.weight, mlp.up_proj.bias)))
+
+    def refresh(self) -> None:
+        """Re-fill the fused q/k/v and gate/up copies (and biases) from the model's parameters, in place."""
+        with torch.no_grad():
+            self._refresh()
+
+    def _refresh(self) -> None:
+        for p in self.layers:
+            for fused, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+                w, b = p[fused]
+                torch.cat([p[x][0] for x in parts], out=w)
+                if b is not None:
+                    torch.cat([p[x][1] for x in parts], out=b)
 
     @classmethod
     def for_model(cls, model) -> "FusedDecoder | None":

@@ -8,7 +8,8 @@ supervisor: starting a supervisor from a short-lived worker thread (a Prefect ta
 servers when that thread ends.
 
 A monitor thread polls the processes; a dead server is restarted on the same port (so clients just retry) with
-its latest weights (`set_weights`), at most `max_restarts` times per `restart_window_s`.
+its latest weights (`set_weights`: an HF dir, or for the embedded server a weight buffer applied over the
+initial model: infra/engine/weight_buffer.py), at most `max_restarts` times per `restart_window_s`.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class ServerSpec:
     """One server to run. `port=None` → a free port is picked. `backend` names a `BACKENDS` entry; `options` are
     keys of that backend's options (infra.engine.backends); `extra_args` are passed verbatim after
-    them. `env` is added to the child's environment."""
+    them. `env` is added to the child's environment. `weights_buffer`: a weight buffer the server applies right
+    after loading `model_path` (its version wins over `weight_version`; embedded backend only)."""
 
     name: str
     model_path: str
@@ -53,6 +55,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     weight_version: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    weights_buffer: str | None = None
 
 
 def launch_settings(engine_cfg, placement: dict | None = None) -> dict[str, Any]:
@@ -90,6 +93,10 @@ def build_command(spec: ServerSpec, port: int) -> list[str]:
         cmd += ["--api-key", spec.api_key]
     if spec.weight_version is not None:
         cmd += ["--weight-version", str(spec.weight_version)]
+    if spec.weights_buffer is not None:
+        if backend.weights_buffer_flag is None:
+            raise ValueError(f"server {spec.name!r}: the {backend.label} takes no weight buffer (weights_buffer)")
+        cmd += [backend.weights_buffer_flag, str(spec.weights_buffer)]
     try:
         cmd += backend.option_args(spec.options)
     except ValueError as e:
@@ -235,12 +242,21 @@ class Supervisor:
         self._ensure_monitor()
         return {s.spec.name: s.url for s in new}
 
-    def set_weights(self, name: str, path: str, version: str | None) -> None:
+    def set_weights(self, name: str, path: str | None, version: str | None, buffer: str | None = None) -> None:
         """Record the latest weights of `name`: a restart launches with `--model path --weight-version version`.
-        (Pushing the weights to the live server is the caller's `EngineClient.update_weights`.)"""
+        With `buffer` (a weight buffer file; embedded servers), a restart loads `path` (None: the model it runs
+        now) and then copies the buffer over it (`--weights-buffer`), taking the buffer's own version; without
+        one, any buffer recorded before is forgotten. (Pushing the weights to the live server is the caller's
+        `EngineClient.update_weights` / `update_weights_from_buffer`.)"""
         with self._lock:
             srv = self._get(name)
-            srv.spec.model_path, srv.spec.weight_version = str(path), version
+            if buffer is not None and server_backend(srv.spec.backend).weights_buffer_flag is None:
+                raise ValueError(f"set_weights({name!r}): the {server_backend(srv.spec.backend).label} takes no "
+                                 "weight buffer")
+            if path is not None:
+                srv.spec.model_path = str(path)
+            srv.spec.weight_version = version
+            srv.spec.weights_buffer = None if buffer is None else str(buffer)
 
     def url(self, name: str) -> str:
         return self._get(name).url
@@ -255,6 +271,7 @@ class Supervisor:
                 "name": n, "url": s.url, "pid": s.proc.pid if s.proc else None,
                 "alive": bool(s.proc and s.proc.poll() is None), "restarts": s.restarts, "log": str(s.log_path),
                 "model_path": s.spec.model_path, "weight_version": s.spec.weight_version, "failed": s.failed,
+                "weights_buffer": s.spec.weights_buffer,
             } for n, s in self._servers.items()]
 
     def stop(self) -> None:
@@ -395,8 +412,10 @@ class Supervisor:
             return
         srv.restart_times.append(now)
         srv.restarts += 1
-        log.warning("%s died (exit %s); restart %d on port %d with %s (version %s)", srv.spec.name, code,
-                    srv.restarts, srv.port, srv.spec.model_path, srv.spec.weight_version)
+        log.warning("%s died (exit %s); restart %d on port %d with %s%s (version %s)", srv.spec.name, code,
+                    srv.restarts, srv.port, srv.spec.model_path,
+                    f" + weight buffer {srv.spec.weights_buffer}" if srv.spec.weights_buffer else "",
+                    srv.spec.weight_version)
         if self._stopping.is_set():
             return
         try:

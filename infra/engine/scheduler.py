@@ -64,12 +64,13 @@ class Seq:
 
 @dataclass
 class _UpdateJob:
-    model_path: str
+    model_path: str  # an HF dir to load; with `tensors`: where they came from (for messages)
     weight_version: str | None
     abort_all: bool
     future: concurrent.futures.Future
     cutoff: int = 0  # sequences submitted before the job (serial < cutoff) still run on the old weights
     aborted: bool = False
+    tensors: dict | None = None  # {HF name: tensor}: copied into the live model in place (weight_buffer.copy_into)
 
 
 class Engine:
@@ -78,8 +79,9 @@ class Engine:
 
     def __init__(self, model_dir: str, *, max_running_requests: int = MAX_RUNNING_REQUESTS,
                  max_total_tokens: int = 65536, max_prefill_tokens: int = 16384, threads: int | None = None, weight_version: str = "default",
-                 seed: int = 0, max_segments: int = 4):
+                 seed: int = 0, max_segments: int = 4, weights_buffer: str | None = None):
         self.model_path = self.tokenizer_path = str(model_dir)
+        self.weights_buffer = weights_buffer  # applied right after loading model_dir (its version wins)
         self.max_running_requests = max_running_requests
         self.max_total_tokens, self.max_prefill_tokens = max_total_tokens, max_prefill_tokens
         self.threads = threads
@@ -163,6 +165,17 @@ class Engine:
         self._wake.set()
         return fut
 
+    def update_weights_from_tensors(self, tensors: dict, weight_version: str | None, abort_all: bool = False,
+                                    source: str = "a weight buffer") -> concurrent.futures.Future:
+        """Copy `tensors` ({HF name: tensor}, e.g. `weight_buffer.read_buffer`) into the live model in place, with
+        the ordering of `update_weights`. Future → (success, message)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            cutoff = self._serial
+        self._updates.append(_UpdateJob(source, weight_version, abort_all, fut, cutoff, tensors=tensors))
+        self._wake.set()
+        return fut
+
     # -- engine thread ----------------------------------------------------------------------------------------------
     def _main(self) -> None:
         try:
@@ -191,6 +204,14 @@ class Engine:
             torch.set_num_threads(self.threads)
         self.tokenizer = load_tokenizer(self.model_path)
         self._set_model(load_model(self.model_path))
+        if self.weights_buffer:
+            from infra.engine.weight_buffer import copy_into, read_buffer
+
+            version, tensors = read_buffer(self.weights_buffer)
+            copy_into(self.model, tensors, f"weight buffer {self.weights_buffer}")
+            self._refresh_fused()
+            self.weight_version = version
+            log.info("applied weight buffer %s (weight_version %s)", self.weights_buffer, version)
         self._gen = torch.Generator().manual_seed(self._seed)
         with torch.inference_mode():  # warm-up: the first forward pays one-off allocation/dispatch costs
             self.model(input_ids=torch.tensor([[0, 0]]), use_cache=False)
@@ -206,6 +227,9 @@ class Engine:
         self._fused = FusedDecoder.for_model(model) if fused_ok else None
         self._batch.max_segments = self.max_segments if self._fused is not None else 1  # the HF forward: one cache
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        from infra.engine.weight_buffer import state_bytes
+
+        self.state_bytes = state_bytes(model)  # the largest weight buffer this model takes (the body limit)
         self.context_len = int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
         self.num_layers = int(cfg.num_hidden_layers)
         eos = set()
@@ -248,7 +272,8 @@ class Engine:
         job = self._updates[0]
         if job.abort_all and not job.aborted:
             job.aborted = True
-            self._apply_abort(None, True, "Aborted by update_weights_from_disk (abort_all_requests).", job.cutoff)
+            what = "update_weights_from_buffer" if job.tensors is not None else "update_weights_from_disk"
+            self._apply_abort(None, True, f"Aborted by {what} (abort_all_requests).", job.cutoff)
         pending_old = any(s.serial < job.cutoff for s in self._wait_gen) or any(s.serial < job.cutoff for s in self._wait_score)
         if not self._batch and not pending_old:
             self._updates.popleft()
@@ -256,9 +281,35 @@ class Engine:
             return self._admission_limit()
         return job.cutoff
 
+    def _refresh_fused(self) -> None:
+        if self._fused is not None:
+            self._fused.refresh()
+
+    def _copy_weights(self, job: _UpdateJob) -> tuple[bool, str]:
+        from infra.engine.weight_buffer import copy_into
+
+        t0 = time.perf_counter()
+        try:
+            n = copy_into(self.model, job.tensors, job.model_path)
+        except ValueError as e:  # names/shapes refused before anything was copied: the old weights stay
+            return False, f"Failed to update weights: {e}"
+        except Exception as e:  # noqa: BLE001 - reported as success=false (a copy that failed midway)
+            log.exception("in-place weight copy from %s failed", job.model_path)
+            return False, (f"Failed to update weights from {job.model_path} midway ({type(e).__name__}: {e}); "
+                           "the model may hold a mix of old and new weights: push a full set again")
+        self._refresh_fused()
+        if job.weight_version is not None:
+            self.weight_version = job.weight_version
+        msg = f"Succeeded to update model weights from {job.model_path} ({n} tensors, in place) in " \
+              f"{time.perf_counter() - t0:.3f}s."
+        log.info("%s weight_version=%s", msg, self.weight_version)
+        return True, msg
+
     def _load_weights(self, job: _UpdateJob) -> tuple[bool, str]:
         from infra.models import load_model
 
+        if job.tensors is not None:
+            return self._copy_weights(job)
         t0 = time.perf_counter()
         try:
             model = load_model(job.model_path)

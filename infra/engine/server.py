@@ -1,10 +1,11 @@
 """Alloy's embedded engine server: the SGLang native HTTP API (subset) over a HF causal LM on CPU.
 
     python -m infra.engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-running-requests 256]
-        [--max-total-tokens N] [--log-level info] [--weight-version V] [--threads T]
+        [--max-total-tokens N] [--log-level info] [--weight-version V] [--threads T] [--weights-buffer PATH]
 
 Endpoints (docs/architecture.md, "The engine protocol"): POST /generate, GET /health, GET /health_generate,
-GET /get_model_info, GET /get_server_info, POST /update_weights_from_disk, POST /abort_request, POST /flush_cache.
+GET /get_model_info, GET /get_server_info, POST /update_weights_from_disk, POST /update_weights_from_buffer,
+POST /abort_request, POST /flush_cache.
 The port is bound at once; /health and /health_generate answer 503 until the model is loaded (then 200), and
 /generate answers 503 meanwhile (clients retry 503). If the model fails to load, the process exits with status 1
 (as SGLang does), so a launcher sees the failure instead of a server that answers 503 forever.
@@ -16,7 +17,8 @@ HTTP 401 with SGLang's body `{"error": "Unauthorized"}`. Every other error is `{
 and response shapes in `infra.engine.protocol`.
 
 Hardening: a body over the limit (`--max-body-mb`, by default derived from --max-total-tokens, see
-`body_limit_bytes`) is 413. A client gets `--read-timeout-s` (30 s) to send a request's headers, counted from the
+`body_limit_bytes`) is 413; an `application/octet-stream` weight buffer
+(/update_weights_from_buffer) may be as large as the model's state dict plus its header (`weight_buffer.state_bytes`). A client gets `--read-timeout-s` (30 s) to send a request's headers, counted from the
 connection's start or the end of its previous response (aiohttp's `keepalive_timeout`: a connection whose next
 request is not complete by then is closed), and again as long for its body (408, then the connection is closed);
 the response itself (a long /generate) has no time limit. Header lines over 8190 bytes or over 128 headers are
@@ -40,9 +42,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from infra.engine import wire
 from infra.engine.backends import MAX_RUNNING_REQUESTS
 from infra.engine.client import API_KEY_ENV
-from infra.engine.protocol import Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output, parse_generate
+from infra.engine.protocol import (GC_PAUSE_PAIRS, Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output,
+                                   gc_paused, logprob_pairs, parse_generate)
 from infra.engine.scheduler import Engine, Seq
 
 log = logging.getLogger("alloy.engine.server")
@@ -55,7 +59,8 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 # max_running_requests: running sequences (default and its rationale in infra.engine.backends); admission is
 # bounded by max_total_tokens (reserved prompt + max_new_tokens) anyway.
 DEFAULTS = dict(max_running_requests=MAX_RUNNING_REQUESTS, max_total_tokens=65536, max_prefill_tokens=16384,
-                threads=None, weight_version="default", seed=0, max_body_mb=None, max_seqs=4096, read_timeout_s=30.0)
+                threads=None, weight_version="default", seed=0, max_body_mb=None, max_seqs=4096, read_timeout_s=30.0,
+                weights_buffer=None)
 # The body limit follows from what `protocol.parse_generate` accepts at all: a request over max_total_tokens tokens
 # (prompts + max_new_tokens) or over max_seqs sequences is refused whatever its size, so the largest legitimate body
 # is a scoring batch (max_new_tokens = 0) of max_total_tokens input ids split into max_seqs sequences. As JSON a
@@ -242,11 +247,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
         engine.abort_seqs(seqs, "client disconnected")
         raise
     tt = _token_text(request.app, engine)
-    outs = [build_output(engine.tokenizer, s.spec, s.result, engine.weight_version, s.e2e_latency, tt) for s in seqs]
+    if wire.wants_binary(request.headers.get("Accept")) and not any(s.spec.return_text_in_logprobs for s in seqs):
+        # packed float32/int32 log-probs (infra.engine.wire), only for a client that asks; SGLang's JSON otherwise
+        body = wire.build_binary(engine.tokenizer, [(s.spec, s.result, s.e2e_latency) for s in seqs],
+                                 engine.weight_version, tt, req.is_single)
+        return web.Response(body=body, content_type=wire.CONTENT_TYPE)
+    with gc_paused(sum(logprob_pairs(s.spec, s.result) for s in seqs) >= GC_PAUSE_PAIRS):
+        outs = [build_output(engine.tokenizer, s.spec, s.result, engine.weight_version, s.e2e_latency, tt) for s in seqs]
+        resp = web.json_response(outs[0] if req.is_single else outs, dumps=_dumps)
     log.debug("POST /generate %s: %d seq(s), %d prompt / %d output tokens, %.3fs", seqs[0].spec.rid, len(seqs),
               sum(len(s.spec.input_ids) for s in seqs), sum(len(s.result.output_ids) for s in seqs),
               time.perf_counter() - t0)
-    return web.json_response(outs[0] if req.is_single else outs, dumps=_dumps)
+    return resp
 
 
 async def _stream(request: web.Request, engine: Engine, is_single: bool, seqs: list[Seq]) -> web.StreamResponse:
@@ -358,6 +370,87 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
                              status=200 if success else 400)
 
 
+def _flag(value: str | None, key: str) -> bool | None:
+    if value is None:
+        return None
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0"):
+        return False
+    raise ProtocolError(f"{key} must be true or false, got {value!r}")
+
+
+async def _buffer_body(request: web.Request, engine: Engine) -> bytearray:
+    """An octet-stream body of at most the model's buffer size (`engine.state_bytes`), read in chunks; each chunk
+    must arrive within --read-timeout-s (a large body over a slow link is fine, a stalled one is not)."""
+    limit, timeout = engine.state_bytes, request.app[LIMITS]["read_timeout_s"]
+    n = request.content_length
+    if n is not None and n > limit:
+        raise ProtocolError(f"weight buffer body too large: {n} bytes, over {limit} bytes (the model's weights and "
+                            "a buffer header)", status=413)
+    out = bytearray(n) if n is not None else bytearray()
+    got = 0
+    try:
+        while True:
+            async with asyncio.timeout(timeout):
+                chunk = await request.content.readany()
+            if not chunk:
+                break
+            if got + len(chunk) > limit:
+                raise ProtocolError(f"weight buffer body too large: over {limit} bytes (the model's weights and a "
+                                    "buffer header)", status=413)
+            out[got:got + len(chunk)] = chunk
+            got += len(chunk)
+    except TimeoutError:
+        raise ProtocolError(f"weight buffer body stalled for {timeout:g} s (--read-timeout-s)", status=408) from None
+    if n is not None and got != n:
+        raise ProtocolError(f"weight buffer body ended after {got} of {n} bytes")
+    return out
+
+
+async def update_weights_from_buffer(request: web.Request) -> web.Response:
+    """New weights as a weight buffer (infra/engine/weight_buffer.py), copied into the live model in place: a JSON
+    body {"path", "weight_version"?, "flush_cache"?, "abort_all_requests"?} names a buffer file on this machine;
+    an `application/octet-stream` body is the buffer itself (options then in the query string). Without a
+    weight_version the buffer's own is used. Ordering as /update_weights_from_disk."""
+    from infra.engine.weight_buffer import WeightBufferError, read_buffer
+
+    engine = _engine_ready(request)
+    loop = asyncio.get_running_loop()
+    if request.headers.get("Content-Type", "").split(";")[0].strip().lower() == "application/octet-stream":
+        q = request.query
+        version, abort_all = q.get("weight_version"), _flag(q.get("abort_all_requests"), "abort_all_requests")
+        _flag(q.get("flush_cache"), "flush_cache")
+        source: Any = await _buffer_body(request, engine)
+        what = f"a {len(source)}-byte body"
+    else:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise ProtocolError("the request body must be a JSON object")
+        source = body.get("path")
+        if not isinstance(source, str) or not source:
+            raise ProtocolError("path must be a non-empty string (or send the buffer as application/octet-stream)")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            raise ProtocolError("weight_version must be a string or null")
+        for key in ("flush_cache", "abort_all_requests"):
+            if body.get(key) is not None and not isinstance(body[key], bool):
+                raise ProtocolError(f"{key} must be true or false")
+        abort_all, what = body.get("abort_all_requests"), source
+    try:
+        buf_version, tensors = await loop.run_in_executor(None, read_buffer, source)
+    except (OSError, WeightBufferError) as e:
+        message = f"Failed to read the weight buffer {what}: {type(e).__name__}: {e}"
+        log.info("update_weights_from_buffer %s: success=False %s", what, message)
+        return web.json_response({"success": False, "message": message, "num_paused_requests": 0}, status=400)
+    fut = engine.update_weights_from_tensors(tensors, version if version is not None else buf_version,
+                                             abort_all=bool(abort_all), source=f"weight buffer {what}")
+    success, message = await asyncio.wrap_future(fut)
+    log.info("update_weights_from_buffer %s: success=%s %s", what, success, message)
+    return web.json_response({"success": success, "message": message, "num_paused_requests": 0},
+                             status=200 if success else 400)
+
+
 async def abort_request(request: web.Request) -> web.Response:
     engine = _engine_ready(request)
     body = await _json_body(request, allow_empty=True)
@@ -393,7 +486,8 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
                          else body_limit_bytes(cfg["max_total_tokens"], cfg["max_seqs"]))
     engine = Engine(str(model_dir), max_running_requests=cfg["max_running_requests"],
                     max_total_tokens=cfg["max_total_tokens"], max_prefill_tokens=cfg["max_prefill_tokens"],
-                    threads=cfg["threads"], weight_version=cfg["weight_version"], seed=cfg["seed"])
+                    threads=cfg["threads"], weight_version=cfg["weight_version"], seed=cfg["seed"],
+                    weights_buffer=cfg["weights_buffer"])
     middlewares = [_errors] + ([_auth_middleware(api_key)] if api_key else [])
     app = web.Application(client_max_size=cfg["body_limit"], middlewares=middlewares)
     app[ENGINE] = engine
@@ -410,6 +504,7 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/update_weights_from_buffer", update_weights_from_buffer)
 
     async def on_startup(_app):
         engine.start()
@@ -452,6 +547,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m infra.engine.serv
                    help="padded tokens per prefill/scoring forward")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default $OMP_NUM_THREADS, else cores - 1, at most 4)")
     p.add_argument("--weight-version", default=DEFAULTS["weight_version"])
+    p.add_argument("--weights-buffer", default=None, metavar="PATH",
+                   help="a weight buffer (infra/engine/weight_buffer.py) copied into the model right after loading "
+                        "--model; its version replaces --weight-version (how a supervisor restart keeps pushed weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     p.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_mb"],
                    help="larger request bodies get HTTP 413; default: the largest request the protocol accepts, "
@@ -472,7 +570,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m infra.engine.serv
     app = build_app(args.model, api_key=args.api_key, max_running_requests=args.max_running_requests,
                     max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
                     threads=args.threads or _default_threads(), weight_version=args.weight_version, seed=args.seed,
-                    max_body_mb=args.max_body_mb, read_timeout_s=args.read_timeout_s)
+                    max_body_mb=args.max_body_mb, read_timeout_s=args.read_timeout_s,
+                    weights_buffer=args.weights_buffer)
     engine = app[ENGINE]
     watchers: list[asyncio.Task] = []
 

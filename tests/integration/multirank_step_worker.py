@@ -120,6 +120,30 @@ def run(out: Path | None = None) -> dict:
     return result
 
 
+def opd_grouped(grad_accum: int) -> dict[str, torch.Tensor]:
+    """One OPD step (world of one) on the 5 rows of LENGTHS in `grad_accum` micro-batches (opd_update sorts rows by
+    length before splitting them) → the student's weights after it."""
+    from dataclasses import replace
+
+    from infra.config import DistillConfig, TrainConfig
+    from infra.deepspeed_backend import DeepSpeedBackend, init_distributed
+    from infra.models import build_model
+    from student.losses import get_loss
+    from student.trainer import opd_update
+
+    init_distributed()
+    dc = DistillConfig(loss="topk_kl", reward_coef=0.5, train=TrainConfig(lr=0.05, micro_batch_size=2,
+                                                                          grad_accum=grad_accum))
+    student = DeepSpeedBackend(build_model("nano", VOCAB, PAD, 1, 2, seed=2),
+                               replace(settings(), grad_accum=grad_accum))
+    try:
+        m = opd_update(student, opd_samples(LENGTHS, seed=20), 0, dc, get_loss(dc.loss), PAD)
+        assert m["train/tokens"] == sum(o for _, o in LENGTHS)
+        return weights(student.module)
+    finally:
+        student.close()
+
+
 if __name__ == "__main__":
     from infra.deepspeed_backend import shutdown_distributed
 

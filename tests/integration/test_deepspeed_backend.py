@@ -256,6 +256,9 @@ def test_save_hf_loads_with_auto_classes(tmp_path, tiny_model_dir, backends):
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, b.module(input_ids=ids).logits)
     assert max_diff(state(loaded), state(load_model(tiny_model_dir))) > 1e-3  # the trained weights, not the init
+    # named_weights: the same tensors as the saved file, as CPU tensors (the tied LM head once, as the embeddings)
+    nw, saved = b.named_weights(), load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert nw.keys() == saved.keys() and all(torch.equal(nw[k], saved[k]) and nw[k].device.type == "cpu" for k in nw)
 
 
 def test_zero3_save_hf_gathers_full_weights(tmp_path, backends):
@@ -278,6 +281,14 @@ def test_zero3_save_hf_gathers_full_weights(tmp_path, backends):
     loaded = load_model(tmp_path / "z3")
     assert torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)  # tie survives
     assert max_diff(state(loaded), state(z0.module)) < TOL
+    # named_weights gathers too: a full set an engine's model takes in place (infra/engine/weight_buffer.py)
+    from infra.engine.weight_buffer import copy_into
+
+    nw3 = z3.named_weights()
+    assert max_diff(nw3, w0) < TOL and all(t.numel() > 0 for t in nw3.values())
+    fresh = worker.build_model()
+    copy_into(fresh, nw3)
+    assert max_diff(state(fresh), state(z0.module)) < TOL
 
 
 def test_all_reduce_mean_on_one_rank(backends):

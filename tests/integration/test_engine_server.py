@@ -264,6 +264,64 @@ def test_update_weights_from_disk(server, tiny_model_dir, tmp_path):
     assert gen(server, body)["output_ids"] == before["output_ids"]
 
 
+def test_update_weights_from_buffer_equals_disk(server, tiny_model_dir, model, tmp_path):
+    from infra.engine.weight_buffer import encode_buffer, write_buffer
+    from infra.models import init_model_dir, load_model
+
+    body = {"input_ids": [1, 40, 41, 42], "return_logprob": True, "top_logprobs_num": 3,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 11}}
+    greedy = {"input_ids": [1, 30, 31], "return_logprob": True, "logprob_start_len": 0,
+              "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}}
+
+    def outputs():
+        a, b = gen(server, body), gen(server, greedy)
+        return (a["output_ids"], a["meta_info"]["output_token_logprobs"], a["meta_info"]["output_top_logprobs"],
+                b["output_ids"], b["meta_info"]["input_token_logprobs"]), a["meta_info"]["weight_version"]
+
+    before, _ = outputs()
+    other_dir = init_model_dir("tiny", tmp_path / "seed7", seed=7)
+    other = load_model(other_dir).state_dict()
+    try:
+        assert call(server.url, "/update_weights_from_disk", {"model_path": str(other_dir), "weight_version": "d7"})[0] == 200
+        from_disk, _ = outputs()
+        assert call(server.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir)})[0] == 200
+        assert outputs()[0] == before
+        # a buffer file (the tied LM head left out: the embeddings cover it), its version from the request
+        buf = tmp_path / "w.buf"
+        write_buffer(buf, {k: v for k, v in other.items() if k != "lm_head.weight"}, 99)
+        status, res = call(server.url, "/update_weights_from_buffer", {"path": str(buf), "weight_version": "b7"})
+        assert status == 200 and res["success"] is True and "in place" in res["message"], res
+        from_buffer, version = outputs()
+        assert from_buffer == from_disk and from_buffer != before and version == "b7"
+        assert call(server.url, "/get_model_info", method="GET")[1]["weight_version"] == "b7"
+        # refused sets leave the weights alone: partial, corrupt, missing
+        write_buffer(tmp_path / "part.buf", {k: v for k, v in model.state_dict().items() if "layers.1." not in k}, 3)
+        for path, why in ((tmp_path / "part.buf", "partial set"), (tmp_path / "missing.buf", "FileNotFoundError")):
+            status, res = call(server.url, "/update_weights_from_buffer", {"path": str(path)})
+            assert status == 400 and res["success"] is False and why in res["message"], res
+        (tmp_path / "cut.buf").write_bytes(buf.read_bytes()[:-64])
+        status, res = call(server.url, "/update_weights_from_buffer", {"path": str(tmp_path / "cut.buf")})
+        assert status == 400 and "truncated" in res["message"] and str(tmp_path / "cut.buf") in res["message"], res
+        assert outputs() == (from_disk, "b7")
+        # the buffer as the body (a server on another machine), under a limit sized to the model; its own version
+        raw = encode_buffer(model.state_dict(), "w0")
+        status, res = call(server.url, "/update_weights_from_buffer", raw=raw,
+                           headers={"Content-Type": "application/octet-stream"})
+        assert status == 200 and res["success"] is True, res
+        assert outputs() == (before, "w0")
+        status, res = call(server.url, "/update_weights_from_buffer?abort_all_requests=maybe", raw=raw,
+                           headers={"Content-Type": "application/octet-stream"})
+        assert status == 400 and "abort_all_requests" in res["error"]["message"]
+        status, res = call(server.url, "/update_weights_from_buffer", raw=raw + bytes(4 * len(raw)),
+                           headers={"Content-Type": "application/octet-stream"})
+        assert status == 413 and "too large" in res["error"]["message"], res
+    finally:
+        status, res = call(server.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir),
+                                                                     "weight_version": "w0"})
+        assert status == 200 and res["success"] is True
+    assert outputs() == (before, "w0")
+
+
 # -- errors ----------------------------------------------------------------------------------------------------------
 BAD_BODIES = [
     ("json", b"{not json"),

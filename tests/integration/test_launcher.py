@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from infra.engine.client import EngineClient, EngineUnavailable
 from infra.engine.launcher import (
@@ -61,6 +62,11 @@ def test_build_command_embedded_and_sglang():
         sglang_option_args({"tp": 2})
     with pytest.raises(ValueError, match="backend must be"):
         build_command(ServerSpec("x", "/m", backend="vllm"), 1)
+    # a recorded weight buffer: applied by the embedded server at start; SGLang takes none
+    assert build_command(ServerSpec("p", "/m", weights_buffer="/dev/shm/p-a.wbuf"), 1)[-2:] == [
+        "--weights-buffer", "/dev/shm/p-a.wbuf"]
+    with pytest.raises(ValueError, match="takes no weight buffer"):
+        build_command(ServerSpec("p", "/m", backend="sglang", weights_buffer="/x.wbuf"), 1)
 
 
 def test_launch_settings_follow_the_engine_config():
@@ -191,11 +197,16 @@ def test_tokenizer_mismatch_names_teachers(fleet, tmp_path):
 
 
 def test_sigkill_restarts_with_latest_weights(fleet, tmp_path):
-    from infra.models import init_model_dir
+    """The restart loads the recorded HF dir, then the recorded weight buffer over it, with the buffer's version."""
+    from engine_proc import forward_logprobs
+    from infra.engine.weight_buffer import write_buffer
+    from infra.models import init_model_dir, load_model
 
     sup, reg = fleet
     new_weights = init_model_dir("tiny", tmp_path / "rev-step7", seed=7)
-    sup.set_weights("teacher-rev", str(new_weights), "7")
+    pushed = load_model(init_model_dir("tiny", tmp_path / "rev-step9", seed=9))
+    write_buffer(tmp_path / "rev.wbuf", pushed.state_dict(), 9)
+    sup.set_weights("teacher-rev", str(new_weights), "7", buffer=str(tmp_path / "rev.wbuf"))
     old_pid = next(s["pid"] for s in sup.status() if s["name"] == "teacher-rev")
     os.kill(old_pid, signal.SIGKILL)
 
@@ -205,14 +216,22 @@ def test_sigkill_restarts_with_latest_weights(fleet, tmp_path):
     wait_until(lambda: rev()["restarts"] == 1 and rev()["alive"], 10, "the monitor to restart teacher-rev")
     c = EngineClient(reg.endpoint("rev"), max_retries=60, backoff_base=0.1, backoff_max=0.5)
 
+    ids = [1, 20, 21, 22, 23]
+
     async def after_restart():
         await c.wait_healthy(timeout=60)
-        return await c.model_info(), await c.generate([[1, 20, 21]], max_new_tokens=3, ignore_eos=True)
+        return (await c.model_info(), await c.generate([ids[:3]], max_new_tokens=3, ignore_eos=True),
+                await c.score(ids, 1))
 
-    info, gens = c.run_sync(after_restart())
+    info, gens, scored = c.run_sync(after_restart())
     assert rev()["pid"] != old_pid and gone(old_pid) and rev()["url"] == reg.endpoint("rev")
-    assert Path(info["model_path"]) == new_weights and info["weight_version"] == "7"
-    assert gens[0].weight_version == "7" and len(gens[0].output_ids) == 3
+    assert "--weights-buffer" in psutil.Process(rev()["pid"]).cmdline()
+    assert Path(info["model_path"]) == new_weights and info["weight_version"] == "9"
+    assert gens[0].weight_version == "9" and len(gens[0].output_ids) == 3
+    want = forward_logprobs(pushed, ids)[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    assert torch.allclose(torch.as_tensor(scored.token_logprobs), want, atol=1e-4)
+    sup.set_weights("teacher-rev", str(new_weights), "7")  # a disk push forgets the buffer
+    assert rev()["weights_buffer"] is None and rev()["weight_version"] == "7"
 
 
 def test_stop_leaves_no_process(fleet):
@@ -318,8 +337,8 @@ def test_policy_server_sampling_follows_the_run_seed(tiny_model_dir, tmp_path):
 
     prompts = [[1, 5 + i, 9, 12] for i in range(16)]
     with Supervisor(tmp_path / "logs") as sup:
-        servers = {name: PolicyServer(sup, name, str(tiny_model_dir), tmp_path / name, seed=seed)
-                   for name, seed in (("a", 1), ("b", 1), ("c", 2))}
+        servers = {name: PolicyServer(sup, name, str(tiny_model_dir), tmp_path / name, seed=seed, weight_sync=sync)
+                   for name, seed, sync in (("a", 1, "memory"), ("b", 1, "disk"), ("c", 2, "memory"))}
 
         async def sample(server):
             try:
@@ -329,5 +348,43 @@ def test_policy_server_sampling_follows_the_run_seed(tiny_model_dir, tmp_path):
                 await server.aclose()
 
         got = {name: asyncio.run(sample(s)) for name, s in servers.items()}
-    assert got["a"] == got["b"]
-    assert got["a"] != got["c"]
+        assert got["a"] == got["b"]
+        assert got["a"] != got["c"]
+        # the same new weights pushed in memory (a weight buffer, the load left running) and from disk: the two
+        # servers (same seed, same history) then sample the same tokens again
+        buffer = push_both_ways(servers["a"], servers["b"], sup, tiny_model_dir, tmp_path)
+        again = {name: asyncio.run(sample(servers[name])) for name in ("a", "b")}
+        assert again["a"] == again["b"] and again["a"] != got["a"]
+        # buffers removed on close (with their private /dev/shm directory, when there was room there)
+        assert not buffer.exists() and (buffer.parent == servers["a"].weights_dir or not buffer.parent.exists())
+
+
+def push_both_ways(mem, disk, sup, tiny_model_dir, tmp_path):
+    import asyncio
+
+    from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings
+    from infra.models import init_model_dir, load_model, load_tokenizer
+
+    backend = DeepSpeedBackend(load_model(init_model_dir("tiny", tmp_path / "seed7", seed=7)), TrainSettings())
+    tok = load_tokenizer(tiny_model_dir)
+
+    async def push():
+        try:
+            assert mem.memory and not disk.memory
+            path = Path(await mem.push(backend, tok, 1, wait=False))
+            assert path.is_file() and path.suffix == ".wbuf" and mem.version == 1
+            await mem.wait_loaded()
+            assert mem.loaded_version == 1 and (await mem.client.model_info())["weight_version"] == "1"
+            await disk.push(backend, tok, 1)
+            assert disk.loaded_version == 1 and (Path(disk.weights_dir) / "v000001" / "config.json").is_file()
+        finally:
+            await mem.client.aclose()
+            await disk.client.aclose()
+        return path
+
+    path = asyncio.run(push())
+    backend.close()
+    st = {s["name"]: s for s in sup.status()}
+    assert st["a"]["weights_buffer"] == str(path) and st["a"]["weight_version"] == "1"
+    assert st["b"]["weights_buffer"] is None and st["b"]["model_path"].endswith("v000001")
+    return path

@@ -64,6 +64,8 @@ def test_rollout_server_sigkilled_mid_run_is_restarted_and_the_run_completes(tmp
                 proc.kill()
     text = log.read_text()
     assert re.search(r"policy-reverse died \(exit -9\); restart 1 on port \d+", text), text[-3000:]
+    # with the weights of the last push: a weight buffer (engine.weight_sync: memory) over the initial model
+    assert re.search(r"restart 1 on port \d+ with \S+ \+ weight buffer \S+-[ab]\.wbuf \(version [1-9]", text)
     assert "resumed" not in text  # ridden out in-process, not by a resume from a checkpoint
     assert killed_pid not in {p.pid for p in psutil.process_iter()}  # and nothing left running
     state_dir = tmp_path / "final-state"

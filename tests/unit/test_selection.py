@@ -86,3 +86,13 @@ def test_per_domain_errors_name_the_domain_and_field(per_domain, message):
     with pytest.raises(ConfigError) as err:
         config_from_dict({"domains": [{"name": "a"}], "specialists": {"per_domain": per_domain}})
     assert message in str(err.value)
+
+
+def test_launch_order_longest_expected_first():
+    """Specialists start by configured steps, most first (per_domain overrides count), ties in config order."""
+    from flows.specialists import launch_order
+    from infra.config import SpecialistsConfig
+
+    sc = SpecialistsConfig(steps=100, per_domain={"c": {"steps": 300}, "d": {"steps": 50}, "e": {"steps": 300}})
+    assert launch_order(sc, ["a", "b", "c", "d", "e"]) == ["c", "e", "a", "b", "d"]
+    assert launch_order(SpecialistsConfig(steps=10), ["x", "y"]) == ["x", "y"]

@@ -1,0 +1,89 @@
+"""Length grouping of training rows (infra/batching.py) and the specialists' bucketed forward (teachers/ppo_step.py):
+less padding, the same values."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import teachers.ppo_step as ppo_step
+from infra.batching import length_buckets, length_sorted_split, padded_positions, padding_fraction
+from infra.models import build_model
+from teachers.april import Sample
+from teachers.ppo_step import build_batch, token_logprobs
+
+pytestmark = pytest.mark.unit
+
+
+def test_length_sorted_split_sizes_order_and_cover():
+    lengths = [5, 3, 9, 3, 7, 1, 9]
+    for parts in (1, 2, 3, 7, 9):
+        groups = length_sorted_split(lengths, parts)
+        assert [len(g) for g in groups] == [len(a) for a in np.array_split(np.arange(len(lengths)), parts)]
+        flat = [i for g in groups for i in g]
+        assert sorted(flat) == list(range(len(lengths)))
+        assert [lengths[i] for i in flat] == sorted(lengths)
+    assert length_sorted_split(lengths, 7)[1:3] == [[1], [3]]  # equal lengths keep their order (stable)
+    with pytest.raises(ValueError, match="parts must be >= 1"):
+        length_sorted_split(lengths, 0)
+
+
+def brute_force(lengths, k):
+    """Least padded positions over every split of the sorted rows into at most k consecutive groups."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best = padded_positions(lengths, [order])
+    for m in range(1, k):
+        for cuts in itertools.combinations(range(1, len(order)), m):
+            bounds = (0, *cuts, len(order))
+            best = min(best, padded_positions(lengths, [order[a:b] for a, b in zip(bounds, bounds[1:])]))
+    return best
+
+
+def test_length_buckets_are_optimal_and_cover_every_row():
+    rng = random.Random(0)
+    for _ in range(30):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 9))]
+        groups = length_buckets(lengths, 3, min_saving=0.0)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths))) and len(groups) <= 3
+        assert padded_positions(lengths, groups) == brute_force(lengths, 3)
+    assert length_buckets([4, 4, 4], 4) == [[0, 1, 2]]  # nothing to save: one forward
+    assert length_buckets([], 4) == []
+    # a bucket that saves under min_saving of the unbucketed positions is not worth a forward call
+    assert len(length_buckets([100] * 20 + [101], 4, min_saving=0.05)) == 1  # saves 0.9%
+    assert len(length_buckets([100] * 20 + [101], 4, min_saving=0.0)) == 2
+
+
+def test_padding_fraction_falls_on_a_demo_like_batch():
+    """64 rows: prompts of 8–40 tokens (the demo's domains differ in length), responses of 1–16 tokens."""
+    rng = random.Random(1)
+    lengths = [rng.randint(8, 40) + rng.randint(1, 16) for _ in range(64)]
+    strided = [list(a) for a in np.array_split(np.arange(64), 4)]  # micro-batches in sample order (before)
+    assert padding_fraction(lengths, length_sorted_split(lengths, 4)) < padding_fraction(lengths, strided) / 3
+    assert padding_fraction(lengths, length_buckets(lengths, 4)) < padding_fraction(lengths, [list(range(64))]) / 2
+    assert padding_fraction([3, 3], [[0, 1]]) == 0.0
+
+
+def test_bucketed_forward_gives_the_unbucketed_log_probs_and_entropy(monkeypatch):
+    model = build_model("nano", 64, 0, 1, 2, seed=0).eval()
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i, (p, o) in enumerate([(3, 2), (12, 9), (4, 1), (20, 6), (2, 3), (11, 11)]):
+        ids = torch.randint(3, 64, (p + o,), generator=g).tolist()
+        samples.append(Sample(f"s{i}", f"r{i}", ids[:p], ids[p:], [-1.0] * o, [0] * o, "d", {}, "stop"))
+    batch = build_batch(samples, pad_id=0, rewards=[0.0] * len(samples))
+    assert len(length_buckets(batch.attention_mask.sum(1).tolist(), ppo_step.MAX_BUCKETS)) > 1
+    with torch.no_grad():
+        lp, ent = ppo_step._logp_and_entropy(model, batch, with_entropy=True, temperature=0.8)
+        monkeypatch.setattr(ppo_step, "MAX_BUCKETS", 1)
+        lp1, ent1 = ppo_step._logp_and_entropy(model, batch, with_entropy=True, temperature=0.8)
+        ref = token_logprobs(model, batch, 0.8)
+    on = batch.mask != 0
+    torch.testing.assert_close(lp[on], lp1[on], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[on], ent1[on], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref, lp1)
+    # every position that predicts a real token (prompt or response) is the same; padding: 0 when bucketed
+    real = torch.nn.functional.pad(batch.attention_mask[:, 1:], (0, 1)).bool()
+    torch.testing.assert_close(lp[real], lp1[real], rtol=1e-5, atol=1e-5)
