@@ -219,7 +219,12 @@ class EngineConfig(_Strict):
         "memory", description="How a trainer pushes new weights to its rollout server. memory: a weight buffer in "
         "/dev/shm (or the work dir) copied into the embedded server's model in place (the load can overlap the next "
         "step); disk: an HF dir loaded with update_weights_from_disk. Embedded servers only: an SGLang server takes "
-        "no weight buffers.")
+        "no weight buffers (see sglang_weight_sync).")
+    sglang_weight_sync: Literal["auto", "tensor", "distributed", "disk"] = ops_field(
+        "auto", description="How a trainer pushes weights to its SGLang rollout server: tensor = CUDA IPC "
+        "(update_weights_from_tensor, same machine), distributed = NCCL broadcast (update_weights_from_distributed), "
+        "disk = update_weights_from_disk; auto = tensor on the same machine with CUDA, distributed elsewhere, disk "
+        "without CUDA. A failed fast push falls back to disk for the rest of the run (docs/placement.md).")
 
 
 class TeachersConfig(_Strict):

@@ -488,14 +488,15 @@ class DeepSpeedBackend:
                 tokenizer.save_pretrained(str(out))
         self.barrier()
 
-    def named_weights(self) -> dict[str, torch.Tensor] | None:
+    def named_weights(self, on_device: bool = False) -> dict[str, torch.Tensor] | None:
         """The current weights as {HF state-dict name: CPU tensor} on rank 0 (None on the other ranks), in the
         training dtype, each tied tensor once (under its first name, e.g. the input embeddings, not the tied LM
         head): what `save_hf` writes, without the files (a weight push through `infra.engine.weight_buffer`).
 
         A collective under ZeRO-3 (the same layer-by-layer gather as `save_hf`: call it on every rank). On a CPU
         accelerator the tensors are the live parameters themselves, not copies: read them before the next
-        optimizer step (`PolicyServer.push` snapshots them into a buffer file first)."""
+        optimizer step (`PolicyServer.push` snapshots them into a buffer file first). `on_device`: leave them where
+        they live (CUDA tensors for SGLang's tensor/NCCL weight sync, infra/engine/sglang_sync.py)."""
         if self.settings.zero_stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()  # all ranks take part; None off rank 0
         else:
@@ -510,7 +511,7 @@ class DeepSpeedBackend:
             if key in seen:  # a tied weight: the same tensor under a second name
                 continue
             seen.add(key)
-            out[name] = t if t.device.type == "cpu" else t.to("cpu")
+            out[name] = t if on_device or t.device.type == "cpu" else t.to("cpu")
         return out
 
     def save_state(self, state_dir: str | Path) -> Path:

@@ -43,7 +43,8 @@ class PolicyServer:
     def __init__(self, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path, *,
                  backend: str = "embedded", api_key: str | None = None, host: str = "127.0.0.1",
                  extra_args: list[str] | None = None, options: dict | None = None, keep: int = 2, version: int = 0,
-                 seed: int | None = None, env: dict[str, str] | None = None, weight_sync: str = "memory"):
+                 seed: int | None = None, env: dict[str, str] | None = None, weight_sync: str = "memory",
+                 sglang_weight_sync: str = "auto"):
         if weight_sync not in ("memory", "disk"):
             raise ValueError(f"PolicyServer: weight_sync must be 'memory' or 'disk', got {weight_sync!r}")
         self.supervisor, self.name = supervisor, name
@@ -66,6 +67,23 @@ class PolicyServer:
         self._buffer_dir: Path | None = None  # chosen at the first memory push (by then the size is known)
         self._buffers: set[Path] = set()
         atexit.register(self._remove_buffers)
+        self._sglang = self._sglang_sync(backend, sglang_weight_sync, options, api_key)
+        self._pushing: tuple | None = None  # (train_backend, tokenizer) of the push in progress (the disk fallback)
+
+    def _sglang_sync(self, backend: str, mode: str, options: dict, api_key: str | None):
+        """SGLang's tensor / NCCL weight update (infra/engine/sglang_sync.py), or None (disk, or not SGLang)."""
+        if backend != "sglang":
+            return None
+        import torch
+
+        from infra.engine.sglang_sync import choose_sync, is_local_url, make_sync, server_tp_size
+
+        cfg = type("EngineChoice", (), {"backend": "sglang", "sglang_weight_sync": mode})
+        strategy = choose_sync(cfg, same_machine=is_local_url(self.url), has_cuda=torch.cuda.is_available())
+        if strategy == "disk":
+            return None
+        log.info("%s: SGLang weight sync %s (engine.sglang_weight_sync=%s)", self.name, strategy, mode)
+        return make_sync(strategy, self.url, self._disk_fallback, tp_size=server_tp_size(options), api_key=api_key)
 
     @classmethod
     def for_engine(cls, engine_cfg, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path,
@@ -75,7 +93,8 @@ class PolicyServer:
         (infra/placement.py `trainer_env`: PLACEMENT_ENV), if any."""
         settings = launch_settings(engine_cfg, rollout_placement(os.environ))
         return cls(supervisor, name, model_dir, work_dir, **settings, api_key=engine_cfg.api_key,
-                   host=engine_cfg.host, weight_sync=engine_cfg.weight_sync, **kw)
+                   host=engine_cfg.host, weight_sync=engine_cfg.weight_sync,
+                   sglang_weight_sync=engine_cfg.sglang_weight_sync, **kw)
 
     async def push(self, train_backend, tokenizer, version: int, wait: bool = True) -> str:
         """Publish the trainer's weights (rank 0; `save_hf`/`named_weights` are collectives the other ranks join)
@@ -84,6 +103,15 @@ class PolicyServer:
         `wait=False`: returns after the snapshot (the caller may step its optimizer) and the load runs as a task
         (`wait_loaded`). Returns the buffer file or weight dir."""
         await self.wait_loaded()
+        if self._sglang is not None:  # the server reads the live tensors (IPC / NCCL): the load is never deferred
+            self._pushing = (train_backend, tokenizer)
+            try:
+                weights = await asyncio.to_thread(train_backend.named_weights, True)
+                how = await self._sglang.push(list((weights or {}).items()), str(version), flush_cache=True)
+            finally:
+                self._pushing = None
+            self.version = self.loaded_version = version
+            return how
         if self.memory:
             path = await asyncio.to_thread(self._snapshot_buffer, train_backend, version)
             load = self._load_buffer(path, version)
@@ -98,10 +126,17 @@ class PolicyServer:
         return str(path)
 
     async def wait_loaded(self) -> None:
-        """Await the load of the last push, if one is in flight; re-raises its error (once)."""
-        task, self._loading = self._loading, None
-        if task is not None:
-            await task
+        """Await the load of the last push, if one is in flight; re-raises its error. Several waiters may wait on
+        one load (a trainer's watcher and the next push): the task is forgotten only once it has finished, so the
+        next push never starts its load before the previous one is done (versions load in order)."""
+        task = self._loading
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        finally:
+            if self._loading is task and task.done():
+                self._loading = None
 
     # -- the two halves ---------------------------------------------------------------------------------------------
     @staticmethod
@@ -151,6 +186,15 @@ class PolicyServer:
         while len(self._pushed) > self.keep:
             shutil.rmtree(self._pushed.pop(0), ignore_errors=True)
 
+    async def _disk_fallback(self, version: str, flush_cache: bool) -> None:
+        """SGLang's fast path failed: the full weights of the push in progress through disk (a restarted server
+        also comes back with these; after a fast push it comes back with the last disk weights and their older
+        version, which the trainers' staleness checks handle, until the next push)."""
+        train_backend, tokenizer = self._pushing
+        path = self.weights_dir / f"v{int(version):06d}"
+        await asyncio.to_thread(self._snapshot_dir, train_backend, tokenizer, path)
+        await self._load_dir(path, int(version))
+
     def _remove_buffers(self) -> None:
         for p in self._buffers:
             p.unlink(missing_ok=True)
@@ -164,6 +208,8 @@ class PolicyServer:
             await self.wait_loaded()
         except Exception as e:  # noqa: BLE001 - closing anyway
             log.warning("%s: the last weight load failed: %s", self.name, e)
+        if self._sglang is not None:
+            await self._sglang.aclose()
         await self.client.aclose()
         self._remove_buffers()
         atexit.unregister(self._remove_buffers)

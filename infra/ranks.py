@@ -105,10 +105,10 @@ class _Led:
     def save_state(self, state_dir):
         return self._ranks.call(f"{self._name}.save_state", state_dir)
 
-    def named_weights(self):
+    def named_weights(self, on_device: bool = False):
         if self._backend.settings.zero_stage != 3:  # a collective only under ZeRO-3 (the gather)
-            return self._backend.named_weights()
-        return self._ranks.call(f"{self._name}.named_weights")
+            return self._backend.named_weights(on_device)
+        return self._ranks.call(f"{self._name}.named_weights", on_device)
 
     def load_state(self, state_dir):
         return self._ranks.call(f"{self._name}.load_state", state_dir)
