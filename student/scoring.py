@@ -5,6 +5,11 @@ One round of scoring takes the step's samples, groups them by domain, cuts each 
 separate servers, so a round costs about one teacher call, not one per domain. Each call asks for the log-prob of
 every response token and (for `topk_kl`) the teacher's top-k at each position (`EngineClient.score`).
 
+Transport: every call asks for the packed float32/int32 log-prob body (`infra.engine.wire`, by the `Accept`
+header). Alloy's embedded teachers answer with it; an external SGLang teacher (`teachers.external`) ignores the
+header and answers its JSON, which the client parses vectorised with the same checks. The answer's `Content-Type`
+decides, so nothing is probed and a mixed fleet needs no configuration (`binary=False` forces JSON).
+
 Failure handling, so that nothing bad reaches a gradient and nothing is lost silently:
 - the client already retries connection errors and 502/503/504 with backoff (a teacher being restarted by the
   supervisor); if it still cannot reach the teacher, the whole batch is tried again up to `attempts` times, then
@@ -125,11 +130,12 @@ class TeacherScorer:
     session per loop) per teacher endpoint; `top_k` = 0 asks for the sampled-token log-prob only."""
 
     def __init__(self, clients: Mapping[str, EngineClient], *, top_k: int, batch_size: int, vocab_size: int,
-                 attempts: int = 3):
+                 attempts: int = 3, binary: bool = True):
         if attempts < 1:
             raise ValueError(f"TeacherScorer: attempts must be >= 1, got {attempts}")
         self.clients = dict(clients)
         self.top_k, self.batch_size, self.vocab_size, self.attempts = int(top_k), int(batch_size), vocab_size, attempts
+        self.binary = bool(binary)
         self.stats = {d: TeacherStats() for d in self.clients}
         self._retries0 = {d: c.counters["retries"] for d, c in self.clients.items()}
 
@@ -178,7 +184,7 @@ class TeacherScorer:
             t0 = time.perf_counter()
             try:
                 res = await client.score([s.input_ids for s in batch], [len(s.prompt_ids) for s in batch],
-                                         top_k=self.top_k)
+                                         top_k=self.top_k, binary=self.binary)
             except EngineUnavailable:
                 st.errors += 1
                 continue

@@ -176,3 +176,70 @@ def test_one_session_per_loop_and_run_sync_inside_a_loop():
         return run_sync(asyncio.sleep(0, result=5))
 
     assert asyncio.run(inside_a_loop()) == 5
+
+
+def _random_score_obj(rng, n_tokens: int, start: int, k: int, entry0=None):
+    ids = [int(x) for x in rng.integers(0, 100, n_tokens)]
+    tail = [[float(rng.normal()) - 3.0, ids[p], None] for p in range(start, n_tokens)]
+    tops = [[[float(v), int(t), None] for v, t in zip(np.sort(rng.normal(size=k))[::-1] - 2.0,
+                                                         rng.choice(100, k, replace=False))] for _ in tail]
+    meta = {"prompt_tokens": n_tokens, "weight_version": "v", "input_token_logprobs": [[entry0, ids[start - 1], None]] + tail,
+            "input_top_logprobs": [None] + tops}
+    return {"meta_info": meta}, ids
+
+
+@pytest.mark.parametrize("k", [0, 1, 7])
+def test_vectorised_json_parse_equals_the_item_parser(k):
+    """`parse_score` (orjson lists → one numpy conversion) gives the very arrays of `parse_score_items`."""
+    from infra.engine.client import parse_score_items
+
+    rng = np.random.default_rng(k)
+    for n, start in ((12, 4), (5, 1), (30, 29)):
+        obj, ids = _random_score_obj(rng, n, start, k)
+        a, b = parse_score(obj, ids, start, k), parse_score_items(obj, ids, start, k)
+        for x, y in ((a.token_logprobs, b.token_logprobs), (a.topk_ids, b.topk_ids), (a.topk_logprobs, b.topk_logprobs)):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            np.testing.assert_array_equal(x, y)
+
+
+def _corrupt(obj, how):
+    m = obj["meta_info"]
+    if how == "nan_token":
+        m["input_token_logprobs"][3][0] = math.nan
+    elif how == "null_token":
+        m["input_token_logprobs"][2] = [None, m["input_token_logprobs"][2][1], None]
+    elif how == "wrong_id":
+        m["input_token_logprobs"][4][1] = 7777
+    elif how == "null_id_top":
+        m["input_top_logprobs"][2][1][1] = None
+    elif how == "inf_top":
+        m["input_top_logprobs"][5][0][0] = -math.inf
+    elif how == "float_id_top":
+        m["input_top_logprobs"][1][2][1] = 3.5
+    elif how == "ragged_top":
+        m["input_top_logprobs"][3] = m["input_top_logprobs"][3][:-1]
+    elif how == "short_item":
+        m["input_token_logprobs"][2] = [-1.0]
+    elif how == "null_row":
+        m["input_top_logprobs"][4] = None
+    elif how == "too_few":
+        m["input_token_logprobs"] = m["input_token_logprobs"][:3]
+    elif how == "no_top":
+        del m["input_top_logprobs"]
+    elif how == "string_item":
+        m["input_token_logprobs"][2] = "x"
+    return obj
+
+
+@pytest.mark.parametrize("how", ["nan_token", "null_token", "wrong_id", "null_id_top", "inf_top", "float_id_top",
+                                 "ragged_top", "short_item", "null_row", "too_few", "no_top", "string_item"])
+def test_vectorised_json_parse_refuses_with_the_item_parsers_message(how):
+    from infra.engine.client import parse_score_items
+
+    obj, ids = _random_score_obj(np.random.default_rng(1), 12, 4, 3)
+    obj = _corrupt(obj, how)
+    with pytest.raises(EngineResponseError) as old:
+        parse_score_items(obj, ids, 4, 3)
+    with pytest.raises(EngineResponseError) as new:
+        parse_score(obj, ids, 4, 3)
+    assert str(new.value) == str(old.value)

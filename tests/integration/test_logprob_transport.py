@@ -1,0 +1,141 @@
+"""The binary log-prob transport (`infra.engine.wire`) against a real embedded server: the same request answered as
+SGLang JSON and as packed arrays gives bit-identical tensors (scoring batches with several prompts and starts, top-k;
+generation), JSON stays the default, the binary body is only sent to a client that asks, and a damaged binary body
+is refused with a clear error."""
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+
+from infra.engine import wire
+from infra.engine.client import EngineClient, EngineResponseError, _binary_items, parse_score, parse_score_arrays
+from engine_proc import EngineProc, http
+
+pytestmark = pytest.mark.integration
+
+SEQS = [[1, 20, 21, 22, 23, 24], [1, 30, 31, 32], [1, 40, 41, 42, 43, 44, 45, 46, 47], [1, 50, 51]]
+STARTS = [3, 1, 5, 3]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    srv = EngineProc(tiny_model_dir, tmp_path_factory.mktemp("engine") / "server.log").start()
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.kill()
+
+
+def score_payload(top_k: int) -> bytes:
+    return orjson.dumps({"input_ids": SEQS, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+                         "return_logprob": True, "logprob_start_len": [s - 1 for s in STARTS],
+                         "top_logprobs_num": top_k, "token_ids_logprob": [2, 5, 50], "rid": "t"})
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_score_json_and_binary_are_identical(server, top_k):
+    c = EngineClient(server.url)
+    by_json = c.run_sync(c.score(SEQS, STARTS, top_k=top_k, binary=False))
+    by_bin = c.run_sync(c.score(SEQS, STARTS, top_k=top_k, binary=True))
+    assert len(by_json) == len(by_bin) == len(SEQS)
+    for a, b, s, st in zip(by_json, by_bin, SEQS, STARTS):
+        assert a.token_logprobs.shape == (len(s) - st,) and a.topk_ids.shape == (len(s) - st, top_k)
+        for x, y in ((a.token_logprobs, b.token_logprobs), (a.topk_ids, b.topk_ids), (a.topk_logprobs, b.topk_logprobs)):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            np.testing.assert_array_equal(x, y)  # float-exact, not approximately
+        assert a.weight_version == b.weight_version == "w0"
+
+
+def test_raw_bodies_carry_the_same_numbers_and_json_is_the_default(server):
+    """Every array of the binary body equals the JSON lists of the same request (null ↔ NaN / -1), including
+    token_ids_logprob; without the Accept header the server answers SGLang's JSON."""
+    status, raw_json = http(server.url, "/generate", score_payload(4))
+    assert status == 200
+    objs = orjson.loads(raw_json)
+    status, raw_bin = http(server.url, "/generate", score_payload(4), headers={"Accept": wire.ACCEPT})
+    assert status == 200 and raw_bin.startswith(wire.MAGIC)
+    single, items = wire.decode(raw_bin)
+    assert single is False and len(items) == len(objs) == len(SEQS)
+    for o, (obj, arr) in zip(objs, items):
+        m = o["meta_info"]
+        assert {k: v for k, v in m.items() if "logprob" not in k and k != "e2e_latency"} == \
+               {k: v for k, v in obj["meta_info"].items() if k != "e2e_latency"}
+        lp = np.array([np.nan if e[0] is None else e[0] for e in m["input_token_logprobs"]], np.float32)
+        np.testing.assert_array_equal(arr["input_token_logprobs"], lp)
+        assert arr["input_token_ids"].tolist() == [e[1] for e in m["input_token_logprobs"]]
+        rows = m["input_top_logprobs"]
+        assert rows[0] is None and np.isnan(arr["input_top_logprobs"][0]).all() and (arr["input_top_ids"][0] == -1).all()
+        np.testing.assert_array_equal(arr["input_top_logprobs"][1:], np.array([[x[0] for x in r] for r in rows[1:]], np.float32).reshape(-1, 4))
+        assert arr["input_top_ids"][1:].tolist() == [[x[1] for x in r] for r in rows[1:]]
+        ids_rows = m["input_token_ids_logprobs"]
+        np.testing.assert_array_equal(arr["input_token_ids_logprobs"][1:],
+                                      np.array([[x[0] for x in r] for r in ids_rows[1:]], np.float32).reshape(-1, 3))
+        assert arr["token_ids_logprob"].tolist() == [2, 5, 50]
+        assert arr["output_token_logprobs"].shape == (0,) and arr["output_top_logprobs"].shape == (0, 4)
+
+
+def test_generate_json_and_binary_are_identical(server):
+    c = EngineClient(server.url)
+    prompts = [[1, 20, 21, 22], [1, 30, 31]]
+    kw = dict(max_new_tokens=10, temperature=1.0, ignore_eos=True, n=2, sampling_seed=7)
+    a = c.run_sync(c.generate(prompts, binary=False, **kw))
+    b = c.run_sync(c.generate(prompts, binary=True, **kw))
+    assert [g.output_ids for g in a] == [g.output_ids for g in b]
+    assert [g.output_logprobs for g in a] == [g.output_logprobs for g in b]  # exact
+    assert [(g.finish_reason, g.prompt_tokens, g.completion_tokens) for g in b] == [("length", len(p), 10)
+                                                                                   for p in prompts for _ in range(2)]
+
+
+def test_binary_only_when_asked_and_possible(server):
+    one = orjson.dumps({"input_ids": [1, 20, 21], "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
+                        "return_logprob": True, "top_logprobs_num": 2})
+    status, raw = http(server.url, "/generate", one, headers={"Accept": wire.ACCEPT})
+    single, items = wire.decode(raw)
+    assert status == 200 and single is True and items[0][1]["output_top_ids"].shape == (3, 2)
+    # q=0 refuses it; per-token text has no place in the arrays: both answer JSON
+    status, raw = http(server.url, "/generate", one, headers={"Accept": f"{wire.CONTENT_TYPE};q=0"})
+    assert status == 200 and isinstance(orjson.loads(raw), dict)
+    with_text = orjson.loads(one) | {"return_text_in_logprobs": True}
+    status, raw = http(server.url, "/generate", orjson.dumps(with_text), headers={"Accept": wire.ACCEPT})
+    assert status == 200 and orjson.loads(raw)["meta_info"]["output_token_logprobs"][0][2] is not None
+    # errors stay JSON whatever the client accepts
+    status, raw = http(server.url, "/generate", b'{"input_ids": []}', headers={"Accept": wire.ACCEPT})
+    assert status == 400 and "input_ids" in orjson.loads(raw)["error"]["message"]
+
+
+def test_damaged_binary_body_is_refused(server):
+    status, raw = http(server.url, "/generate", score_payload(3), headers={"Accept": wire.ACCEPT})
+    assert status == 200 and len(_binary_items(raw, len(SEQS))) == len(SEQS)
+    with pytest.raises(EngineResponseError, match=r"malformed binary /generate body: .*truncated body"):
+        _binary_items(raw[:-5], len(SEQS))
+    with pytest.raises(EngineResponseError, match="data section has .* bytes, its arrays describe"):
+        _binary_items(raw + b"\0" * 4, len(SEQS))
+    with pytest.raises(EngineResponseError, match="not b'ALLOYLP1'"):
+        _binary_items(b"XXXXXXXX" + raw[8:], len(SEQS))
+    with pytest.raises(EngineResponseError, match="header is not valid JSON"):
+        _binary_items(raw[:12] + b"#" + raw[13:], len(SEQS))
+    with pytest.raises(EngineResponseError, match="header length .* exceeds the body"):
+        _binary_items(raw[:20], len(SEQS))
+    with pytest.raises(EngineResponseError, match="returned 4 results for a batch of 3"):
+        _binary_items(raw, 3)
+    # a well-formed body with a NaN log-prob is refused by the same check and message as JSON
+    _, items = wire.decode(raw)
+    obj, arrays = items[0]
+    arrays = {k: v.copy() for k, v in arrays.items()}
+    arrays["input_token_logprobs"][-1] = np.nan
+    with pytest.raises(EngineResponseError, match="entry for position 5 is .*not a finite log-prob"):
+        parse_score_arrays(obj, arrays, SEQS[0], STARTS[0], 3)
+    arrays["input_token_logprobs"][-1] = -1.0
+    arrays["input_token_ids"][-1] = 99
+    with pytest.raises(EngineResponseError, match="entry for position 5 is token 99, sent 24"):
+        parse_score_arrays(obj, arrays, SEQS[0], STARTS[0], 3)
+    arrays["input_token_ids"][-1] = 24
+    with pytest.raises(EngineResponseError, match="has 3 items, want 4"):
+        parse_score_arrays(obj, arrays, SEQS[0], STARTS[0], 4)
+    # and the JSON of the same request parses (vectorised) to the same result
+    status, raw_json = http(server.url, "/generate", score_payload(3))
+    a = parse_score(orjson.loads(raw_json)[0], SEQS[0], STARTS[0], 3)
+    b = parse_score_arrays(*items[0], SEQS[0], STARTS[0], 3)
+    np.testing.assert_array_equal(a.topk_logprobs, b.topk_logprobs)
