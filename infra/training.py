@@ -5,6 +5,7 @@ the loop runs, and the `final/` checkpoint committed at the end.
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
@@ -43,6 +44,7 @@ def serve_and_run(engine_cfg, work: Path, name: str, model_dir: str | Path, *, v
         server = PolicyServer.for_engine(engine_cfg, sup, name, str(model_dir), work / server_dir, version=version,
                                          seed=seed)
         attach(server)
+        gc.freeze()  # models, optimizer, libraries loaded: keep the cyclic GC off them for the rest of the run
 
         async def go() -> dict:
             try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import gc
 import logging
 import os
 import threading
@@ -215,6 +216,8 @@ class Engine:
         self._gen = torch.Generator().manual_seed(self._seed)
         with torch.inference_mode():  # warm-up: the first forward pays one-off allocation/dispatch costs
             self.model(input_ids=torch.tensor([[0, 0]]), use_cache=False)
+        gc.freeze()  # the model, torch and the libraries: never scanned by the cyclic GC again (a full collection
+        # walked them all, triggered by the millions of small objects of a log-prob answer)
 
     def _set_model(self, model) -> None:
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
