@@ -10,6 +10,17 @@ honestly on a real engine: every request is sent with `ignore_eos` and `max_new_
 budget (L_i minus the tokens it already has), so a sample finishes exactly when it has L_i tokens, having paid
 for every token by decoding it (the bench checks each finished sample: `len(output_ids) == L_i`, finish "length").
 
+Demo workload (`--workload demo`, issue 21): what `make demo`'s specialists roll out. For each domain of
+configs/demo.yaml (at its difficulty) a `DemoCursor` cycles that domain's train prompts (the char tokenizer, BOS
+first) and gives sample i the natural length min(len(answer tokens) + 1, 16): the answer and EOS, the length a
+policy that answers in the expected format produces, cut at the demo's 16-token budget (the eval budget). Realised
+as above (`ignore_eos`, budget = natural length). B = 64 (`specialists.batch_size`), max_staleness 2 (the
+pipeline's `specialists.max_staleness`) in every APRIL arm; arms: sync, `april` (1.25, min_extra 4: the defaults)
+and `april_os<x>` for `--demo-over-sampling`. A specialist trains one domain, so each domain runs on its own
+(`--demo-steps` measured steps after `--demo-warmup`, every arm, arms rotated per repeat) and an arm's samples/s
+pools all domains and repeats (Σ finished / Σ wall). `demo.best_arm` is the arm with the most finished samples/s.
+At B = 64 `min_extra_requests` = 4 never binds (⌈1.05 · 64⌉ = 68 already): it matters only below B = 16.
+
 Server. One embedded engine server (`python -m infra.engine.server`, one torch thread, defaults otherwise: max
 256 running sequences, so a step's ⌈1.25 B⌉ requests all run at once up to B = 204) on loopback serving the
 `tiny` preset (`init_model_dir("tiny", dir, seed=0)`, with `max_position_embeddings` raised from 256 to 1024 in
@@ -80,7 +91,7 @@ from teacher_scaling import REPO, exit_on_sigterm, machine_info, tree_cpu_s, wri
 from infra.config import SpecialistsConfig  # noqa: E402
 from infra.engine.backends import MAX_RUNNING_REQUESTS  # noqa: E402
 from infra.engine.client import EngineClient  # noqa: E402
-from teachers.april import AprilBuffer, Partial  # noqa: E402
+from teachers.april import AprilBuffer, Partial, plan_requests  # noqa: E402
 from teachers.rollout import Roller, rollout_step  # noqa: E402
 
 TARGET = 1.5
@@ -176,12 +187,44 @@ def dist(xs: list[float]) -> dict:
             "max": s[-1], "min": s[0]}
 
 
+class DemoCursor:
+    """`PromptCursor` stand-in for one demo domain: its train prompts in order, cycled; sample i's budget is its
+    natural length min(len(answer tokens) + 1, max_new_tokens) (see the module docstring)."""
+
+    def __init__(self, name: str, difficulty: int, tokenizer, max_new_tokens: int, n: int = 2000, seed: int = 0):
+        from domains.registry import load_domain
+
+        self.name, self.cursor = name, 0
+        exs = load_domain(name, difficulty=difficulty).split("train", n, seed)
+        enc = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+        self.pool = [([tokenizer.bos_token_id] + enc(e.prompt), min(len(enc(e.answer)) + 1, max_new_tokens))
+                     for e in exs]
+
+    def take(self, k: int, max_new_tokens: int, version: int) -> list[Partial]:
+        out = []
+        for _ in range(k):
+            ids, n = self.pool[self.cursor % len(self.pool)]
+            n = min(n, max_new_tokens)
+            out.append(Partial.fresh(f"{self.name}-{self.cursor:08d}", ids, self.name, {"natural_len": n}, n, version))
+            self.cursor += 1
+        return out
+
+
+def demo_domains() -> list[tuple[str, int]]:
+    """(name, difficulty) of every domain of configs/demo.yaml, and its specialists' batch size."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    return [(d["name"], int(d.get("difficulty", 1))) for d in cfg["domains"]]
+
+
 async def run_arm(url: str, tokenizer, *, name: str, batch: int, over_sampling: float, max_staleness: int,
-                  steps: int, warmup: int, cursor_kw: dict, max_new_tokens: int, min_extra: int = 0) -> dict:
-    """`warmup + steps` calls of `rollout_step`; statistics over the last `steps`."""
+                  steps: int, warmup: int, make_cursor, max_new_tokens: int, min_extra: int = 0,
+                  domain: str = DOMAIN) -> dict:
+    """`warmup + steps` calls of `rollout_step` on a fresh `make_cursor()`; statistics over the last `steps`."""
     client = FixedLengthClient(url, timeout=600.0)
-    roller = Roller(client, SimpleNamespace(name=DOMAIN), tokenizer, temperature=1.0)
-    buffer, cursor = AprilBuffer(max_staleness), LongTailCursor(**cursor_kw)
+    roller = Roller(client, SimpleNamespace(name=domain), tokenizer, temperature=1.0)
+    buffer, cursor = AprilBuffer(max_staleness), make_cursor()
     per_step, finished_lens, behind, old_tokens, all_tokens = [], [], [], 0, 0
     dropped_tokens = wall = 0.0
     try:
@@ -302,6 +345,57 @@ def table(summary: dict) -> str:
     return "\n".join(rows)
 
 
+def run_demo(url: str, tok, args, quick: bool = False) -> dict:
+    """The demo workload (module docstring): every demo domain on its own, every arm, arms rotated per repeat;
+    summaries pool all domains and repeats per arm."""
+    B, L = args.demo_batch, 16
+    ms = SpecialistsConfig.model_fields["max_staleness"].default
+    default_os = SpecialistsConfig.model_fields["over_sampling"].default
+    arms = [("sync", 1.0), ("april", default_os)]
+    arms += [(f"april_os{float(x):g}", float(x)) for x in str(args.demo_over_sampling).split(",") if x]
+    domains = demo_domains()[:2] if quick else demo_domains()
+    runs = []
+    for rep in range(args.repeats):
+        for i, (d, diff) in enumerate(domains):
+            k = (rep + i) % len(arms)
+            for name, os_ in arms[k:] + arms[:k]:
+                r = asyncio.run(run_arm(url, tok, name=name, batch=B, over_sampling=os_, max_staleness=ms,
+                                        min_extra=MIN_EXTRA, steps=args.demo_steps, warmup=args.demo_warmup,
+                                        max_new_tokens=L, domain=d,
+                                        make_cursor=lambda d=d, diff=diff: DemoCursor(d, diff, tok, L)))
+                r.pop("steps")  # per-step records of 12 domains x arms: the summaries keep what matters
+                runs.append({"repeat": rep, "batch": B, "domain": d, **r})
+        print(f"demo repeat {rep}: " + ", ".join(f"{a} {pooled([r for r in runs if r['arm'] == a]):.0f}/s"
+                                                 for a, _ in arms), flush=True)
+    summary = summarize(runs)[str(B)]
+    per_domain = {d: {a: round(pooled([r for r in runs if r["domain"] == d and r["arm"] == a]), 1) for a, _ in arms}
+                  for d, _ in domains}
+    best = max(summary, key=lambda a: summary[a]["samples_per_s"])
+    return {"batch": B, "max_new_tokens": L, "max_staleness": ms, "min_extra_requests": MIN_EXTRA,
+            "domains": [{"name": d, "difficulty": x} for d, x in domains],
+            "arms": [{"arm": a, "over_sampling": o, "requests_per_step": plan_requests(B, o, 0, MIN_EXTRA)[1]}
+                     for a, o in arms],
+            "summary": {a: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in x.items()}
+                        for a, x in summary.items()},
+            "ratio_to_sync": {a: round(x["ratio_to_sync"], 3) for a, x in summary.items()},
+            "samples_per_s_by_domain": per_domain, "best_arm": best,
+            "best_over_sampling": summary[best]["over_sampling"], "runs": runs}
+
+
+def demo_table(demo: dict) -> str:
+    head = (f"Demo workload (B = {demo['batch']}, ≤ {demo['max_new_tokens']} tokens, {len(demo['domains'])} domains,"
+            f" max_staleness {demo['max_staleness']}): best arm **{demo['best_arm']}** "
+            f"(over-sampling {demo['best_over_sampling']}).\n\n")
+    rows = ["| arm | over-sampling | requests/step | finished samples/s | ratio to sync | mean finished len | "
+            "decode steps / sample | CPU ms/sample | dropped stale |", "|" + "---|" * 9]
+    req = {a["arm"]: a["requests_per_step"] for a in demo["arms"]}
+    for a, s in demo["summary"].items():
+        rows.append(f"| {a} | {s['over_sampling']} | {req[a]} | {s['samples_per_s']:.1f} | "
+                    f"**{s['ratio_to_sync']:.2f}** | {s['mean_finished_len']:.1f} | {s['decode_steps_per_sample']:.2f} "
+                    f"| {1000 * s['cpu_s_per_sample']:.2f} | {s['dropped_stale']} |")
+    return head + "\n".join(rows)
+
+
 def widen_context(model_dir: Path, n_positions: int) -> None:
     """Raise `max_position_embeddings` in the checkpoint's config.json. The tiny Llama uses RoPE (no learned
     position table), so this changes only the limit the engine enforces, not a weight."""
@@ -340,11 +434,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail", default="64,512", help="lo,hi of the log-uniform tail of natural lengths")
     p.add_argument("--p-tail", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload", default=None, help="longtail, demo or both (comma list); default both, --quick: "
+                   "longtail")
+    p.add_argument("--demo-batch", type=int, default=64, help="B of the demo workload (configs/demo.yaml's)")
+    p.add_argument("--demo-over-sampling", default="1.1,1.5", help="demo arms april_os<x> beside sync and april")
+    p.add_argument("--demo-steps", type=int, default=10, help="measured steps per demo domain, arm and repeat")
+    p.add_argument("--demo-warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="smoke size (the integration test); numbers mean little")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.steps, args.warmup, args.repeats, args.tail = "8", 6, 3, 1, "48,128"
         args.over_sampling = "2.0"
+        args.demo_batch, args.demo_over_sampling, args.demo_steps, args.demo_warmup = 16, "", 3, 2
+    workloads = (args.workload or ("longtail" if args.quick else "longtail,demo")).split(",")
+    if set(workloads) - {"longtail", "demo"} or not workloads:
+        p.error(f"--workload: longtail and/or demo, got {args.workload!r}")
     exit_on_sigterm()
 
     from infra.models import init_model_dir, load_tokenizer
@@ -371,22 +475,31 @@ def main(argv: list[str] | None = None) -> int:
             probe = EngineClient(url)
             probe.run_sync(probe.wait_healthy(timeout=120))
             loadavg_before = list(os.getloadavg())
-            for rep in range(args.repeats):
+            for rep in range(args.repeats if "longtail" in workloads else 0):
                 for b in batches:
                     k = rep % len(arms)
                     for name, os_, ms in arms[k:] + arms[:k]:  # rotated: load drift hits every arm alike
                         r = asyncio.run(run_arm(url, tok, name=name, batch=b, over_sampling=os_, max_staleness=ms,
                                                 min_extra=MIN_EXTRA,
-                                                steps=args.steps, warmup=args.warmup, cursor_kw=cursor_kw,
-                                                max_new_tokens=tail[1]))
+                                                steps=args.steps, warmup=args.warmup, max_new_tokens=tail[1],
+                                                make_cursor=lambda: LongTailCursor(**cursor_kw)))
                         runs.append({"repeat": rep, "batch": b, **r})
                         print(f"repeat {rep} B={b} {name}: {r['samples_per_s']:.1f} samples/s, "
                               f"{r['finished_tokens_per_s']:.0f} finished tok/s, "
                               f"mean step {r['step_s']['mean']:.3f} s, dropped {r['dropped_stale']}", flush=True)
+            demo = run_demo(url, tok, args, quick=args.quick) if "demo" in workloads else None
             loadavg_after = list(os.getloadavg())
         finally:
             os.killpg(proc.pid, 15)
             proc.wait(timeout=30)
+    if not runs:  # demo only
+        result = {"bench": "april", "command": " ".join(["python bench/april.py"] + (argv if argv is not None else
+                                                                                     sys.argv[1:])),
+                  "quick": args.quick, "machine": machine_info(),
+                  "loadavg": {"before": loadavg_before, "after": loadavg_after}, "config": vars(args), "demo": demo,
+                  "total_s": round(time.perf_counter() - t_start, 1)}
+        write_outputs(Path(args.out), result, demo_table(demo))
+        return 0
     summary = summarize(runs)
     ratios = {b: round(arms_["april"]["ratio_to_sync"], 3) for b, arms_ in summary.items()}
     by_arm = {a: {b: round(arms_[a]["ratio_to_sync"], 3) for b, arms_ in summary.items()}
@@ -413,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
                    "met_by_arm": {a: all(v >= TARGET for v in r.values()) for a, r in by_arm.items()}},
         "runs": runs, "total_s": round(time.perf_counter() - t_start, 1),
     }
+    if demo is not None:
+        result["demo"] = demo
+        md += "\n\n" + demo_table(demo)
     write_outputs(Path(args.out), result, md)
     print(f"april / sync finished samples/s by B: {ratios} (target >= {TARGET}); wrote {args.out}")
     return 0

@@ -1,34 +1,46 @@
-"""Benchmark: Alloy OPD against TRL 1.16's GKDTrainer (several domains) and DistillationTrainer (one domain).
+"""Benchmark: Alloy OPD against TRL 1.16's GKDTrainer (several domains) and DistillationTrainer (one domain), at an
+operating point fixed in this file before measuring (issue 21), plus a sweep over model size and response length.
 
-    python bench/trl_compare.py --out bench/results/trl_compare.json [--domains reverse,sort_digits,max_list]
-        [--seeds 0,1,2] [--steps 120] [--batch 48] [--max-new-tokens 8] [--lr 3e-3] [--quick]
+    python bench/trl_compare.py --out bench/results/trl_compare.json          # the headline point, 3 seeds
+    python bench/trl_compare.py --sweep --out bench/results/trl_compare_sweep.json   # presets x response lengths
+    python bench/trl_compare.py --quick --out /tmp/t.json                     # smoke run (the integration test)
 
-Same for every system: the tiny student (a weak mixed-domain base) and teachers (the base SFT-ed further on one
-domain each, `tests/distill_fixtures.build_base_and_teachers`), the prompts (the trainer's own seeded
-`PromptStream`, batch k = the k-th `take(batch)`; the TRL trainers read them in order, no shuffling), seed,
-learning rate (AdamW, constant, no warm-up, no decay, grad clip 1.0), steps, max_new_tokens, sampling temperature
-1.0, fully on-policy divergence of the student from the teacher with beta = 1 (reverse KL):
-  - alloy        : `run_distillation`, one embedded teacher server per domain, loss topk_kl (teacher top-16 + tail
-                   bucket), direction reverse, trainer defaults otherwise (max_staleness 1: sampling of batch k+1
-                   overlaps the update of batch k);
+The headline point (the defaults): the `small` preset for the student and every teacher, 3 domains
+(reverse, sort_digits, max_list), 64 prompts per step, exactly 32 new tokens per response on every side (`--force`,
+the default: EOS does not stop a response — Alloy's engine gets `ignore_eos`, TRL's generation config no EOS id, and
+its completion mask keeps every token — so both sides do the same work per step whatever the policy does), the
+exact full-vocabulary reverse KL on both sides (Alloy: `topk_kl` with top_k = V, the vocabulary size: the tail
+bucket is empty and the loss is KL(π_s‖π_T) over all V tokens, student/losses.py; TRL: beta = 1), the same number
+of optimizer steps (`--steps`), seeds 0, 1, 2, TRL at the better of 1 and 2 torch threads (`--trl-threads`: each TRL
+system first runs `--trl-calib-steps` steps at each count, seed 0, no evaluation; the count with more completion
+tokens/s runs every seed; the trials are in `thread_trials`).
+
+Same for every system: the student (a weak mixed-domain base) and teachers (the base SFT-ed further on one domain
+each, plain torch, `build_models`), the prompts (the trainer's own seeded `PromptStream`, batch k = the k-th
+`take(batch)`; the TRL trainers read them in order, no shuffling), seed, learning rate (AdamW, constant, no warm-up,
+no decay, grad clip 1.0), steps, max_new_tokens, sampling temperature 1.0, fully on-policy reverse KL (beta = 1):
+  - alloy        : `run_distillation`, one embedded teacher server per domain, `topk_kl` reverse with top_k = V,
+                   max_staleness `--max-staleness` (1, its default: sampling of batch k+1 overlaps the update of k);
   - gkd          : `trl.experimental.gkd.GKDTrainer`, lmbda = 1, beta = 1, temperature = 1.0, with a teacher wrapper
                    that routes every row to its domain's teacher (a sub-batch forward per domain);
-  - alloy_1dom   : alloy on the first domain only, one teacher;
-  - alloy_1dom_exact (only when asked for): alloy_1dom with TRL's exact objective, teacher top-k = the whole
-                   vocabulary and max_staleness 0 (fully on-policy);
-  - trl_distill  : `trl.DistillationTrainer` on the first domain, its teacher, beta = 1, temperature = 1.0.
+  - alloy_1dom   : alloy on the first domain only, one teacher (DistillationTrainer takes one teacher model);
+  - trl_distill  : `trl.DistillationTrainer` on the first domain, its teacher, beta = 1, temperature = 1.0;
+  - alloy_top16 (only when asked for): alloy with the pipeline's default loss, teacher top-16 + tail bucket.
 Each (system, seed) runs in a fresh subprocess; the parent samples its memory every 0.2 s with psutil, the whole
-process tree (Alloy's student and teacher servers are child processes): peak RSS sum and peak PSS sum (PSS splits
-shared pages between processes, so it does not count the torch libraries once per process).
+process tree (Alloy's student and teacher servers are child processes): peak RSS sum and peak PSS sum.
 
-Reported per run: completion tokens/s (sampled response tokens, EOS included, over the training loop's wall time;
-also over the whole worker including start-up), s/step, peak RSS/PSS, per-domain greedy accuracy on the held-out
-eval split after training (`domains.evaluate.evaluate_model`), and held-out reverse KL to the routed teacher: for
-`--kl-n` eval prompts per domain the student samples a response (temperature 1, fixed seed), and the exact
-per-token KL(π_s ‖ π_T) = Σ_v π_s(v) (log π_s(v) − log π_T(v)) is averaged over the response tokens. The same
-measures of the untrained base are reported as `init`. TRL runs with torch threads = CPU count (one process);
-each Alloy process uses one thread (its default), several processes in parallel. The machine is shared with other
-agents: the JSON records os.getloadavg() around every run.
+Reported per run: completion tokens/s (sampled response tokens over the training loop's wall time; also over the
+whole worker including start-up: imports, server launches, model loads), s/step, peak RSS/PSS, per-domain greedy
+accuracy on the held-out eval split after training (`domains.evaluate.evaluate_model`, budget max_new_tokens), and
+held-out reverse KL to the routed teacher (student samples with EOS stopping; exact per-token KL over the full
+vocabulary, averaged over response tokens). Aggregates are mean ± sd over seeds. `headline`: Alloy / GKD and
+alloy_1dom / DistillationTrainer in completion tokens/s, mean accuracies, and the targets (≥ 1.5x both; accuracy
+no worse than the peer's minus 0.02) with met flags. The same measures of the untrained base (`init`) and of the
+teachers are reported. Each Alloy process uses one torch thread (its default), several processes in parallel.
+
+`--sweep`: the systems alloy, gkd, alloy_1dom, trl_distill (seed 0, `--sweep-steps` steps, barely trained models,
+no accuracy: forced lengths make the work independent of the weights) at every preset of `--sweep-presets` and every
+length of `--sweep-lengths`; TRL again at its better thread count per point. Rows go to the JSON's `sweep`.
 """
 from __future__ import annotations
 
@@ -45,19 +57,60 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from teacher_scaling import REPO, exit_on_sigterm, machine_info, make_cfg, write_outputs  # noqa: E402
+from trl_systems import prompt_ids, run_gkd, run_trl_distill  # noqa: E402
 
-SYSTEMS = ("alloy", "gkd", "alloy_1dom", "trl_distill", "alloy_1dom_exact")
-# alloy_1dom_exact: Alloy with TRL's exact objective (teacher top-k = the whole vocabulary, fully on-policy), to
-# separate what the loss's top-k truncation and the one-step staleness cost from what the system costs
-ALLOY_OVERRIDES = {"alloy": {}, "alloy_1dom": {}, "alloy_1dom_exact": {"top_k": "vocab", "max_staleness": 0}}
-ONE_DOMAIN = ("alloy_1dom", "trl_distill", "alloy_1dom_exact")
+SYSTEMS = ("alloy", "gkd", "alloy_1dom", "trl_distill", "alloy_top16")
+# alloy_top16: the pipeline's default loss (teacher top-16 + tail bucket) beside the exact one, for context
+ALLOY_OVERRIDES = {"alloy": {}, "alloy_1dom": {}, "alloy_top16": {"top_k": 16}}
+ONE_DOMAIN = ("alloy_1dom", "trl_distill")
+TRL = ("gkd", "trl_distill")
+SPEEDUP_MIN, ACCURACY_TOLERANCE = 1.5, 0.02  # issue 21's targets at the headline point
+
+
+def build_models(root: Path, preset: str, domains: list[str], base_steps: int, teacher_steps: int,
+                 seed: int = 0) -> tuple[Path, dict[str, Path]]:
+    """A weak mixed-domain base of `preset` and {domain: teacher dir}, each teacher = base + SFT on its domain only
+    (`tests/distill_fixtures.build_base_and_teachers` with a preset)."""
+    import shutil
+
+    from distill_fixtures import sft_plain
+    from domains.registry import load_domain
+    from infra.models import init_model_dir
+
+    pairs = {d: [(e.prompt, e.answer) for e in load_domain(d).split("train", 400, seed)] for d in domains}
+    init = init_model_dir(preset, root / "init", seed=seed)
+    base = sft_plain(init, root / "base", [p for d in domains for p in pairs[d]], base_steps, seed=seed)
+    teachers = {d: sft_plain(base, root / f"teacher-{d}", pairs[d], teacher_steps, seed=seed + 1) for d in domains}
+    shutil.rmtree(init, ignore_errors=True)
+    return base, teachers
+
+
+def force_alloy_length() -> None:
+    """Make Alloy's student sampling decode exactly max_new_tokens per response: `ignore_eos` on the student's
+    /generate (EOS can still be sampled; it no longer ends the response), the rest of `sample_batch` unchanged."""
+    import student.trainer as trainer_mod
+
+    original = getattr(trainer_mod, "sample_batch", None)
+    if original is None:
+        raise RuntimeError("trl_compare --force: student.trainer.sample_batch is gone; update force_alloy_length")
+
+    class Forced:
+        def __init__(self, client):
+            self.client = client
+
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+
+        async def generate(self, input_ids, **kw):
+            return await self.client.generate(input_ids, **{**kw, "ignore_eos": True, "stop_token_ids": None})
+
+    async def sample_forced(client, items, **kw):
+        return await original(Forced(client), items, **kw)
+
+    trainer_mod.sample_batch = sample_forced
 
 
 # -- measures shared by every system (run in the worker on the trained student) ------------------------------------
-def prompt_ids(tok, prompt: str) -> list[int]:
-    return [tok.bos_token_id] + tok(prompt, add_special_tokens=False).input_ids
-
-
 def heldout_rkl(student, teachers: dict, domains: dict, tok, n: int, max_new_tokens: int, seed: int = 1234) -> dict:
     """{domain: mean over response tokens of KL(π_s ‖ π_T)} on `n` eval prompts per domain (see module doc)."""
     import torch
@@ -104,22 +157,6 @@ def accuracy(model, tok, domains: dict, n: int, max_new_tokens: int) -> dict:
     return {r.domain: float(r.score) for r in df.itertuples()}
 
 
-def prompt_rows(domains: dict, tok, spec: dict, seed: int) -> list:
-    """The exact prompt sequence Alloy's trainer draws: `steps` takes of `batch` from its seeded PromptStream."""
-    from student.sampler import PromptStream
-
-    stream = PromptStream(domains, tok, spec["n_prompts_per_domain"], seed)
-    return [it for _ in range(spec["steps"]) for it in stream.take(spec["batch"])]
-
-
-def trl_args(cls, spec: dict, seed: int, out_dir: Path, **extra):
-    return cls(output_dir=str(out_dir), per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1,
-               max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
-               weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", seed=seed, report_to="none",
-               save_strategy="no", logging_steps=10 ** 6, disable_tqdm=True, use_cpu=True, bf16=False,
-               dataloader_num_workers=0, **extra)
-
-
 # -- the systems ----------------------------------------------------------------------------------------------------
 def run_alloy(spec: dict, names: list[str], seed: int, work: Path, overrides: dict | None = None):
     from infra.models import load_model, load_tokenizer
@@ -128,9 +165,11 @@ def run_alloy(spec: dict, names: list[str], seed: int, work: Path, overrides: di
     from domains.registry import load_domains
     from tasks.teachers import start_teachers
 
-    overrides = dict(overrides or {})
-    if overrides.get("top_k") == "vocab":  # K = V: the tail bucket is empty, the loss is the full-vocabulary KL
+    overrides = {"top_k": spec["top_k"], "max_staleness": spec["max_staleness"], **(overrides or {})}
+    if overrides["top_k"] == "vocab":  # K = V: the tail bucket is empty, the loss is the full-vocabulary KL
         overrides["top_k"] = len(load_tokenizer(spec["base"]))
+    if spec["force"]:
+        force_alloy_length()
     cfg = make_cfg(work, [{"name": d} for d in names], seed=seed, steps=spec["steps"], batch_size=spec["batch"],
                    max_new_tokens=spec["max_new_tokens"], temperature=1.0, loss="topk_kl", direction="reverse",
                    n_prompts_per_domain=spec["n_prompts_per_domain"], train={"lr": spec["lr"]}, **overrides)
@@ -141,116 +180,8 @@ def run_alloy(spec: dict, names: list[str], seed: int, work: Path, overrides: di
                              work / "distill", NoopTracker())
     finally:
         fleet.stop()
-    return load_model(s["student_dir"]), {"train_wall_s": s["wall_s"], "steps": s["steps"],
+    return load_model(s["student_dir"]), {"train_wall_s": s["wall_s"], "steps": s["steps"], "top_k": cfg.distill.top_k,
                                           "completion_tokens": s["sampled_tokens"], "timing_s": s["timing_s"]}
-
-
-def run_gkd(spec: dict, names: list[str], seed: int, work: Path):
-    import torch
-    from datasets import Dataset
-    from torch.utils.data import SequentialSampler
-    from transformers.modeling_outputs import CausalLMOutput
-    from trl.experimental.gkd import GKDConfig, GKDTrainer
-
-    from domains.registry import load_domain
-    from infra.models import load_model, load_tokenizer
-
-    tok = load_tokenizer(spec["base"])
-    domains = {d: load_domain(d) for d in names}
-    rows = [{"prompt_ids": it.prompt_ids, "domain_idx": names.index(it.domain)}
-            for it in prompt_rows(domains, tok, spec, seed)]
-
-    class RoutedTeacher(torch.nn.Module):
-        """One teacher per domain; row b goes to teachers[route[b]] (set by the trainer before each forward)."""
-
-        def __init__(self, teachers):
-            super().__init__()
-            self.teachers = torch.nn.ModuleList(teachers)
-            self.config = teachers[0].config
-            self.route = None
-
-        def forward(self, input_ids, attention_mask):
-            logits = None
-            for k, t in enumerate(self.teachers):
-                rows_k = (self.route == k).nonzero().squeeze(-1)
-                if rows_k.numel() == 0:
-                    continue
-                lk = t(input_ids=input_ids[rows_k], attention_mask=attention_mask[rows_k]).logits
-                if logits is None:
-                    logits = lk.new_zeros(input_ids.shape + (lk.shape[-1],))
-                logits[rows_k] = lk
-            return CausalLMOutput(logits=logits)
-
-    def collate(batch):
-        pid = [b["prompt_ids"] for b in batch]
-        T = max(map(len, pid))
-        ids = torch.full((len(pid), T), tok.pad_token_id, dtype=torch.long)
-        am = torch.zeros_like(ids)
-        for i, r in enumerate(pid):  # left-padded prompts for generate
-            ids[i, T - len(r):], am[i, T - len(r):] = torch.tensor(r), 1
-        # no "labels": GKD makes them after generation; with labels of prompts only, num_items_in_batch would be 0
-        return {"prompts": ids, "prompt_attention_mask": am, "input_ids": ids.clone(), "attention_mask": am.clone(),
-                "domain_idx": torch.tensor([b["domain_idx"] for b in batch])}
-
-    class RoutedGKD(GKDTrainer):
-        completion_tokens = 0
-
-        def _get_train_sampler(self, train_dataset=None):
-            return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            self.accelerator.unwrap_model(self.teacher_model).route = inputs["domain_idx"]
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            self.completion_tokens += int((inputs["labels"] != -100).sum())  # generated tokens up to EOS
-            return loss
-
-    student = load_model(spec["base"])
-    teacher = RoutedTeacher([load_model(spec["teachers"][d]) for d in names])
-    args = trl_args(GKDConfig, spec, seed, work / "gkd", lmbda=1.0, beta=1.0, temperature=1.0,
-                    max_new_tokens=spec["max_new_tokens"], disable_dropout=True)
-    trainer = RoutedGKD(model=student, teacher_model=teacher, args=args, data_collator=collate,
-                        train_dataset=Dataset.from_list(rows), processing_class=tok)
-    t = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - t
-    return trainer.model, {"train_wall_s": wall, "steps": trainer.state.global_step,
-                           "completion_tokens": trainer.completion_tokens}
-
-
-def run_trl_distill(spec: dict, names: list[str], seed: int, work: Path):
-    from datasets import Dataset
-    from trl import DistillationConfig, DistillationTrainer
-
-    from domains.registry import load_domain
-    from infra.models import load_model, load_tokenizer
-
-    tok = load_tokenizer(spec["base"])
-    domains = {d: load_domain(d) for d in names}
-    rows = [{"prompt": it.example.prompt} for it in prompt_rows(domains, tok, spec, seed)]
-    # the tokenizer adds BOS itself: tok(text=p) == [bos] + chars == Alloy's prompt ids
-    assert tok(text=[rows[0]["prompt"]])["input_ids"][0] == prompt_ids(tok, rows[0]["prompt"])
-
-    class CountingDistill(DistillationTrainer):
-        completion_tokens = 0
-
-        def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
-            self.completion_tokens += int(out["completion_mask"].sum())
-            return out
-
-    args = trl_args(DistillationConfig, spec, seed, work / "dt", beta=1.0, temperature=1.0, top_k=0, top_p=1.0,
-                    max_completion_length=spec["max_new_tokens"], shuffle_dataset=False,
-                    gradient_checkpointing=False, disable_dropout=True)
-    trainer = CountingDistill(model=load_model(spec["base"]), teacher_model=load_model(spec["teachers"][names[0]]),
-                              args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
-    t = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - t
-    return trainer.model, {"train_wall_s": wall, "steps": trainer.state.global_step,
-                           "completion_tokens": trainer.completion_tokens}
 
 
 def measure(model, spec: dict, names: list[str]) -> dict:
@@ -260,7 +191,7 @@ def measure(model, spec: dict, names: list[str]) -> dict:
     from domains.registry import load_domain
     from infra.models import load_model, load_tokenizer
 
-    torch.set_num_threads(spec["trl_threads"])
+    torch.set_num_threads(os.cpu_count() or 1)  # the measures are not timed: every core, for every system
     model = model.float().eval()
     tok = load_tokenizer(spec["base"])
     domains = {d: load_domain(d) for d in names}
@@ -269,14 +200,14 @@ def measure(model, spec: dict, names: list[str]) -> dict:
             "heldout_rkl": heldout_rkl(model, teachers, domains, tok, spec["kl_n"], spec["max_new_tokens"])}
 
 
-def worker(system: str, seed: int, spec: dict, result_path: Path) -> None:
+def worker(system: str, seed: int, threads: int, spec: dict, result_path: Path) -> None:
     import torch
 
     exit_on_sigterm()
     t0 = time.perf_counter()
     names = spec["domains"][:1] if system in ONE_DOMAIN else list(spec["domains"])
-    # TRL is one process: it gets every core. Alloy's trainer and servers use one thread each (their default).
-    torch.set_num_threads(1 if system.startswith("alloy") else spec["trl_threads"])
+    # TRL is one process: `threads` (1 or 2) torch threads. Alloy's trainer and servers use one each (their default).
+    torch.set_num_threads(threads)
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix=f"trlcmp-{system}-") as tmp:
         if system in ALLOY_OVERRIDES:
@@ -284,26 +215,30 @@ def worker(system: str, seed: int, spec: dict, result_path: Path) -> None:
         else:
             model, stats = {"gkd": run_gkd, "trl_distill": run_trl_distill}[system](spec, names, seed, Path(tmp))
         wall = time.perf_counter() - t0
-        res = {"system": system, "seed": seed, "domains": names, "worker_train_wall_s": wall, **stats,
-               "s_per_step": stats["train_wall_s"] / max(stats["steps"], 1),
+        want = stats["steps"] * spec["batch"] * spec["max_new_tokens"]
+        if spec["force"] and stats["completion_tokens"] != want:
+            raise RuntimeError(f"{system}: --force but {stats['completion_tokens']} completion tokens, expected "
+                               f"steps x batch x max_new_tokens = {want}")
+        res = {"system": system, "seed": seed, "threads": threads, "domains": names, "worker_train_wall_s": wall,
+               **stats, "s_per_step": stats["train_wall_s"] / max(stats["steps"], 1),
                "completion_tokens_per_s": stats["completion_tokens"] / stats["train_wall_s"],
                "completion_tokens_per_s_incl_startup": stats["completion_tokens"] / wall,
-               **measure(model, spec, names)}
+               **({} if spec.get("skip_eval") else measure(model, spec, names))}
     result_path.write_text(json.dumps(res, default=float))
 
 
 # -- the parent -----------------------------------------------------------------------------------------------------
-def run_worker(system: str, seed: int, spec_path: Path, out_dir: Path) -> dict:
+def run_worker(system: str, seed: int, threads: int, spec_path: Path, out_dir: Path) -> dict:
     """Run one (system, seed) in a fresh process; add the peak memory of its process tree and the load average."""
     import psutil
 
-    res_path = out_dir / f"{system}-{seed}.json"
-    log_path = out_dir / f"{system}-{seed}.log"
+    tag = f"{spec_path.stem}-{system}-{seed}-t{threads}"
+    res_path, log_path = out_dir / f"{tag}.json", out_dir / f"{tag}.log"
     load0 = list(os.getloadavg())
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, __file__, "--worker", system, "--seed", str(seed), "--spec",
-                                 str(spec_path), "--result", str(res_path)], stdout=log, stderr=subprocess.STDOUT,
-                                cwd=str(REPO))
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", system, "--seed", str(seed), "--threads",
+                                 str(threads), "--spec", str(spec_path), "--result", str(res_path)], stdout=log,
+                                stderr=subprocess.STDOUT, cwd=str(REPO))
         root = psutil.Process(proc.pid)
         peak_rss = peak_pss = 0
         while proc.poll() is None:
@@ -334,6 +269,7 @@ def mean_std(xs: list[float]) -> dict:
 
 
 def aggregate(runs: list[dict]) -> dict:
+    """Per system: mean ± sd over seeds of the speed and memory measures and (when measured) accuracy and KL."""
     out = {}
     for system in SYSTEMS:
         rs = [r for r in runs if r["system"] == system]
@@ -343,6 +279,9 @@ def aggregate(runs: list[dict]) -> dict:
         out[system] = {k: mean_std([r[k] for r in rs]) for k in
                        ("completion_tokens_per_s", "completion_tokens_per_s_incl_startup", "s_per_step",
                         "peak_rss_mb", "peak_pss_mb")}
+        out[system]["threads"] = rs[0]["threads"]
+        if "accuracy" not in rs[0]:
+            continue
         out[system]["accuracy"] = {d: mean_std([r["accuracy"][d] for r in rs]) for d in doms}
         out[system]["accuracy_mean"] = mean_std([statistics.fmean(r["accuracy"].values()) for r in rs])
         out[system]["heldout_rkl"] = {d: mean_std([r["heldout_rkl"][d] for r in rs]) for d in doms}
@@ -350,18 +289,80 @@ def aggregate(runs: list[dict]) -> dict:
     return out
 
 
+def speedup(agg: dict, a: str, b: str, key: str = "completion_tokens_per_s") -> float | None:
+    return agg[a][key]["mean"] / agg[b][key]["mean"] if a in agg and b in agg else None
+
+
+def headline(agg: dict) -> dict:
+    """Issue 21's pre-registered comparison: Alloy / GKD (3 domains) and alloy_1dom / DistillationTrainer (1 domain,
+    which takes one teacher) in completion tokens/s, and mean accuracies; met = ≥ 1.5x and accuracy ≥ peer − 0.02."""
+    acc = {s: agg[s]["accuracy_mean"]["mean"] if "accuracy_mean" in agg.get(s, {}) else None for s in SYSTEMS[:4]}
+    h = {"speedup_vs_gkd": speedup(agg, "alloy", "gkd"), "speedup_vs_distillation": speedup(agg, "alloy_1dom",
+                                                                                           "trl_distill"),
+         "speedup_incl_startup_vs_gkd": speedup(agg, "alloy", "gkd", "completion_tokens_per_s_incl_startup"),
+         "speedup_incl_startup_vs_distillation": speedup(agg, "alloy_1dom", "trl_distill",
+                                                         "completion_tokens_per_s_incl_startup"),
+         "accuracy_alloy": acc["alloy"], "accuracy_gkd": acc["gkd"], "accuracy_alloy_1dom": acc["alloy_1dom"],
+         "accuracy_distillation": acc["trl_distill"],
+         "trl_threads": {s: agg[s]["threads"] for s in TRL if s in agg},
+         "targets": {"speedup_min": SPEEDUP_MIN, "accuracy_tolerance": ACCURACY_TOLERANCE,
+                     "pairs": "alloy vs gkd (3 domains), alloy_1dom vs trl_distill (1 domain)"}}
+
+    def ok(x, y, f):
+        return None if x is None or y is None else bool(f(x, y))
+
+    met = {"speedup_vs_gkd": ok(h["speedup_vs_gkd"], SPEEDUP_MIN, float.__ge__),
+           "speedup_vs_distillation": ok(h["speedup_vs_distillation"], SPEEDUP_MIN, float.__ge__),
+           "accuracy_vs_gkd": ok(acc["alloy"], acc["gkd"], lambda a, b: a >= b - ACCURACY_TOLERANCE),
+           "accuracy_vs_distillation": ok(acc["alloy_1dom"], acc["trl_distill"],
+                                          lambda a, b: a >= b - ACCURACY_TOLERANCE)}
+    met["all"] = None if None in met.values() else all(met.values())
+    return h | {"met": met}
+
+
+def run_point(spec: dict, root: Path, name: str, systems: list[str], seeds: list[int], trl_threads: list[int],
+              jobs: int, calib_steps: int) -> tuple[list[dict], list[dict]]:
+    """Every (system, seed) of one operating point. With several counts in `trl_threads`, each TRL system first
+    runs `calib_steps` steps (seed 0, no evaluation) at every count, and the count with the higher completion
+    tokens/s runs every seed. Returns (runs, thread_trials)."""
+
+    def go(tag: str, spec_: dict, jobs_: list[tuple[str, int, int]]) -> list[dict]:
+        spec_path = root / f"{tag}.json"
+        spec_path.write_text(json.dumps(spec_))
+        with ThreadPoolExecutor(max_workers=jobs) as pool:  # each worker is measured as its own process tree
+            out = list(pool.map(lambda j: run_worker(j[0], j[1], j[2], spec_path, root), jobs_))
+        for r in out:
+            print(f"{tag} {r['system']} seed {r['seed']} threads {r['threads']}: "
+                  f"{r['completion_tokens_per_s']:.0f} tok/s, {r['s_per_step']:.3f} s/step, "
+                  f"acc {r.get('accuracy')}", file=sys.stderr, flush=True)
+        return out
+
+    trl = [s for s in systems if s in TRL]
+    trials, best = [], {s: trl_threads[0] for s in trl}
+    if len(trl_threads) > 1 and trl:
+        trials = go(f"{name}-threads", spec | {"steps": calib_steps, "skip_eval": True},
+                    [(s, seeds[0], t) for s in trl for t in trl_threads])
+        for s in trl:
+            mine = [r for r in trials if r["system"] == s]
+            best[s] = max(mine, key=lambda r: r["completion_tokens_per_s"])["threads"]
+    runs = go(name, spec, [(s, seed, best.get(s, 1)) for seed in seeds for s in systems])
+    return runs, [{k: r[k] for k in ("system", "seed", "threads", "steps", "completion_tokens_per_s", "s_per_step")}
+                  for r in trials]
+
+
 def table(agg: dict, init: dict) -> str:
     def ms(x, f="{:.1f}"):
         return (f + " ± " + f).format(x["mean"], x["std"])
 
-    lines = ["| system | domains | completion tok/s | tok/s incl. start-up | s/step | peak RSS MB (tree) | "
-             "peak PSS MB | accuracy (mean) | held-out reverse KL (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | domains | torch threads | completion tok/s | tok/s incl. start-up | s/step | "
+             "peak RSS MB (tree) | peak PSS MB | accuracy (mean) | held-out reverse KL (mean) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s, a in agg.items():
-        lines.append(f"| {s} | {len(a['accuracy'])} | {ms(a['completion_tokens_per_s'])} | "
+        lines.append(f"| {s} | {len(a['accuracy'])} | {a['threads']} | {ms(a['completion_tokens_per_s'])} | "
                      f"{ms(a['completion_tokens_per_s_incl_startup'])} | {ms(a['s_per_step'], '{:.3f}')} | "
                      f"{ms(a['peak_rss_mb'], '{:.0f}')} | {ms(a['peak_pss_mb'], '{:.0f}')} | "
                      f"{ms(a['accuracy_mean'], '{:.3f}')} | {ms(a['heldout_rkl_mean'], '{:.3f}')} |")
-    lines.append(f"| init (base, untrained) | {len(init['accuracy'])} | | | | | | "
+    lines.append(f"| init (base, untrained) | {len(init['accuracy'])} | | | | | | | "
                  f"{statistics.fmean(init['accuracy'].values()):.3f} | "
                  f"{statistics.fmean(init['heldout_rkl'].values()):.3f} |")
     lines += ["", "| system | " + " | ".join(f"acc {d}" for d in init["accuracy"]) + " | "
@@ -378,84 +379,151 @@ def table(agg: dict, init: dict) -> str:
     return "\n".join(lines)
 
 
+def headline_md(h: dict) -> str:
+    def f(x, fmt="{:.2f}"):
+        return "–" if x is None else fmt.format(x)
+
+    m = h["met"]
+    return (f"Headline: Alloy / GKD **{f(h['speedup_vs_gkd'])}x** (met: {m['speedup_vs_gkd']}), alloy_1dom / "
+            f"DistillationTrainer **{f(h['speedup_vs_distillation'])}x** (met: {m['speedup_vs_distillation']}); "
+            f"incl. start-up {f(h['speedup_incl_startup_vs_gkd'])}x / {f(h['speedup_incl_startup_vs_distillation'])}x."
+            f" Accuracy alloy {f(h['accuracy_alloy'], '{:.3f}')} vs gkd {f(h['accuracy_gkd'], '{:.3f}')} (met: "
+            f"{m['accuracy_vs_gkd']}), alloy_1dom {f(h['accuracy_alloy_1dom'], '{:.3f}')} vs distillation "
+            f"{f(h['accuracy_distillation'], '{:.3f}')} (met: {m['accuracy_vs_distillation']}). TRL threads: "
+            f"{h['trl_threads']}.\n\n")
+
+
+def sweep_table(rows: list[dict]) -> str:
+    lines = ["| preset | new tokens | alloy tok/s | gkd tok/s (threads) | alloy / gkd | alloy_1dom tok/s | "
+             "trl_distill tok/s (threads) | alloy_1dom / distill | alloy / gkd incl. start-up |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = r["aggregate"]
+
+        def tps(s):
+            return f"{a[s]['completion_tokens_per_s']['mean']:.0f}" if s in a else "–"
+
+        def th(s):
+            return f" ({a[s]['threads']})" if s in a else ""
+
+        def x(v):
+            return "–" if v is None else f"{v:.2f}"
+        lines.append(f"| {r['preset']} | {r['max_new_tokens']} | {tps('alloy')} | {tps('gkd')}{th('gkd')} | "
+                     f"{x(r['speedup_vs_gkd'])} | {tps('alloy_1dom')} | {tps('trl_distill')}{th('trl_distill')} | "
+                     f"{x(r['speedup_vs_distillation'])} | {x(r['speedup_incl_startup_vs_gkd'])} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(REPO / "bench/results/trl_compare.json"))
+    p.add_argument("--out", default=None,
+                   help="default bench/results/trl_compare.json (--sweep: trl_compare_sweep.json)")
+    p.add_argument("--preset", default="small", help="model preset of the student and every teacher (infra/models.py)")
     p.add_argument("--domains", default="reverse,sort_digits,max_list")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--systems", default=",".join(SYSTEMS[:4]), help=f"any of {','.join(SYSTEMS)}")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--batch", type=int, default=48)
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--steps", type=int, default=120, help="optimizer steps, the same for every system")
+    p.add_argument("--batch", type=int, default=64, help="prompts per step")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--force", action=argparse.BooleanOptionalAction, default=True,
+                   help="exactly max_new_tokens per response on every side (EOS does not stop); --no-force: EOS stops")
+    p.add_argument("--top-k", default="vocab", help="Alloy's teacher top-k: 'vocab' (= V, the exact KL) or an int")
+    p.add_argument("--max-staleness", type=int, default=1, help="Alloy's distill.max_staleness")
+    p.add_argument("--trl-threads", default="1,2", help="torch thread counts tried for TRL (the faster one is kept)")
+    p.add_argument("--trl-calib-steps", type=int, default=10, help="steps of each TRL thread-count trial")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-n", type=int, default=100)
     p.add_argument("--kl-n", type=int, default=50)
     p.add_argument("--base-steps", type=int, default=60)
     p.add_argument("--teacher-steps", type=int, default=200)
-    p.add_argument("--quick", action="store_true",
-                   help="first 2 domains, 1 seed, 4 steps, batch 6, barely trained models (a smoke run)")
+    p.add_argument("--sweep", action="store_true", help="the preset x length sweep instead of the headline point")
+    p.add_argument("--sweep-presets", default="nano,tiny,small,base")
+    p.add_argument("--sweep-lengths", default="8,32,128")
+    p.add_argument("--sweep-steps", type=int, default=15)
+    p.add_argument("--quick", action="store_true", help="first 2 domains, 1 seed, 4 steps, batch 6, tiny preset, "
+                   "2 TRL threads, barely trained models (a smoke run; with --sweep: nano, lengths 4 and 8)")
     p.add_argument("--jobs", type=int, default=1, help="workers at once (1 for timing; --quick runs all at once)")
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.seed, json.loads(Path(args.spec).read_text()), Path(args.result))
+        worker(args.worker, args.seed, args.threads, json.loads(Path(args.spec).read_text()), Path(args.result))
         return 0
     if args.quick:
         args.seeds, args.steps, args.batch, args.max_new_tokens, args.eval_n, args.kl_n = "0", 4, 6, 4, 6, 4
-        args.domains = ",".join(args.domains.split(",")[:2])
+        args.domains, args.preset, args.trl_threads = ",".join(args.domains.split(",")[:2]), "tiny", "2"
         args.jobs = len(args.systems.split(","))  # a smoke run: its timings mean nothing, so overlap the start-ups
         args.base_steps, args.teacher_steps = 2, 2
-    from distill_fixtures import build_base_and_teachers
-
+        args.sweep_presets, args.sweep_lengths, args.sweep_steps = "nano", "4,8", 3
+    out = Path(args.out or REPO / f"bench/results/trl_compare{'_sweep' if args.sweep else ''}.json")
     t0 = time.perf_counter()
     names = args.domains.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     systems = args.systems.split(",")
+    trl_threads = [int(t) for t in args.trl_threads.split(",")]
+    top_k = args.top_k if args.top_k == "vocab" else int(args.top_k)
     machine = machine_info()
-    runs = []
+    common = {"domains": names, "batch": args.batch, "lr": args.lr, "n_prompts_per_domain": 200, "force": args.force,
+              "top_k": top_k, "max_staleness": args.max_staleness, "eval_n": args.eval_n, "kl_n": args.kl_n}
+    result = {"bench": "trl_compare", "command": " ".join(["python bench/trl_compare.py"] + (argv or sys.argv[1:])),
+              "quick": args.quick, "machine": machine,
+              "shared_machine_note": "2 cores, possibly shared with other jobs; per-run load averages in runs[]"}
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         root = Path(tmp)
-        base, teachers = build_base_and_teachers(root / "models", names, args.base_steps, args.teacher_steps)
-        spec = {"base": str(base), "teachers": {d: str(p) for d, p in teachers.items()}, "domains": names,
-                "steps": args.steps, "batch": args.batch, "max_new_tokens": args.max_new_tokens, "lr": args.lr,
-                "n_prompts_per_domain": 200, "eval_n": args.eval_n, "kl_n": args.kl_n,
-                "trl_threads": os.cpu_count() or 1}
-        spec_path = root / "spec.json"
-        spec_path.write_text(json.dumps(spec))
+        if args.sweep:
+            rows = []
+            for preset in args.sweep_presets.split(","):
+                # speed only: lengths are forced, so barely trained models do the same work per step as trained ones
+                base, teachers = build_models(root / preset, preset, names, 2, 2)
+                for L in (int(x) for x in args.sweep_lengths.split(",")):
+                    spec = common | {"base": str(base), "teachers": {d: str(p) for d, p in teachers.items()},
+                                     "steps": args.sweep_steps, "max_new_tokens": L, "skip_eval": True}
+                    runs, trials = run_point(spec, root, f"{preset}-L{L}", ["alloy", "gkd", "alloy_1dom",
+                                                                            "trl_distill"], [0], trl_threads, args.jobs,
+                                             args.trl_calib_steps)
+                    agg = aggregate(runs)
+                    h = headline(agg)
+                    rows.append({"preset": preset, "max_new_tokens": L, "aggregate": agg, "runs": runs,
+                                 "thread_trials": trials} | {k: h[k] for k in (
+                                     "speedup_vs_gkd", "speedup_vs_distillation", "speedup_incl_startup_vs_gkd",
+                                     "speedup_incl_startup_vs_distillation")})
+            result |= {"config": common | {"presets": args.sweep_presets.split(","), "steps": args.sweep_steps,
+                                           "lengths": [r["max_new_tokens"] for r in rows], "trl_threads": trl_threads},
+                       "sweep": rows, "loadavg_end": list(os.getloadavg()), "total_s": time.perf_counter() - t0}
+            write_outputs(out, result, sweep_table(rows))
+            return 0
+        base, teachers = build_models(root / "models", args.preset, names, args.base_steps, args.teacher_steps)
+        spec = common | {"base": str(base), "teachers": {d: str(p) for d, p in teachers.items()}, "steps": args.steps,
+                         "max_new_tokens": args.max_new_tokens}
         from infra.models import load_model
 
         init = {"system": "init", **measure(load_model(base), spec, names)}
-        jobs = [(system, seed) for seed in seeds for system in systems]
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each worker is measured as its own process tree
-            for r in pool.map(lambda job: run_worker(job[0], job[1], spec_path, root), jobs):
-                runs.append(r)
-                system, seed = r["system"], r["seed"]
-                print(f"{system} seed {seed}: {r['completion_tokens_per_s']:.0f} tok/s, {r['s_per_step']:.3f} s/step, "
-                      f"acc {r['accuracy']}, rkl {r['heldout_rkl']}", file=sys.stderr, flush=True)
+        teacher_acc = {d: accuracy(load_model(teachers[d]), *_tok_doms(spec, [d]), spec["eval_n"],
+                                   spec["max_new_tokens"])[d] for d in names}
+        runs, trials = run_point(spec, root, "headline", systems, seeds, trl_threads, args.jobs, args.trl_calib_steps)
     agg = aggregate(runs)
-    ratios = {}
-    if "alloy" in agg and "gkd" in agg:
-        ratios["alloy_vs_gkd_tokens_per_s"] = (agg["alloy"]["completion_tokens_per_s"]["mean"]
-                                               / agg["gkd"]["completion_tokens_per_s"]["mean"])
-    if "alloy_1dom_exact" in agg and "trl_distill" in agg:
-        ratios["alloy_1dom_exact_vs_trl_distill_tokens_per_s"] = (
-            agg["alloy_1dom_exact"]["completion_tokens_per_s"]["mean"]
-            / agg["trl_distill"]["completion_tokens_per_s"]["mean"])
-    if "alloy_1dom" in agg and "trl_distill" in agg:
-        ratios["alloy_1dom_vs_trl_distill_tokens_per_s"] = (agg["alloy_1dom"]["completion_tokens_per_s"]["mean"]
-                                                            / agg["trl_distill"]["completion_tokens_per_s"]["mean"])
-    result = {"bench": "trl_compare", "command": " ".join(["python bench/trl_compare.py"] + (argv or sys.argv[1:])),
-              "quick": args.quick, "machine": machine, "loadavg_end": list(os.getloadavg()),
-              "shared_machine_note": "2 cores shared with other agents' jobs; per-run load averages in runs[]",
-              "config": {k: v for k, v in spec.items() if k not in ("base", "teachers")} | {
-                  "seeds": seeds, "systems": systems, "jobs": args.jobs},
-              "init": init, "runs": runs, "aggregate": agg, "ratios": ratios,
-              "target": {"tokens_per_s_ratio_min": 1.5}, "total_s": time.perf_counter() - t0}
-    write_outputs(Path(args.out), result, table(agg, init))
+    h = headline(agg)
+    h["point"] = {"preset": args.preset, "domains": names, "batch": args.batch, "max_new_tokens": args.max_new_tokens,
+                  "forced_length": args.force, "alloy_top_k": runs[0].get("top_k"), "steps": args.steps,
+                  "seeds": seeds, "max_staleness": args.max_staleness}
+    result |= {"config": common | {"preset": args.preset, "steps": args.steps, "max_new_tokens": args.max_new_tokens,
+                                   "seeds": seeds, "systems": systems, "jobs": args.jobs, "trl_threads": trl_threads,
+                                   "trl_calib_steps": args.trl_calib_steps,
+                                   "base_steps": args.base_steps, "teacher_steps": args.teacher_steps},
+               "headline": h, "init": init, "teacher_accuracy": teacher_acc, "runs": runs, "thread_trials": trials,
+               "aggregate": agg, "loadavg_end": list(os.getloadavg()), "total_s": time.perf_counter() - t0}
+    write_outputs(out, result, headline_md(h) + table(agg, init))
     return 0
+
+
+def _tok_doms(spec: dict, names: list[str]) -> tuple:
+    from domains.registry import load_domain
+    from infra.models import load_tokenizer
+
+    return load_tokenizer(spec["base"]), {d: load_domain(d) for d in names}
 
 
 if __name__ == "__main__":
