@@ -164,6 +164,7 @@ def pipeline(base: Path, teacher: Path, specs: list[dict], root: Path, args) -> 
     cpu = clock.cpu_intervals(args.warmup)
     return {"step_s_median": statistics.median(steps), "step_s": steps, "cpu_s_per_step": cpu,
             "cpu_s_per_step_median": statistics.median(cpu),
+            "cpu_s_per_step_by_process": clock.cpu_by_role_per_step(args.warmup),
             "sampled_tokens_per_step_median": statistics.median(tokens), "timing_s": summary["timing_s"],
             "timing_s_per_step": per_step, "wall_s": summary["wall_s"], "steps": summary["steps"],
             "config": {"loss": cfg.distill.loss, "top_k": cfg.distill.top_k, "max_staleness": cfg.distill.max_staleness,
@@ -228,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         f"| per token: wall / CPU | | | {result['ratio_wall_per_token']:.2f} / {result['ratio_cpu_per_token']:.2f} |",
         f"| parts per step: sample / score / train / push (s) | {t['sample_s']:.3f} / {t['score_s']:.3f} / "
         f"{t['train_s']:.3f} / {t['push_s']:.3f} (mean, overlapping) | {q['sample_s']:.3f} / {q['score_s']:.3f} / "
-        f"{q['train_s']:.3f} / {q['push_s']:.3f} (median, serial) | |"])
+        f"{q['train_s']:.3f} / {q['push_s']:.3f} (median, serial) | |",
+        "| CPU s per step by process: trainer (loop, client, snapshots) / engine servers (mean) | "
+        + " / ".join(f"{v:.3f}" for v in pipe["cpu_s_per_step_by_process"].values()) + " | | |"])
     write_outputs(Path(args.out), result, table)
     return 0
 

@@ -97,19 +97,25 @@ def make_cfg(root: Path, specs: list[dict], seed: int = 0, **distill):
                     "train": train, **distill}})
 
 
-def tree_cpu_s() -> float:
-    """CPU seconds (user + system) used so far by this process and its live children (the engine servers)."""
+def tree_cpu_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) used so far, split into `trainer` (this process: the training loop, its HTTP
+    client, the weight snapshots) and `servers` (its live children: the engine servers)."""
     import psutil
 
-    total = 0.0
+    out = {"trainer": 0.0, "servers": 0.0}
     me = psutil.Process()
-    for proc in [me] + me.children(recursive=True):
+    for role, proc in [("trainer", me)] + [("servers", c) for c in me.children(recursive=True)]:
         try:
             t = proc.cpu_times()
-            total += t.user + t.system
+            out[role] += t.user + t.system
         except psutil.Error:
             pass
-    return total
+    return out
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process and its live children (the engine servers)."""
+    return sum(tree_cpu_by_role().values())
 
 
 def exit_on_sigterm() -> None:
@@ -126,12 +132,14 @@ class StepClock:
 
     def __init__(self):
         self.t = [time.perf_counter()]
-        self.cpu = [tree_cpu_s()]
+        self.roles = [tree_cpu_by_role()]
+        self.cpu = [sum(self.roles[0].values())]
         self.metrics: list[dict] = []
 
     def __call__(self, trainer, metrics: dict) -> None:
         self.t.append(time.perf_counter())
-        self.cpu.append(tree_cpu_s())
+        self.roles.append(tree_cpu_by_role())
+        self.cpu.append(sum(self.roles[-1].values()))
         self.metrics.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
 
     def intervals(self, warmup: int) -> list[float]:
@@ -139,6 +147,12 @@ class StepClock:
 
     def cpu_intervals(self, warmup: int) -> list[float]:
         return [b - a for a, b in zip(self.cpu, self.cpu[1:])][warmup:]
+
+    def cpu_by_role_per_step(self, warmup: int) -> dict[str, float]:
+        """Mean CPU seconds per step of each role after the warm-up (the profile of where a step's CPU goes)."""
+        a, b = self.roles[min(warmup, len(self.roles) - 1)], self.roles[-1]
+        n = max(len(self.roles) - 1 - warmup, 1)
+        return {k: (b[k] - a[k]) / n for k in b}
 
 
 def write_outputs(out: Path, result: dict, table_md: str) -> None:
