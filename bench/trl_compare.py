@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--domains", default="reverse,sort_digits,max_list")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--systems", default=",".join(SYSTEMS[:4]), help=f"any of {','.join(SYSTEMS)}")
-    p.add_argument("--steps", type=int, default=120, help="optimizer steps, the same for every system")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps, the same for every system")
     p.add_argument("--batch", type=int, default=64, help="prompts per step")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--force", action=argparse.BooleanOptionalAction, default=True,
