@@ -349,21 +349,27 @@ async def get_server_info(request: web.Request) -> web.Response:
     })
 
 
-async def update_weights_from_disk(request: web.Request) -> web.Response:
-    engine = _engine_ready(request)
+async def _weights_request(request: web.Request, path_key: str, hint: str = "") -> tuple[str, str | None, bool]:
+    """(path, weight_version, abort_all_requests) of a JSON weight-update body, each field checked."""
     body = await _json_body(request)
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
-    path = body.get("model_path")
+    path = body.get(path_key)
     if not isinstance(path, str) or not path:
-        raise ProtocolError("model_path must be a non-empty string")
+        raise ProtocolError(f"{path_key} must be a non-empty string{hint}")
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str):
         raise ProtocolError("weight_version must be a string or null")
     for key in ("flush_cache", "abort_all_requests"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise ProtocolError(f"{key} must be true or false")
-    fut = engine.update_weights(path, version, abort_all=bool(body.get("abort_all_requests", False)))
+    return path, version, bool(body.get("abort_all_requests", False))
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = _engine_ready(request)
+    path, version, abort_all = await _weights_request(request, "model_path")
+    fut = engine.update_weights(path, version, abort_all=abort_all)
     success, message = await asyncio.wrap_future(fut)
     log.info("update_weights_from_disk %s: success=%s %s", path, success, message)
     return web.json_response({"success": success, "message": message, "num_paused_requests": 0},
@@ -424,19 +430,9 @@ async def update_weights_from_buffer(request: web.Request) -> web.Response:
         source: Any = await _buffer_body(request, engine)
         what = f"a {len(source)}-byte body"
     else:
-        body = await _json_body(request)
-        if not isinstance(body, dict):
-            raise ProtocolError("the request body must be a JSON object")
-        source = body.get("path")
-        if not isinstance(source, str) or not source:
-            raise ProtocolError("path must be a non-empty string (or send the buffer as application/octet-stream)")
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, str):
-            raise ProtocolError("weight_version must be a string or null")
-        for key in ("flush_cache", "abort_all_requests"):
-            if body.get(key) is not None and not isinstance(body[key], bool):
-                raise ProtocolError(f"{key} must be true or false")
-        abort_all, what = body.get("abort_all_requests"), source
+        source, version, abort_all = await _weights_request(
+            request, "path", " (or send the buffer as application/octet-stream)")
+        what = source
     try:
         buf_version, tensors = await loop.run_in_executor(None, read_buffer, source)
     except (OSError, WeightBufferError) as e:
