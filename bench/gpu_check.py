@@ -15,7 +15,7 @@ mlflow and does without) and that none was loaded. Parts:
   cross-entropy normalised as the trainers do (`backend.loss_normalizer`). Checks: every loss finite, the last
   below the first. Reports tokens/s over the steps after the first two (warm-up), peak GPU memory.
 - `torch_bf16` (CUDA): the same model, batch and steps as a plain torch loop (fp32 weights, bf16 autocast, AdamW):
-  the reference the DeepSpeed tokens/s are divided by (`ratio_to_torch`).
+  the reference the DeepSpeed tokens/s are divided by (`ratio_to_torch`; a DeepSpeed part under 0.2 fails).
 - `deepspeed_zero2_2ranks` (≥ 2 GPUs): the ZeRO-2 part under torchrun on 2 ranks (each its half of a 16-row batch).
 - `placement` (CUDA): `infra.placement.make_plan` for configs/gpu-example.yaml on the GPUs seen (their memory as
   `resources.gpu_memory_gb`): the plan and `plan_problems` (must be none), or the planner's refusal (a clear
@@ -54,6 +54,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKED = ("prefect", "mlflow", "sglang")
+MIN_RATIO_TO_TORCH = 0.2  # a DeepSpeed part slower than 1/5 of plain torch on the same work fails
 _ATTEMPTS: set[str] = set()
 
 
@@ -157,8 +158,10 @@ def part_deepspeed(args, stage: int) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(backend.all_reduce_sum(local.item()) / global_tokens)
     res = {"zero_stage": stage, "world_size": world, "params": params, "batch": f"{rows * world} x {seq}",
-           "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+           "device": str(backend.device), "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
            **_train_summary(losses, times, rows * world * seq)}
+    if backend.device.type != "cuda" and not res["check"]:  # it trained, but on the CPU of a GPU machine
+        res["check"] = f"the DeepSpeed engine is on {backend.device}, not on the GPU (DS_ACCELERATOR?)"
     backend.close()
     return res if rank == 0 else {}
 
@@ -418,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         d = parts.get(f"deepspeed_zero{z}", {})
         if base and d.get("tokens_per_s"):
             d["ratio_to_torch"] = round(d["tokens_per_s"] / base, 3)
+            if d["ratio_to_torch"] < MIN_RATIO_TO_TORCH and d["status"] == "ok":  # the same model, batch and steps
+                d.update(status="failed", error=f"DeepSpeed at {d['ratio_to_torch']} of the plain torch loop's "
+                                                f"tokens/s (< {MIN_RATIO_TO_TORCH}): not on the GPU, or a slow path")
     failed = [n for n, r in parts.items() if r["status"] == "failed"]
     attempted = sorted({m for r in parts.values() for m in r.get("blocked_attempts", [])})
     loaded = sorted({m for r in parts.values() for m in r.get("blocked_loaded", [])} | set(loaded_blocked()))

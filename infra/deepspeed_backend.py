@@ -19,7 +19,7 @@ Where things run: `init_distributed` reads the launcher's env (torchrun or the `
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); without a launcher it sets them for a world of one (otherwise
 DeepSpeed tries MPI discovery and fails). A world of one rendezvouses through an in-process store, so a trainer
 opens no port beyond loopback. The accelerator comes from `DS_ACCELERATOR`
-(importing `infra` defaults it to cpu); the process-group backend follows the accelerator: gloo on cpu, nccl on
+(importing `infra` sets cpu when no CUDA device is visible); the process-group backend follows the accelerator: gloo on cpu, nccl on
 cuda, the accelerator's own backend otherwise.
 
 The optimizer is always a torch AdamW handed to DeepSpeed (never DeepSpeed's FusedAdam, which JIT-compiles for
@@ -39,7 +39,9 @@ from typing import Any, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before `import deepspeed`: it picks its accelerator at import time
+# DeepSpeed picks its accelerator at import time: `import infra` (the parent package, imported first) sets
+# DS_ACCELERATOR=cpu when no CUDA device is visible and leaves it unset otherwise, so DeepSpeed detects CUDA. (A
+# blanket default to cpu here trained on the CPU of a GPU machine: bench/gpu_check.py found it on an H100.)
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
