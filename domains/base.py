@@ -83,6 +83,7 @@ class Domain(ABC):
     max_answer_chars: int = 16  # upper bound on len(answer) at this instance's difficulty: the generation budget
     max_difficulty: ClassVar[int] = 10
     defaults: ClassVar[dict[str, Any]] = {}  # the accepted extra params and their default values
+    system: str = ""  # system message of this domain's prompts (chat templates); config: domains.<i>.system
 
     def __init__(self, difficulty: int = 1, **params: Any):
         cls = type(self).__name__

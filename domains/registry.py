@@ -3,7 +3,8 @@
 `load_domain("addition", difficulty=2)` builds a built-in; `load_domain("palindrome",
 impl="palindrome_domain:Palindrome")` imports any importable module (installed, or on `sys.path`/`PYTHONPATH`)
 and builds the class, which must subclass `domains.base.Domain`. Every failure is a `DomainLoadError` whose message
-names the domain, the plugin path and the cause.
+names the domain, the plugin path and the cause. A config domain with a `dataset` section is a
+`domains.dataset.DatasetDomain` (`load_domains`).
 """
 from __future__ import annotations
 
@@ -72,17 +73,75 @@ def load_domain(name: str, impl: str | None = None, difficulty: int = 1, params:
     return domain
 
 
+def split_needs(cfg, name: str) -> dict[str, list[tuple[str, int]]]:
+    """The config fields that ask domain `name` for rows of each split, with their numbers: base SFT, the
+    specialist's rollouts / validations / own eval (when specialists train), the student's prompts and in-training
+    evals, and the final eval."""
+    needs: dict[str, list[tuple[str, int]]] = {
+        "train": [("base.n_train_per_domain", cfg.base.n_train_per_domain),
+                  ("distill.n_prompts_per_domain", cfg.distill.n_prompts_per_domain)],
+        "val": [], "eval": [("eval.n_eval", cfg.eval.n_eval)]}
+    if cfg.specialists.enabled:
+        sc, own = cfg.specialists.for_domain(name), cfg.specialists.per_domain.get(name, {})
+
+        def key(f: str) -> str:  # the field that set the number: the domain's own override, or the stage's
+            return f"specialists.per_domain.{name}.{f}" if f in own else f"specialists.{f}"
+
+        needs["train"].append((key("n_prompts"), sc.n_prompts))
+        if sc.val_every:
+            needs["val"].append((key("val_n"), sc.val_n))
+        if sc.eval_n:
+            needs["eval"].append((key("eval_n"), sc.eval_n))
+    if cfg.distill.eval_every:
+        needs["eval"].append(("distill.eval_n", cfg.distill.eval_n))
+    return needs
+
+
+def load_dataset_domain(d, i: int, cfg=None) -> Domain:
+    """The DatasetDomain of `cfg.domains[i]` (`d`, with a `dataset` section); a ConfigError naming the field:
+    `domains.<i>.verifier` for a bad verifier spec, `domains.<i>.dataset.path` for a file that cannot be read or
+    is too small for `cfg`'s split sizes, `domains.<i>.dataset` for bad rows or columns."""
+    from domains.dataset import DatasetDomain, DatasetError
+    from domains.verifiers import get_verifier
+    from infra.config import ConfigError
+
+    try:
+        get_verifier(d.verifier)
+    except ValueError as exc:
+        raise ConfigError(f"domains.{i}.verifier: {exc}") from None
+    ds = d.dataset
+    try:
+        domain = DatasetDomain(d.name, ds.path, prompt=ds.prompt, answer=ds.answer, fields=ds.fields,
+                               system=ds.system or d.system or "", max_new_tokens=ds.max_new_tokens,
+                               verifier=d.verifier)
+    except ValueError as exc:  # DatasetError (file, suffix, columns, bad rows) or a verifier's refusal
+        where = f"dataset.{exc.field}" if isinstance(exc, DatasetError) and exc.field else "dataset"
+        raise ConfigError(f"domains.{i}.{where}: {exc}") from exc
+    if cfg is not None:
+        try:
+            domain.check_sizes(split_needs(cfg, d.name))
+        except ValueError as exc:
+            raise ConfigError(f"domains.{i}.dataset.path: {exc}") from None
+    return domain
+
+
 def load_domains(cfg) -> dict[str, Domain]:
     """Instantiate every domain configured in `cfg.domains` (an `infra.config.AlloyConfig`), keyed by name; a bad
-    plugin fails with a `ConfigError` naming the config path (`domains.<i>.impl` or `domains.<i>.name`)."""
+    plugin fails with a `ConfigError` naming the config path (`domains.<i>.impl` or `domains.<i>.name`), a bad
+    dataset domain naming its field (`load_dataset_domain`). `domains.<i>.system` becomes the domain's `system`."""
     from infra.config import ConfigError
 
     out = {}
     for i, d in enumerate(cfg.domains):
+        if getattr(d, "dataset", None) is not None:
+            out[d.name] = load_dataset_domain(d, i, cfg)
+            continue
         try:
             out[d.name] = load_domain(d.name, impl=d.impl, difficulty=d.difficulty, params=dict(d.params))
         except Exception as exc:  # DomainLoadError or anything a plugin raises
             where = f"domains.{i}" + (".impl" if d.impl else ".name")
             raise ConfigError(f"{where}: cannot load domain {d.name!r}"
                               + (f" from plugin {d.impl!r}" if d.impl else "") + f": {exc}") from exc
+        if getattr(d, "system", None):
+            out[d.name].system = d.system
     return out
