@@ -7,7 +7,10 @@
 - `OUT_DIR/quiz.parquet`: multiple choice with 4 or 5 options rendered into the multi-line prompt, columns
   `question`, `answer` (the letter), `choices` (the option texts, in letter order) and `kind`; verifier `choice`.
 
-Both have N distinct prompts (default 3000). The tasks are meant to be learnable by a tiny model: small numbers, few
+- `OUT_DIR/corpus.txt`: every prompt and answer of both, plus the example's system messages: the text to train the
+  example's byte-level BPE tokenizer on (`alloy model init --tokenizer bpe --train-text OUT_DIR/corpus.txt`).
+
+Both datasets have N distinct prompts (default 3000). The tasks are meant to be learnable by a tiny model: small numbers, few
 templates, the answer a function of the prompt. Only the standard library, pandas and pyarrow are used.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ WORDS = ("Äpfel", "Brötchen", "Café", "Dürer", "Éclair", "Fjörd", "Gâteau
          "Löwe", "Mañana", "Niño", "Øre", "Piñata", "Quäker", "Rösti", "Smørrebrød", "Tōkyō", "Über", "Vögel",
          "Wünsch", "Zürich")
 LETTERS = "ABCDE"
+SYSTEMS = ("Answer with a number.", "Answer with the letter of the right option.")  # configs/dataset-example.yaml
 
 
 def wordmath_row(rng: random.Random) -> dict:
@@ -101,19 +105,22 @@ def write_datasets(out_dir: str | Path, rows: int = 3000, seed: int = 0) -> dict
     quiz = distinct_rows(quiz_row, random.Random(f"quiz|{seed}"), rows)
     quiz_path = out / "quiz.parquet"
     pd.DataFrame(quiz, columns=["question", "answer", "choices", "kind"]).to_parquet(quiz_path, index=False)
-    return {"wordmath": wm_path, "quiz": quiz_path}
+    corpus = out / "corpus.txt"
+    texts = [*SYSTEMS, *(f"{r['question']}\n{r['answer']}" for r in [*wm, *quiz])]
+    corpus.write_text("\n\n".join(texts) + "\n", encoding="utf-8")
+    return {"wordmath": wm_path, "quiz": quiz_path, "corpus": corpus}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out_dir", help="folder to write wordmath.jsonl and quiz.parquet into (created if missing)")
+    ap.add_argument("out_dir", help="folder to write wordmath.jsonl, quiz.parquet and corpus.txt into (created if missing)")
     ap.add_argument("--rows", type=int, default=3000, help="distinct rows per dataset (default 3000)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the generators (default 0)")
     args = ap.parse_args(argv)
     if args.rows < 1:
         ap.error("--rows must be at least 1")
     for name, path in write_datasets(args.out_dir, args.rows, args.seed).items():
-        print(f"wrote {name}: {path} ({args.rows} rows)")
+        print(f"wrote {name}: {path}" + ("" if name == "corpus" else f" ({args.rows} rows)"))
     return 0
 
 

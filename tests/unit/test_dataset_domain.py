@@ -263,8 +263,10 @@ def test_make_datasets_is_deterministic_and_its_answers_verify(tmp_path):
     spec.loader.exec_module(mod)
     assert mod.main([str(tmp_path / "a"), "--rows", "300"]) == 0
     mod.write_datasets(tmp_path / "b", rows=300)
-    for name in ("wordmath.jsonl", "quiz.parquet"):
+    for name in ("wordmath.jsonl", "quiz.parquet", "corpus.txt"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    corpus = (tmp_path / "a" / "corpus.txt").read_text(encoding="utf-8")
+    assert "Answer with a number." in corpus and "Zoë" in corpus
     wm = DatasetDomain("wordmath", tmp_path / "a" / "wordmath.jsonl", prompt="question", verifier="numeric")
     quiz = DatasetDomain("quiz", tmp_path / "a" / "quiz.parquet", prompt="question", fields=["choices"],
                          verifier="choice")
