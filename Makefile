@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.alloy-setup-stamp
 CONFIG  ?= configs/demo.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup demo smoke test test-unit bench clean-runs
+.PHONY: setup demo dataset-example smoke test test-unit bench clean-runs
 
 setup: $(STAMP)
 
@@ -25,6 +25,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: setup
 	$(BIN)/alloy run $(CONFIG) --report runs/demo-report.json
+
+# Dataset domains on a Qwen2 + byte-level BPE checkpoint (configs/dataset-example.yaml): make the data and the
+# checkpoint under runs/dataset-example/, then run the pipeline on them.
+dataset-example: setup
+	$(BIN)/python scripts/make_datasets.py runs/dataset-example/data
+	test -f runs/dataset-example/model/config.json || $(BIN)/alloy model init --out runs/dataset-example/model --preset tiny \
+	  --arch qwen2 --tokenizer bpe --train-text runs/dataset-example/data/corpus.txt
+	$(BIN)/alloy run configs/dataset-example.yaml --report runs/dataset-example/report.json
 
 smoke: setup
 	$(BIN)/alloy run configs/smoke.yaml --report runs/smoke-report.json

@@ -19,10 +19,10 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def env_defaults() -> None:
-    """Offline, CPU-safe, quiet defaults for every Alloy process (the user's environment wins)."""
+    """CPU-safe, quiet defaults for every Alloy process (the user's environment wins). Hub access is the user's:
+    HF_HUB_OFFLINE is left as the environment has it, so a `model.path` that is a Hub id resolves where the machine
+    has network (local checkpoints never touch the Hub); the tests set it (tests/conftest.py)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no network here; avoids a telemetry error line
@@ -104,8 +104,23 @@ def cmd_model_init(args) -> int:
     if args.preset not in PRESETS:
         print(f"error: unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}", file=sys.stderr)
         return EXIT_USAGE
-    out = init_model_dir(args.preset, args.out, seed=args.seed)
-    print(f"wrote a fresh '{args.preset}' model and char tokenizer to {out}")
+    if args.tokenizer == "bpe" and not args.train_text:
+        print("error: --tokenizer bpe needs at least one --train-text FILE to train it on", file=sys.stderr)
+        return EXIT_USAGE
+    if args.tokenizer == "char" and args.train_text:
+        print("error: --train-text is only for --tokenizer bpe", file=sys.stderr)
+        return EXIT_USAGE
+    for f in args.train_text:
+        if not Path(f).is_file():
+            print(f"error: --train-text {f}: no such file", file=sys.stderr)
+            return EXIT_USAGE
+    try:
+        out = init_model_dir(args.preset, args.out, seed=args.seed, arch=args.arch, tokenizer=args.tokenizer,
+                             train_text=args.train_text, vocab_size=args.vocab_size)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote a fresh '{args.preset}' {args.arch} model and {args.tokenizer} tokenizer to {out}")
     return EXIT_OK
 
 
@@ -177,10 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)
-    mi = msub.add_parser("init", help="write a fresh tiny model + char tokenizer in HF format")
+    mi = msub.add_parser("init", help="write a fresh preset-sized model + tokenizer (char, or a byte-level BPE "
+                         "trained on local text) in HF format")
     mi.add_argument("--preset", default="tiny")
     mi.add_argument("--out", required=True)
     mi.add_argument("--seed", type=int, default=0)
+    mi.add_argument("--arch", choices=["llama", "qwen2"], default="llama",
+                    help="model architecture (qwen2 = llama + q/k/v biases; needs --tokenizer bpe)")
+    mi.add_argument("--tokenizer", choices=["char", "bpe"], default="char",
+                    help="char: the built-in printable-ASCII tokenizer; bpe: a byte-level BPE with a ChatML chat "
+                    "template, trained on --train-text")
+    mi.add_argument("--train-text", action="append", default=[], metavar="FILE",
+                    help="text to train the BPE on (repeatable; a .jsonl file gives its rows' string values)")
+    mi.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size at most (default 512)")
     mi.set_defaults(fn=cmd_model_init)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint on the config's domains (greedy, eval split)")

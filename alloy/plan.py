@@ -90,8 +90,8 @@ def check_model(cfg: AlloyConfig) -> Check:
         tok = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001  (any load failure is the user's to fix)
         where = ("" if Path(path).expanduser().is_dir() else
-                 f" (not a local directory; as a Hub id it must be in the local Hugging Face cache, runs are offline: "
-                 f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')})")
+                 f" (not a local directory; as a Hub id it needs the network, or the local Hugging Face cache with "
+                 f"HF_HUB_OFFLINE=1: HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '') or 'unset'})")
         return Check("model.path", False, f"{path}: cannot load its config and tokenizer{where}: {_short(exc)}")
     return Check("model.path", True, f"{path}: {mc.model_type}, tokenizer vocab {len(tok)}")
 

@@ -304,31 +304,56 @@ class Tracker:
             self._client.log_artifact(rid, str(path), artifact_path)
 
     def register_model(self, model_dir: str | os.PathLike, name: str, alias: str | None = None,
-                       description: str | None = None, tags: dict | None = None) -> str:
+                       description: str | None = None, tags: dict | None = None, flavor: str = "files") -> str:
         """Log model_dir as run artifacts `models/<name>`, register a new version of `name` from them, set alias.
 
+        flavor "files": the directory's files as they are. flavor "transformers": an MLflow transformers model
+        (infra/mlflow_model.py: `mlflow.transformers.load_model("models:/<name>@<alias>")` gives a text-generation
+        pipeline, the checkpoint under `model/`); where that cannot be built (not a loadable causal LM) it warns
+        and logs the files. The version's tag `alloy.mlflow_flavor` says which (only when "transformers" was asked).
         Returns the version (as a string); `models:/<name>@<alias>` then resolves to these files.
         """
+        import tempfile
+
         from mlflow.exceptions import MlflowException
 
         rid = self._rid("register_model")
+        if flavor not in ("files", "transformers"):
+            raise ValueError(f"register_model: flavor must be 'files' or 'transformers', got {flavor!r}")
         if not Path(model_dir).is_dir():
             raise FileNotFoundError(f"register_model: model_dir {str(model_dir)!r} is not a directory")
         art_path = f"models/{name}"
-        self._client.log_artifacts(rid, str(model_dir), art_path)
+        tags = {k: str(v) for k, v in (tags or {}).items()}
+        with tempfile.TemporaryDirectory(prefix="alloy-mlflow-model-") as tmp:
+            logged_dir = str(model_dir)
+            if flavor == "transformers":
+                logged_dir, tags["alloy.mlflow_flavor"] = self._transformers_dir(model_dir, Path(tmp), description)
+            self._client.log_artifacts(rid, logged_dir, art_path)
         source = self._client.get_run(rid).info.artifact_uri.rstrip("/") + "/" + art_path
         try:
             self._client.create_registered_model(name)
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        mv = self._client.create_model_version(name, source, run_id=rid, description=description,
-                                               tags={k: str(v) for k, v in (tags or {}).items()} or None)
+        mv = self._client.create_model_version(name, source, run_id=rid, description=description, tags=tags or None)
         version = str(mv.version)
         if alias:
             self._client.set_registered_model_alias(name, alias, version)
         log.info("registered model %s version %s%s", name, version, f" as @{alias}" if alias else "")
         return version
+
+    @staticmethod
+    def _transformers_dir(model_dir, tmp: Path, description: str | None) -> tuple[str, str]:
+        """(folder to log, flavor logged): the MLflow transformers model built in tmp, or model_dir as it is."""
+        from infra.mlflow_model import save_transformers_model
+
+        try:
+            return str(save_transformers_model(model_dir, tmp / "model", description)), "transformers"
+        except Exception as exc:  # noqa: BLE001 - any reason the flavor cannot apply: register the files instead
+            log.warning("register_model: %s is registered as plain files, not as an MLflow transformers model "
+                        "(mlflow.transformers.load_model will not load it): %s: %s",
+                        model_dir, type(exc).__name__, exc)
+            return str(model_dir), "files"
 
     def update_model_version(self, name: str, version: str, tags: dict | None = None,
                              description: str | None = None) -> None:
@@ -421,7 +446,7 @@ class NoopTracker:
         return None
 
     def register_model(self, model_dir, name: str, alias: str | None = None, description: str | None = None,
-                       tags: dict | None = None) -> None:
+                       tags: dict | None = None, flavor: str = "files") -> None:
         return None
 
     def update_model_version(self, name: str, version: str, tags: dict | None = None,

@@ -8,6 +8,8 @@ student's vocabulary, since OPD compares log-probs token id by token id.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,14 +19,34 @@ from infra.engine.launcher import ServerSpec, Supervisor
 
 
 class TokenizerMismatch(ValueError):
-    """A teacher's tokenizer differs from the student's (different vocab or special token ids)."""
+    """A teacher's tokenizer differs from the student's (vocab, special token ids, or text → ids pipeline)."""
+
+
+PIPELINE_PARTS = ("model", "normalizer", "pre_tokenizer", "added_tokens")
+
+
+def _pipeline_hashes(tok) -> dict[str, str]:
+    """sha256 of each part of a fast tokenizer's tokenizer.json that decides its ids for a text: the model section
+    without its vocab (compared on its own: a BPE's merges, a WordLevel/Unigram's settings), the normalizer, the
+    pre-tokenizer, and the added tokens (id, content, special). {} for a tokenizer without a `tokenizers` backend."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return {}
+    spec = json.loads(backend.to_str())
+    model = {k: v for k, v in (spec.get("model") or {}).items() if k != "vocab"}
+    added = sorted((a["id"], a["content"], bool(a.get("special"))) for a in spec.get("added_tokens") or [])
+    parts = {"model": model, "normalizer": spec.get("normalizer"), "pre_tokenizer": spec.get("pre_tokenizer"),
+             "added_tokens": added}
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest() for k, v in parts.items()}
 
 
 def tokenizer_fingerprint(tok) -> dict[str, Any]:
-    """What must agree for token-level distillation: the vocab (token → id) and the special token ids."""
+    """What must agree for token-level distillation: the vocab (token → id), the special token ids, and the
+    pipeline that maps text to ids (`_pipeline_hashes`: e.g. two BPEs with the same vocab but other merges)."""
     return {
         "vocab": dict(tok.get_vocab()),
         "special_ids": {k: getattr(tok, f"{k}_token_id", None) for k in ("bos", "eos", "pad", "unk")},
+        "pipeline": _pipeline_hashes(tok),
     }
 
 
@@ -40,6 +62,12 @@ def describe_difference(student: dict, teacher: dict) -> str:
     for k, sid in student["special_ids"].items():
         if teacher["special_ids"][k] != sid:
             parts.append(f"{k}_token_id {teacher['special_ids'][k]} vs student {sid}")
+    sp, tp = student.get("pipeline") or {}, teacher.get("pipeline") or {}
+    if sp and tp:
+        differ = [k for k in PIPELINE_PARTS if sp.get(k) != tp.get(k)]
+        if differ:  # "model" of a BPE: its merges (the vocab is compared above)
+            parts.append("tokenizer.json differs in " + ", ".join("model (merges)" if k == "model" else k
+                                                                  for k in differ))
     return "; ".join(parts)
 
 
@@ -138,7 +166,8 @@ class TeacherRegistry:
 
     def check_tokenizers(self, student_tokenizer_dir: str | Path) -> dict[str, str]:
         """Compare each teacher's tokenizer (from `/get_model_info` → `tokenizer_path`, else `model_path`) with the
-        student's: vocab and bos/eos/pad/unk ids. Returns {domain: "match" | "unverified: <why>"} (a teacher whose
+        student's: vocab, bos/eos/pad/unk ids and tokenizer.json's pipeline (merges, normalizer, pre-tokenizer,
+        added tokens). Returns {domain: "match" | "unverified: <why>"} (a teacher whose
         tokenizer is not a local dir, e.g. a remote SGLang server, cannot be checked here). Raises
         `TokenizerMismatch` naming every teacher that differs."""
         from infra.models import load_tokenizer

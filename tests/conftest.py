@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import os
 
-from alloy.cli import env_defaults  # noqa: E402  (the CLI's offline/quiet defaults, before torch is imported)
+from alloy.cli import env_defaults  # noqa: E402  (the CLI's quiet defaults, before torch is imported)
 
 env_defaults()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub (`alloy` itself leaves this to the user)
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.pop("MLFLOW_TRACKING_URI", None)  # tests use their own SQLite stores
 
 import pytest
@@ -19,6 +21,15 @@ def tiny_model_dir(tmp_path_factory):
     from infra.models import init_model_dir
 
     return init_model_dir("tiny", tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen2_bpe_dir(tmp_path_factory):
+    """A fresh tiny Qwen2 + byte-level BPE tokenizer (512 tokens, ChatML chat template) trained on
+    `bpe_fixtures.CORPUS`, built once per session (seed 0)."""
+    from bpe_fixtures import make_qwen2_bpe_dir
+
+    return make_qwen2_bpe_dir(tmp_path_factory.mktemp("qwen2-bpe") / "model")
 
 
 @pytest.fixture(scope="session")

@@ -372,6 +372,10 @@ def output_text(tokenizer, spec: SeqSpec, res: SeqResult, upto: int | None = Non
     if fr and fr.get("type") == "stop" and not s.no_stop_trim and isinstance(fr.get("matched"), int) and ids:
         ids = ids[:-1]
     text = tokenizer.decode(ids, skip_special_tokens=s.skip_special_tokens)
+    if upto is not None:
+        # a streamed prefix may end inside a multi-byte character (byte-level BPE): hold its bytes back (they decode
+        # to U+FFFD) until the token that completes it arrives, as SGLang's detokenizer does
+        text = text.rstrip("\ufffd")
     if fr and fr.get("type") == "stop" and not s.no_stop_trim and isinstance(fr.get("matched"), str):
         pos = text.find(fr["matched"])
         if pos >= 0:

@@ -615,8 +615,9 @@ class Engine:
         if not sp.ignore_eos and (tok in sp.stop_token_ids or tok in self.eos_ids):
             return {"type": "stop", "matched": tok}
         if sp.stop_strs:
-            # only the tail can contain a new match: decode enough tokens to cover the longest stop string
-            tail_tokens = max(len(x) for x in sp.stop_strs) + 8
+            # only the tail can contain a new match: decode enough tokens to cover the longest stop string (its
+            # UTF-8 length: a byte-level BPE may spend one token per byte of a non-ASCII character)
+            tail_tokens = max(len(x.encode("utf-8")) for x in sp.stop_strs) + 8
             tail = self.tokenizer.decode(out[-tail_tokens:], skip_special_tokens=sp.skip_special_tokens)
             for stop in sp.stop_strs:
                 if stop in tail:

@@ -1,6 +1,6 @@
 """Teachers started outside the pipeline (plain `python -m infra.engine.server` processes, as another team or a GPU
 box would run them) given as `teachers.external` URLs; mixing them with launched ones; and the refusal of a teacher
-whose tokenizer differs from the student's.
+whose tokenizer differs from the student's (char tokenizers, and two byte-level BPEs).
 """
 from __future__ import annotations
 
@@ -114,3 +114,25 @@ def test_teacher_with_another_tokenizer_is_refused_and_nothing_is_left_running(m
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
             and p.status() != psutil.STATUS_ZOMBIE]
     assert left == []  # the servers launched for this attempt were stopped
+
+
+def test_teacher_with_another_bpe_tokenizer_is_refused(qwen2_bpe_dir, tmp_path):
+    """Two BPEs of the same size trained on different text: same vocab size, other tokens and merges."""
+    from bpe_fixtures import CORPUS
+    from infra.models import init_model_dir
+    from teachers.registry import TeacherRegistry
+
+    (tmp_path / "other-corpus.txt").write_text(CORPUS.lower(), encoding="utf-8")
+    other = init_model_dir("nano", tmp_path / "other", arch="qwen2", tokenizer="bpe",
+                           train_text=[tmp_path / "other-corpus.txt"], vocab_size=512)
+    srv = EngineProc(other, tmp_path / "teacher.log").start().wait_healthy()
+    try:
+        reg = TeacherRegistry({"wordmath": srv.url})
+        assert reg.check_tokenizers(other) == {"wordmath": "match"}
+        with pytest.raises(TokenizerMismatch) as err:
+            reg.check_tokenizers(qwen2_bpe_dir)
+    finally:
+        srv.kill()
+    msg = str(err.value)
+    assert f"wordmath ({other})" in msg and "vocab size 512 vs student 512" in msg
+    assert "tokenizer.json differs in model (merges)" in msg

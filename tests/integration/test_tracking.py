@@ -5,6 +5,7 @@ The pure helpers (flatten_config, redact, resolve_tracking_uri) are also marked 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -232,6 +233,38 @@ def test_register_model_alias_resolves(tracker, tmp_path, monkeypatch):
     got = mlflow.artifacts.download_artifacts("models:/alloy-test-student@candidate", dst_path=str(tmp_path / "dl"))
     assert sorted(p.name for p in (tmp_path / "dl").iterdir()) == ["config.json", "model.safetensors"]
     assert (tmp_path / "dl" / "model.safetensors").read_bytes() == b"v2 weights", got
+    tracker.end()
+
+
+def test_register_transformers_flavor_loads_a_pipeline(tracker, tiny_model_dir, tmp_path, monkeypatch):
+    """The student as the pipeline registers it (tasks/distill.py): mlflow.transformers.load_model on the alias gives
+    a text-generation pipeline that generates; a folder that is no checkpoint falls back to plain files, tagged so."""
+    import mlflow.transformers
+
+    pid = tracker.start_parent("register-transformers")
+    with tracker.child("student") as run:
+        v = run.register_model(tiny_model_dir, "alloy-test-hf-student", alias="candidate", flavor="transformers",
+                               description="OPD student", tags={"alloy.loss": "topk_kl"})
+    mv = tracker._client.get_model_version_by_alias("alloy-test-hf-student", "candidate")
+    assert str(mv.version) == v and mv.run_id != pid and mv.description == "OPD student"
+    assert mv.tags == {"alloy.loss": "topk_kl", "alloy.mlflow_flavor": "transformers"}
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracker.tracking_uri)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", tracker.tracking_uri)
+    pipe = mlflow.transformers.load_model("models:/alloy-test-hf-student@candidate")
+    assert pipe.task == "text-generation"
+    out = pipe("abc", max_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
+    ids = pipe.tokenizer(out, add_special_tokens=False)["input_ids"]
+    assert isinstance(out, str) and 1 <= len(ids) <= 4, out  # 4 new tokens (fewer if EOS), the char tokenizer's
+
+    junk = tmp_path / "not-a-checkpoint"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("no config.json here")
+    v2 = tracker.register_model(junk, "alloy-test-hf-student", alias="candidate", flavor="transformers")
+    assert tracker._client.get_model_version("alloy-test-hf-student", v2).tags == {"alloy.mlflow_flavor": "files"}
+    got = mlflow.artifacts.download_artifacts("models:/alloy-test-hf-student@candidate", dst_path=str(tmp_path / "dl"))
+    assert sorted(p.name for p in Path(got).iterdir()) == ["notes.txt"]
+    with pytest.raises(ValueError, match="flavor must be 'files' or 'transformers', got 'onnx'"):
+        tracker.register_model(junk, "alloy-test-hf-student", flavor="onnx")
     tracker.end()
 
 

@@ -118,3 +118,27 @@ def test_cli_nonexistent_model_path_exits_2_naming_field_and_path(cmd):
     proc = alloy(cmd, SMOKE, "--set", "model.path=/nonexistent")
     assert proc.returncode == 2, proc.stderr
     assert "model.path" in proc.stderr and "/nonexistent" in proc.stderr
+
+
+@pytest.mark.parametrize("path", ["./no-such-model", "~/no-such-alloy-model", "~/", "/no/such/model", "a/b/c",
+                                  "models/missing", "org/name/", "my model", "org/na..me"])
+def test_alloy_config_refuses_a_missing_local_model_path(path, tmp_path, monkeypatch, capsys):
+    """`alloy config` (in-process) exits 2 naming model.path and the path; `org/name` may be a Hub id and passes."""
+    from alloy.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # `~/` names a directory that does not exist
+    (tmp_path / "models").mkdir()  # so `models/missing` is a local path, not a Hub id
+    assert main(["config", SMOKE, "--set", f"model.path={path}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.path" in err and path in err, err
+
+
+def test_alloy_config_accepts_a_hub_id_and_an_existing_directory(tmp_path, monkeypatch, capsys):
+    from alloy.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    for path in ("Qwen/Qwen2-0.5B", "gpt2", str(tmp_path / "ckpt"), "ckpt"):
+        assert main(["config", SMOKE, "--set", f"model.path={path}"]) == 0, capsys.readouterr().err
+        assert f"path: {path}" in capsys.readouterr().out
