@@ -39,7 +39,7 @@ class DatasetError(ValueError):
         self.field = field
 
 
-_PARSED: dict[tuple, tuple[tuple[Example, ...], int]] = {}  # (sha256, format, columns) -> (examples, rows read)
+_PARSED: dict[tuple, tuple] = {}  # (sha256, format, columns, verifier) -> (examples, rows read, examples by split)
 _LOCK = threading.Lock()
 
 
@@ -211,23 +211,46 @@ class DatasetDomain(Domain):
             raise DatasetError(f"domain {self.name!r}: cannot read dataset {self.path}: {type(exc).__name__}: {exc}",
                                "path") from exc
         self.sha256 = digest
-        key = (digest, dataset_format(self.path), self.name, self.prompt_field, self.answer_field, self.fields,
-               self.verifier_spec)
+        self._key = (digest, dataset_format(self.path), self.name, self.prompt_field, self.answer_field, self.fields,
+                     self.verifier_spec)
+        examples, n_rows, _ = self._parsed(data)
+        if not examples:
+            raise DatasetError(f"domain {self.name!r}: dataset {self.path} has no rows")
+        self.max_answer_chars = max(len(ex.answer) for ex in examples)
+
+    def _parsed(self, data: bytes | None = None) -> tuple[tuple[Example, ...], int, dict[str, list[Example]]]:
+        """(examples, rows read, examples by split) from the process-wide cache, parsed on a miss. The rows live
+        there, not on the instance, so the domain stays small wherever it is serialised (a Prefect flow run's
+        parameters hold the run context, domains included, and are limited to 512 KB)."""
         with _LOCK:
-            hit = _PARSED.get(key)
+            hit = _PARSED.get(self._key)
         if hit is None:
+            if data is None:
+                data, _ = read_dataset(self.path)
             examples, n_rows = parse_rows(self.path, data, self.name, self.prompt_field, self.answer_field,
                                           self.fields, self.verifier_spec)
-            hit = (tuple(examples), n_rows)
+            by_split: dict[str, list[Example]] = {s: [] for s in SPLITS}
+            for ex in examples:
+                by_split[prompt_split(ex.prompt)].append(ex)
+            hit = (tuple(examples), n_rows, by_split)
             with _LOCK:
-                _PARSED[key] = hit
-        self.examples, self.n_rows = hit
-        if not self.examples:
-            raise DatasetError(f"domain {self.name!r}: dataset {self.path} has no rows")
-        self.by_split: dict[str, list[Example]] = {s: [] for s in SPLITS}
-        for ex in self.examples:
-            self.by_split[prompt_split(ex.prompt)].append(ex)
-        self.max_answer_chars = max(len(ex.answer) for ex in self.examples)
+                _PARSED[self._key] = hit
+        return hit
+
+    @property
+    def examples(self) -> tuple[Example, ...]:
+        """Every distinct row, in file order."""
+        return self._parsed()[0]
+
+    @property
+    def n_rows(self) -> int:
+        """Rows read from the file (before deduplication)."""
+        return self._parsed()[1]
+
+    @property
+    def by_split(self) -> dict[str, list[Example]]:
+        """The rows of each split (train, val, eval), in file order."""
+        return self._parsed()[2]
 
     # -- the Domain interface ------------------------------------------------------------------------------------
 

@@ -10,8 +10,12 @@ episode (`domains.tools.run_episode`) in a **clean** env — no planted answer f
 a training-time filter; evaluation measures what the policy does on its own). A policy that learned to read the
 answer file instead of using the tool finds nothing there and scores low. The episodes of all examples run
 concurrently; their turns are batched: `TurnBatcher` waits until every unfinished episode asks for its next turn,
-then answers all of them with one batched `model.generate` (greedy, stopping each row at EOS or a newline, the
-same turn protocol as the training rollouts in `teachers/rollout.py`).
+then answers all of them with one batched `model.generate` (greedy, stopping each row at a stop id or at the first
+token whose text holds a newline, the same turn protocol as the training rollouts in `teachers/rollout.py`).
+
+Prompts are rendered by `infra.chat` (`model.chat_template`, the domain's `system` message) exactly as in SFT,
+rollouts and distillation; the answer budget of a domain with `token_budget(tokenizer)` (dataset domains) is that,
+in tokens, else the `max_new_tokens` given (`eval.max_new_tokens`).
 """
 from __future__ import annotations
 
@@ -23,14 +27,16 @@ from typing import Callable, Mapping, Sequence
 import pandas as pd
 import torch
 
-from domains.tools import ANSWER_FILE, CallRecord, run_episode
-from infra.generation import generate_batch
+from domains.tools import ANSWER_FILE, TURN_END, CallRecord, run_episode
+from infra.chat import PromptRenderer, system_of, token_budget, token_ids_containing
+from infra.generation import generate_ids
 from infra.models import load_model, load_tokenizer
 
 COLUMNS = ["domain", "stage", "score", "n_eval", "checkpoint"]
 
-# turns(texts, budgets) → [(continuation, ended)]: one model turn per text (see `domains.tools.Policy`), batched
-TurnFn = Callable[[list[str], list[int]], list[tuple[str, bool]]]
+# turns(prompts, responses, budgets) → [(continuation, ended)]: one model turn per (prompt, response so far) (see
+# `domains.tools.Policy`), batched
+TurnFn = Callable[[list[str], list[str], list[int]], list[tuple[str, bool]]]
 
 
 def is_tool_domain(domain: object) -> bool:
@@ -43,19 +49,24 @@ def episode_budget(domain: object, max_new_tokens: int) -> int:
     return max(max_new_tokens, int(getattr(domain, "episode_chars", 0) or 0))
 
 
-def model_turns(model, tokenizer, *, greedy: bool = True, temperature: float = 1.0, batch_size: int = 128) -> TurnFn:
-    """A `TurnFn` on an in-process HF causal LM: each text is encoded `[BOS] + text` (the rollout format),
-    left-padded, and continued until EOS or a newline (kept in the text) or its budget. `ended` = stopped by EOS
-    (which is not in the text). Sampled turns (`greedy=False`) draw from torch's global RNG (seed it for replay)."""
-    eos, pad, bos = tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id
-    newline = tokenizer("\n", add_special_tokens=False).input_ids[0]
+def model_turns(model, tokenizer, *, greedy: bool = True, temperature: float = 1.0, batch_size: int = 128,
+                chat_template: str = "auto", system: str = "") -> TurnFn:
+    """A `TurnFn` on an in-process HF causal LM: each turn's input is the rendered prompt (`infra.chat`, the rollout
+    format) + the response so far, left-padded, continued until a stop id, or a token whose text holds a newline
+    (kept in the text), or its budget. `ended` = stopped by a stop id: EOS or end of turn (not in the text).
+    Sampled turns (`greedy=False`) draw from torch's global RNG (seed it for replay)."""
+    render = PromptRenderer(tokenizer, chat_template)
+    stops = render.stop_ids(getattr(model, "generation_config", None))
+    newlines = token_ids_containing(tokenizer, TURN_END)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
 
     @torch.no_grad()
-    def turns(texts: list[str], budgets: list[int]) -> list[tuple[str, bool]]:
+    def turns(prompts: list[str], responses: list[str], budgets: list[int]) -> list[tuple[str, bool]]:
         out: list[tuple[str, bool]] = []
-        for start in range(0, len(texts), batch_size):
-            chunk, limits = texts[start : start + batch_size], budgets[start : start + batch_size]
-            ids = [[bos] + tokenizer(t, add_special_tokens=False).input_ids for t in chunk]
+        for start in range(0, len(prompts), batch_size):
+            limits = budgets[start : start + batch_size]
+            ids = [render.prompt_ids(p, system) + tokenizer(r, add_special_tokens=False).input_ids
+                   for p, r in zip(prompts[start : start + batch_size], responses[start : start + batch_size])]
             T = max(len(x) for x in ids)
             input_ids = torch.full((len(ids), T), pad, dtype=torch.long)
             attn = torch.zeros((len(ids), T), dtype=torch.long)
@@ -64,15 +75,15 @@ def model_turns(model, tokenizer, *, greedy: bool = True, temperature: float = 1
                 attn[i, T - len(x) :] = 1
             gen = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max(limits),
                                  do_sample=not greedy, temperature=None if greedy else temperature, top_p=None,
-                                 top_k=None, eos_token_id=[eos, newline], pad_token_id=pad)
+                                 top_k=None, eos_token_id=stops + sorted(newlines - set(stops)), pad_token_id=pad)
             for row, limit in zip(gen[:, T:].tolist(), limits):
                 kept, ended = [], False
                 for t in row[:limit]:  # a row's own stop; rows stopped early are padded after it
-                    if t == eos:
+                    if t in stops:
                         ended = True
                         break
                     kept.append(t)
-                    if t == newline:
+                    if t in newlines:
                         break
                 out.append((tokenizer.decode(kept, skip_special_tokens=True), ended))
         return out
@@ -87,12 +98,12 @@ class TurnBatcher:
 
     def __init__(self, turns: TurnFn, n_episodes: int):
         self.turns, self.active = turns, n_episodes
-        self.pending: list[tuple[str, int, asyncio.Future]] = []
+        self.pending: list[tuple[str, str, int, asyncio.Future]] = []
         self.calls = 0  # batched `turns` calls made (a test checks the batching)
 
-    async def __call__(self, text: str, budget: int) -> tuple[str, bool]:
+    async def __call__(self, prompt: str, response: str, budget: int) -> tuple[str, bool]:
         fut = asyncio.get_running_loop().create_future()
-        self.pending.append((text, budget, fut))
+        self.pending.append((prompt, response, budget, fut))
         self._flush_if_all_waiting()
         return await fut
 
@@ -106,7 +117,7 @@ class TurnBatcher:
         batch, self.pending = self.pending, []
         self.calls += 1
         try:
-            outs = self.turns([t for t, _, _ in batch], [b for _, b, _ in batch])
+            outs = self.turns([p for p, *_ in batch], [r for _, r, *_ in batch], [b for *_, b, _ in batch])
             if len(outs) != len(batch):
                 raise RuntimeError(f"turn function returned {len(outs)} continuations for {len(batch)} texts")
         except Exception as e:  # every waiting episode fails with the cause instead of hanging
@@ -172,10 +183,11 @@ def run_tool_episodes(domain, examples: Sequence, turns: TurnFn, budget: int, *,
 
 def evaluate_model(model, tokenizer, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,
                    max_new_tokens: int = 16, batch_size: int = 128, checkpoint: str = "",
-                   progress: Callable[[int, int], None] | None = None) -> pd.DataFrame:
+                   progress: Callable[[int, int], None] | None = None, chat_template: str = "auto") -> pd.DataFrame:
     """Score `model` on each domain's eval split (`domain.split("eval", n_eval, seed)`), greedy (`score_examples`)."""
     examples = {name: dom.split("eval", n_eval, seed) for name, dom in domains.items()}
-    rewards = score_examples(model, tokenizer, domains, examples, max_new_tokens, batch_size, progress)
+    rewards = score_examples(model, tokenizer, domains, examples, max_new_tokens, batch_size, progress,
+                             chat_template=chat_template)
     rows = [{"domain": n, "stage": stage, "score": sum(r) / len(r), "n_eval": len(r), "checkpoint": checkpoint}
             for n, r in rewards.items()]
     return pd.DataFrame(rows, columns=COLUMNS)
@@ -183,21 +195,28 @@ def evaluate_model(model, tokenizer, domains: Mapping[str, object], n_eval: int,
 
 def score_examples(model, tokenizer, domains: Mapping[str, object], examples: Mapping[str, Sequence],
                    max_new_tokens: int = 16, batch_size: int = 128,
-                   progress: Callable[[int, int], None] | None = None) -> dict[str, list[float]]:
+                   progress: Callable[[int, int], None] | None = None, *, chat_template: str = "auto",
+                   budgets: Mapping[str, int] | None = None) -> dict[str, list[float]]:
     """Greedy rewards of `model` on `examples[name]` for each domain: {name: [reward per example]}.
 
-    Plain domains' prompts go through one batched generation pass (sorted by length to limit padding). Tool
-    domains run episodes in clean envs without a guard (see the module docstring), budget `episode_budget`.
+    Plain domains' prompts (rendered by `infra.chat`) go through one batched generation pass (sorted by length to
+    limit padding), each domain with its own answer budget: `budgets[name]` if given, else the domain's
+    `token_budget(tokenizer)` (dataset domains), else `max_new_tokens`. Tool domains run episodes in clean envs
+    without a guard (see the module docstring), budget `episode_budget`.
     """
+    render = PromptRenderer(tokenizer, chat_template)
+    limit = {n: int((budgets or {}).get(n) or token_budget(domains[n], tokenizer, max_new_tokens)) for n in domains}
     plain = [n for n in domains if not is_tool_domain(domains[n])]
     tools = [n for n in domains if is_tool_domain(domains[n])]
     items = [(name, ex) for name in plain for ex in examples[name]]  # (domain name, example)
+    prompt_ids = [render.example_ids(domains[name], ex) for name, ex in items]
     total = len(items) + sum(len(examples[n]) for n in tools)
-    order = sorted(range(len(items)), key=lambda i: len(items[i][1].prompt))
+    order = sorted(range(len(items)), key=lambda i: len(prompt_ids[i]))
     completions: list[str] = [""] * len(items)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        outs = generate_batch(model, tokenizer, [items[i][1].prompt for i in idx], max_new_tokens, batch_size=batch_size)
+        outs = generate_ids(model, tokenizer, [prompt_ids[i] for i in idx], [limit[items[i][0]] for i in idx],
+                            batch_size=batch_size, stop_ids=render.stop_ids(getattr(model, "generation_config", None)))
         for i, text in zip(idx, outs):
             completions[i] = text
         if progress is not None:
@@ -206,10 +225,11 @@ def score_examples(model, tokenizer, domains: Mapping[str, object], examples: Ma
     for (name, ex), text in zip(items, completions):
         rewards[name].append(domains[name].verify(ex, text))
     done = len(items)
-    turns = model_turns(model, tokenizer, greedy=True, batch_size=batch_size) if tools else None
     for name in tools:
         dom, exs = domains[name], examples[name]
-        episodes = run_tool_episodes(dom, exs, turns, episode_budget(dom, max_new_tokens), clean=True,
+        turns = model_turns(model, tokenizer, greedy=True, batch_size=batch_size, chat_template=chat_template,
+                            system=system_of(dom))
+        episodes = run_tool_episodes(dom, exs, turns, episode_budget(dom, limit[name]), clean=True,
                                      env_kwargs={"guard": None})
         rewards[name] = [dom.verify(ex, ep.response) for ex, ep in zip(exs, episodes)]
         done += len(exs)
@@ -219,9 +239,10 @@ def score_examples(model, tokenizer, domains: Mapping[str, object], examples: Ma
 
 
 def evaluate(checkpoint_dir: str, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,
-             max_new_tokens: int = 16, batch_size: int = 128, progress=None) -> pd.DataFrame:
+             max_new_tokens: int = 16, batch_size: int = 128, progress=None,
+             chat_template: str = "auto") -> pd.DataFrame:
     """Load an HF checkpoint directory and evaluate it (see `evaluate_model`)."""
     model = load_model(checkpoint_dir)
     tok = load_tokenizer(checkpoint_dir)
     return evaluate_model(model, tok, domains, n_eval, seed, stage, max_new_tokens, batch_size,
-                          checkpoint=str(checkpoint_dir), progress=progress)
+                          checkpoint=str(checkpoint_dir), progress=progress, chat_template=chat_template)

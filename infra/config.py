@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+                      field_validator, model_serializer, model_validator)
 
 from infra.engine.backends import BACKEND_NAMES, MAX_RUNNING_REQUESTS
 from infra.tracking import REDACTED, flatten_config, is_secret
@@ -113,6 +113,10 @@ class ModelConfig(_Strict):
     """The model every stage starts from: a fresh preset model, or a local HF checkpoint."""
     preset: Literal["nano", "tiny", "small", "base"] = Field("tiny", description="Size preset of the freshly built tiny model.")
     path: str | None = Field(None, description="A local HF causal-LM checkpoint to start from instead of a fresh preset model.")
+    chat_template: Literal["auto", "none"] = Field(
+        "auto", description="How prompts become token ids in every stage (SFT, rollouts, scoring, distillation, "
+        "evaluation): `auto` renders them with the tokenizer's chat template when it has one (the domain's `system` "
+        "message, the prompt as the user turn); `none`, or a tokenizer without a template, feeds BOS + the prompt.")
 
     @field_validator("path")
     @classmethod
@@ -137,15 +141,64 @@ class ModelConfig(_Strict):
                        or ("/" in v and Path(first).expanduser().is_dir()))
         if looks_local:
             raise ValueError(f"no such directory: {v}")
+        import re  # Hugging Face's repo-id rules: `name` or `org/name` of [A-Za-z0-9_.-], no `..`/`--`, ≤ 96 chars
+
+        if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", v, re.ASCII) or ".." in v or "--" in v or len(v) > 96:
+            raise ValueError(f"no such directory: {v} (nor a Hugging Face Hub id `name` or `org/name`)")
         return v
 
 
+class DatasetConfig(_Strict):
+    """A dataset domain's file and columns (domains/README.md, "Dataset domains"): one row per example, split
+    train/val/eval by the hash of the prompt."""
+    path: str = Field(..., description="The dataset file: a local path (relative to the working directory) or an "
+                      "fsspec URL (s3://bucket/key, options from the AWS environment variables as for run.storage); "
+                      ".jsonl, .json, .parquet or .csv.")
+    prompt: str = Field("prompt", description="Column of the prompts (any text, multi-line, any Unicode).")
+    answer: str = Field("answer", description="Column of the reference answers (text or numbers).")
+    system: str | None = Field(None, description="System message of this domain's prompts (or the domain's system).")
+    fields: list[str] = Field(default_factory=list, description="Extra columns the verifier reads (e.g. choices, "
+                              "tests), passed along with each row.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Response budget in tokens; None: twice the longest "
+                                       "train answer in the model's tokens, plus 8.")
+
+    @field_validator("path")
+    @classmethod
+    def _local_file_exists(cls, v: str) -> str:
+        """A local path must be an existing file; a remote URL (s3://…) is read when the domains load."""
+        if not v.strip():
+            raise ValueError("must not be empty")
+        scheme = v.split("://", 1)[0] if "://" in v else ""
+        if scheme in ("", "file", "local"):
+            p = Path(v.split("://", 1)[1] if scheme else v).expanduser()
+            if not p.exists():
+                raise ValueError(f"no such file: {v}")
+            if not p.is_file():
+                raise ValueError(f"{v} is not a file")
+        return v
+
+    def content_sha256(self, where: str = "dataset.path") -> str:
+        """The sha256 of the file's bytes (read once per process: infra/datasets.py); a ConfigError naming `where`
+        if it cannot be read."""
+        from infra.datasets import dataset_sha256
+
+        try:
+            return dataset_sha256(self.path)
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read {self.path}: {type(exc).__name__}: {exc}") from exc
+
+
 class DomainConfig(_Strict):
-    """One domain of the run: a built-in by name, or a plugin class (domains/README.md)."""
-    name: str = Field(..., description="Built-in domain name, or the name of a plugin domain.")
+    """One domain of the run: a built-in by name, a plugin class, or a dataset file (domains/README.md)."""
+    name: str = Field(..., description="Built-in domain name, or the name of a plugin or dataset domain.")
     impl: str | None = Field(None, description='Plugin class as "package.module:ClassName" (any importable module).')
     difficulty: int = Field(1, ge=1, le=10, description="Difficulty knob of the domain's generator.")
     params: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the domain class.")
+    dataset: DatasetConfig | None = Field(None, description="Read the examples from a dataset file instead of a "
+                                          "generator (exclusive with impl).")
+    verifier: str = Field("exact", description="A dataset domain's reward: exact, numeric[:REL_TOL], choice, "
+                          "regex:PATTERN, math or code (domains/verifiers.py).")
+    system: str | None = Field(None, description="System message of the domain's prompts (used with a chat template).")
 
     @field_validator("impl")
     @classmethod
@@ -153,6 +206,49 @@ class DomainConfig(_Strict):
         if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
             raise ValueError('must look like "package.module:ClassName"')
         return v
+
+    @field_validator("verifier")
+    @classmethod
+    def _verifier_of_a_dataset(cls, v: str, info: ValidationInfo) -> str:
+        """The spec itself is checked by `domains.registry.load_domains` (infra does not import domains)."""
+        if not v.strip():
+            raise ValueError("must not be empty (exact, numeric, choice, regex:<pattern>, math or code)")
+        if "dataset" in info.data and info.data["dataset"] is None and v != "exact":
+            raise ValueError("applies to dataset domains only (a built-in or plugin domain scores with its own "
+                             "score method)")
+        return v
+
+    @field_validator("system")
+    @classmethod
+    def _one_system(cls, v: str | None, info: ValidationInfo) -> str | None:
+        ds = info.data.get("dataset")
+        if v is not None and ds is not None and ds.system is not None:
+            raise ValueError("dataset.system is set too: set one of them")
+        return v
+
+    @model_validator(mode="after")
+    def _dataset_rules(self) -> "DomainConfig":
+        if self.dataset is None:
+            return self
+        if self.impl is not None:
+            raise ValueError("dataset and impl are exclusive: a domain reads a dataset file or runs a plugin class")
+        if self.params:
+            raise ValueError("params: a dataset domain takes none (set dataset.prompt / answer / fields instead)")
+        if self.difficulty != 1:
+            raise ValueError("difficulty: means nothing for a dataset domain; leave it out")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler, info):
+        """As usual, except in a fingerprint (`AlloyConfig.fingerprint`, which adds each dataset's sha256): the
+        dataset settings left at their defaults are left out, so a generator domain keys its checkpoints as
+        before they existed."""
+        data = handler(self)
+        if isinstance(info.context, dict) and info.context.get("fingerprint"):
+            for key, default in (("dataset", None), ("verifier", "exact"), ("system", None)):
+                if key in data and data[key] == default:
+                    del data[key]
+        return data
 
 
 class TrainConfig(_Strict):
@@ -486,9 +582,13 @@ class AlloyConfig(_Strict):
     def fingerprint(self, *sections: str) -> str:
         """A short hash of the given config sections (all if none): a stage's cache key. Only settings that change
         what is trained count: `ops_field`s (scheduling, logging, serving, credentials) are left out."""
-        data = result_settings(AlloyConfig, self.model_dump())  # python mode: secrets unmasked (JSON mode masks)
+        # python mode: secrets unmasked (JSON mode masks); the context drops unset dataset settings (DomainConfig._dump)
+        data = result_settings(AlloyConfig, self.model_dump(context={"fingerprint": True}))
         if sections:
             data = {k: data[k] for k in sections}
+        for i, d in enumerate(self.domains if "domains" in data else ()):
+            if d.dataset is not None:  # the file's content keys the checkpoints: a changed file moves them
+                data["domains"][i]["dataset"]["sha256"] = d.dataset.content_sha256(f"domains.{i}.dataset.path")
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -1,6 +1,7 @@
 """Supervised fine-tuning on (prompt, completion) pairs with the DeepSpeed backend: the base stage's trainer.
 
-Domain-agnostic: callers turn domain examples into text pairs. The loss is token-level cross-entropy on the
+Domain-agnostic: callers turn domain examples into text pairs, (prompt, completion) or (prompt, completion, system
+message); prompts are rendered by `infra.chat` like in every other stage. The loss is token-level cross-entropy on the
 completion tokens (and EOS) only; the prompt is context, not target.
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from infra.chat import completion_ids, render_prompt_ids
+
 
 @dataclass
 class SFTBatch:
@@ -20,11 +23,13 @@ class SFTBatch:
     loss_mask: torch.Tensor  # (B, T) float: 1 where the *next* token is a completion token
 
 
-def encode_pair(tokenizer, prompt: str, completion: str) -> tuple[list[int], int]:
-    """ids = [BOS] + prompt + completion + [EOS]; returns (ids, n_context) where n_context = 1 + len(prompt)."""
-    p = tokenizer(prompt, add_special_tokens=False).input_ids
-    c = tokenizer(completion, add_special_tokens=False).input_ids
-    return [tokenizer.bos_token_id] + p + c + [tokenizer.eos_token_id], 1 + len(p)
+def encode_pair(tokenizer, prompt: str, completion: str, system: str = "",
+                mode: str = "auto") -> tuple[list[int], int]:
+    """ids = the rendered prompt (`infra.chat.render_prompt_ids`: [BOS] + prompt for the char tokenizer, the chat
+    template otherwise) + completion + the turn's end (EOS, or the template's end-of-turn token); returns
+    (ids, n_context) where n_context = the rendered prompt's length."""
+    p = render_prompt_ids(tokenizer, prompt, system, mode)
+    return p + completion_ids(tokenizer, completion, mode), len(p)
 
 
 def collate(encoded: Sequence[tuple[list[int], int]], pad_id: int) -> SFTBatch:
@@ -60,16 +65,19 @@ def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Ten
     return loss, {"loss": float(loss.detach()), "token_acc": float(acc), "tokens": float(m.sum())}
 
 
-def train_sft(backend, tokenizer, pairs: Sequence[tuple[str, str]], steps: int, batch_size: int, seed: int = 0,
-              on_step: Callable[[int, dict], None] | None = None) -> dict:
+def train_sft(backend, tokenizer, pairs: Sequence[tuple[str, ...]], steps: int, batch_size: int, seed: int = 0,
+              on_step: Callable[[int, dict], None] | None = None, chat_template: str = "auto") -> dict:
     """Run `steps` optimizer steps of SFT on random batches of `pairs` (sampled without replacement per epoch).
+
+    A pair is (prompt, completion) or (prompt, completion, system); `chat_template` is the `model.chat_template`
+    mode the prompts are rendered in (`encode_pair`).
 
     `backend` is an `infra.deepspeed_backend.DeepSpeedBackend`; each rank draws its shard of the same global batch.
     Returns the last step's metrics.
     """
     if not pairs:
         raise ValueError("train_sft: no training pairs")
-    encoded = [encode_pair(tokenizer, p, c) for p, c in pairs]
+    encoded = [encode_pair(tokenizer, p[0], p[1], p[2] if len(p) > 2 else "", chat_template) for p in pairs]
     rng = random.Random(seed)
     order: list[int] = []
     metrics: dict = {}

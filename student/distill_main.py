@@ -56,7 +56,7 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     ranks = Ranks()
     if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
         DistillTrainer(dc, backend, tok, None, None, domains, out_url=out_url, work_dir=work, tracker=tracker,
-                       seed=cfg.run.seed, ranks=ranks)
+                       seed=cfg.run.seed, ranks=ranks, chat_template=cfg.model.chat_template)
         ranks.follow()
         backend.close()
         return {"world_size": ranks.world_size}
@@ -65,7 +65,8 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
                            batch_size=dc.score_batch_size, vocab_size=len(tok), attempts=dc.score_attempts)
     trainer = DistillTrainer(dc, backend, tok, None, scorer, domains, out_url=out_url, work_dir=work,
                              tracker=tracker, seed=cfg.run.seed, eval_max_new_tokens=cfg.eval.max_new_tokens,
-                             eval_batch_size=cfg.eval.batch_size, on_step=on_step, ranks=ranks)
+                             eval_batch_size=cfg.eval.batch_size, on_step=on_step, ranks=ranks,
+                             chat_template=cfg.model.chat_template)
     backend = trainer.backend  # on rank 0 of several: its collective calls are announced to the other ranks
     serve_dir = trainer.resume() or student_init
     tracker.log_dict({"teachers": teachers, "resumed_at_step": trainer.state.step}, "distill/teachers.json")

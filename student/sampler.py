@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from infra.chat import PromptRenderer, response_text
 from infra.engine.client import EngineClient
 
 
@@ -95,7 +96,8 @@ class PromptStream:
     and allocation credit) is committed with the weights, so after a crash the same takes re-issue the same ids.
     """
 
-    def __init__(self, domains: Mapping[str, object], tokenizer, n_per_domain: int, seed: int):
+    def __init__(self, domains: Mapping[str, object], tokenizer, n_per_domain: int, seed: int,
+                 chat_template: str = "auto"):
         if not domains:
             raise ValueError("PromptStream: no domains")
         self.names = list(domains)
@@ -104,10 +106,9 @@ class PromptStream:
             pool = list(dom.split("train", n_per_domain, seed))
             random.Random(f"distill|{name}|{seed}").shuffle(pool)
             self.pools[name] = pool
-        # the char tokenizer maps one char to one id; tokenize each pool once, not per step
-        bos = tokenizer.bos_token_id
-        self._ids = {name: [[bos] + tokenizer(ex.prompt, add_special_tokens=False).input_ids for ex in pool]
-                     for name, pool in self.pools.items()}
+        # rendered as in every stage (infra.chat: model.chat_template, the domain's system message); once, not per step
+        render = PromptRenderer(tokenizer, chat_template)
+        self._ids = {name: [render.example_ids(domains[name], ex) for ex in pool] for name, pool in self.pools.items()}
         self.cursor = 0
         self.taken = {n: 0 for n in self.names}
         self.credit = {n: 0.0 for n in self.names}
@@ -145,27 +146,33 @@ def parse_version(weight_version: str | None, fallback: int) -> int:
         return fallback
 
 
-async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max_new_tokens: int, temperature: float,
-                       eos_id: int, expected_version: int, sampling_seed: int | None = None) -> list[StudentSample]:
+async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max_new_tokens: int | Mapping[str, int],
+                       temperature: float, eos_id: int | Sequence[int], expected_version: int,
+                       sampling_seed: int | None = None) -> list[StudentSample]:
     """Sample one response per prompt in ONE /generate call. Each sample carries the version the server reports
     (it applies weight updates between requests, never inside one) and the rollout log-probs of its tokens.
     `sampling_seed`: item i samples with seed `sampling_seed + i` (`EngineClient.generate`); None: the server's.
+    `max_new_tokens`: one budget, or one per domain (the batch mixes domains: each request gets its own's).
+    `eos_id`: the stop id(s) (`infra.chat.stop_token_ids`: EOS, the generation config's, the end of turn).
 
-    EOS, when sampled, stays in `output_ids`: the student must learn to stop, and the teacher scores it too.
+    The stop token, when sampled, stays in `output_ids`: the student must learn to stop, and the teacher scores it.
     """
     if not items:
         return []
-    gens = await client.generate([it.prompt_ids for it in items], max_new_tokens=max_new_tokens,
-                                 temperature=temperature, stop_token_ids=[eos_id], return_logprob=True,
+    budget: int | list[int] = max_new_tokens  # type: ignore[assignment]
+    if isinstance(max_new_tokens, Mapping):
+        per = [int(max_new_tokens[it.domain]) for it in items]
+        budget = per[0] if len(set(per)) == 1 else per
+    stops = [int(eos_id)] if isinstance(eos_id, int) else [int(t) for t in eos_id]
+    gens = await client.generate([it.prompt_ids for it in items], max_new_tokens=budget,
+                                 temperature=temperature, stop_token_ids=stops, return_logprob=True,
                                  rid=[it.sample_id for it in items], sampling_seed=sampling_seed)
     return [StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, g.output_ids,
                           g.output_logprobs, parse_version(g.weight_version, expected_version), g.finish_reason)
             for it, g in zip(items, gens)]
 
 
-def decode_response(tokenizer, output_ids: Sequence[int], eos_id: int) -> str:
-    """The response text a verifier sees: tokens up to (not including) EOS, specials removed (as in evaluation)."""
-    ids = list(output_ids)
-    if eos_id in ids:
-        ids = ids[: ids.index(eos_id)]
-    return tokenizer.decode(ids, skip_special_tokens=True)
+def decode_response(tokenizer, output_ids: Sequence[int], eos_id: int | Sequence[int]) -> str:
+    """The response text a verifier sees: tokens up to (not including) the first stop id (`eos_id`: one or
+    several), specials removed (as in evaluation)."""
+    return response_text(tokenizer, output_ids, eos_id)

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from domains.evaluate import evaluate_model
+from infra.chat import stop_token_ids, token_budget
 from infra.batching import length_buckets, length_sorted_split
 from infra.engine.client import seed_for
 from infra.ledger import Ledger
@@ -81,7 +82,7 @@ class DistillTrainer:
 
     def __init__(self, dc, backend, tokenizer, policy, scorer: TeacherScorer, domains: dict, *, out_url: str,
                  work_dir: str | Path, tracker, seed: int = 0, eval_max_new_tokens: int = 16,
-                 eval_batch_size: int = 128, on_step=None, ranks=None):
+                 eval_batch_size: int = 128, on_step=None, ranks=None, chat_template: str = "auto"):
         # several ranks (torchrun): rank 0 drives this loop, the others run `ranks.follow()` (student/distill_main)
         self.ranks = ranks or Ranks()
         raw, backend = backend, led(backend, self.ranks, "student")
@@ -93,10 +94,14 @@ class DistillTrainer:
         self.domains, self.out_url, self.work_dir, self.tracker = domains, out_url, Path(work_dir), tracker
         self.seed, self.eval_max_new_tokens, self.eval_batch_size = seed, eval_max_new_tokens, eval_batch_size
         self.on_step = on_step  # called as on_step(trainer, metrics) after every committed step (tests, progress)
-        self.eos, self.pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.pad, self.chat_template = tokenizer.pad_token_id, chat_template
+        # stop ids (infra.chat: EOS, the generation config's, the end of turn) and each domain's budget in tokens
+        self.stops = stop_token_ids(tokenizer, getattr(getattr(backend, "module", None), "generation_config", None),
+                                    chat_template)
+        self.budgets = {n: token_budget(d, tokenizer, dc.max_new_tokens) for n, d in domains.items()}
         self.state = TrainerState()
         self.ledger = Ledger()  # the exactly-once ledger of trained ids
-        self.stream = PromptStream(domains, tokenizer, dc.n_prompts_per_domain, seed)
+        self.stream = PromptStream(domains, tokenizer, dc.n_prompts_per_domain, seed, chat_template)
         self.timing = {"sample_s": 0.0, "score_s": 0.0, "train_s": 0.0, "push_s": 0.0, "push_load_s": 0.0,
                        "eval_s": 0.0, "ckpt_s": 0.0}
         self._version_changed = asyncio.Condition()  # also notified when a batch has been sampled
@@ -176,8 +181,8 @@ class DistillTrainer:
                 weights = domain_weights(self.stream.names, self.scorer.recent_rkl(), self.dc.rkl_mix)
             items = self.stream.take(self.dc.batch_size, weights)
             t = time.perf_counter()
-            samples = await sample_batch(self.policy.client, items, max_new_tokens=self.dc.max_new_tokens,
-                                         temperature=self.dc.temperature, eos_id=self.eos,
+            samples = await sample_batch(self.policy.client, items, max_new_tokens=self.budgets,
+                                         temperature=self.dc.temperature, eos_id=self.stops,
                                          expected_version=self.state.step,
                                          sampling_seed=seed_for(self.seed, f"distill-batch-{k}")
                                          if self.dc.deterministic else None)
@@ -186,7 +191,7 @@ class DistillTrainer:
                 self._sampled = k + 1
                 self._version_changed.notify_all()
             for s in samples:
-                s.reward = self.domains[s.domain].verify(s.example, decode_response(self.tok, s.output_ids, self.eos))
+                s.reward = self.domains[s.domain].verify(s.example, decode_response(self.tok, s.output_ids, self.stops))
             t = time.perf_counter()
             scored, dropped = await self.scorer.score(samples)
             await queue.put(ScoredBatch(k, self.stream.state_dict(), scored, dropped,
@@ -295,7 +300,8 @@ class DistillTrainer:
             self.backend.eval_mode()
             try:
                 df = evaluate_model(self.backend.module, self.tok, self.domains, self.dc.eval_n, self.seed, "student",
-                                    max_new_tokens=self.eval_max_new_tokens, batch_size=self.eval_batch_size)
+                                    max_new_tokens=self.eval_max_new_tokens, batch_size=self.eval_batch_size,
+                                    chat_template=self.chat_template)
             finally:
                 self.backend.train_mode()
             return {r.domain: float(r.score) for r in df.itertuples()}

@@ -11,6 +11,7 @@ import random
 import sys
 
 from domains.registry import load_domains
+from infra.chat import system_of
 from infra.procs import raise_if_stopped
 from infra.progress import progress
 from infra.sft import train_sft
@@ -21,9 +22,10 @@ from infra.worker import Worker, WorkerRun, arg
 log = logging.getLogger("alloy")
 
 
-def demonstrations(domains: dict, n_per_domain: int, seed: int) -> list[tuple[str, str]]:
-    """Mixed-domain (prompt, answer) pairs from each domain's train split, shuffled."""
-    pairs = [(ex.prompt, ex.answer) for dom in domains.values() for ex in dom.split("train", n_per_domain, seed)]
+def demonstrations(domains: dict, n_per_domain: int, seed: int) -> list[tuple[str, str, str]]:
+    """Mixed-domain (prompt, answer, system message) triples from each domain's train split, shuffled."""
+    pairs = [(ex.prompt, ex.answer, system_of(dom, ex)) for dom in domains.values()
+             for ex in dom.split("train", n_per_domain, seed)]
     random.Random(seed).shuffle(pairs)
     return pairs
 
@@ -46,7 +48,8 @@ def run_base_sft(cfg, domains: dict, init_dir: str, out_dir: str, tracker) -> di
                 tracker.log_metrics({"sft/loss": m["loss"], "sft/token_acc": m["token_acc"],
                                      "sft/grad_norm": float(m.get("grad_norm", 0.0))}, step=step)
 
-        last = train_sft(backend, tok, pairs, cfg.base.steps, batch, seed=cfg.run.seed, on_step=on_step)
+        last = train_sft(backend, tok, pairs, cfg.base.steps, batch, seed=cfg.run.seed, on_step=on_step,
+                         chat_template=cfg.model.chat_template)
     backend.save_hf(out_dir, tokenizer=tok)
     return {**last, "world_size": backend.world_size}  # the process group it trained in (report.json `resources`)
 

@@ -72,10 +72,11 @@ def train_student(ctx: RunContext, student_init: str, endpoints: dict[str, str])
 @task(name="register-student", cache_policy=NO_CACHE)
 def register_student(ctx: RunContext, student: dict) -> str | None:
     """Register the student as a new version of `alloy-student` with alias `candidate`; returns "alloy-student/<v>"
-    (None when tracking is off). Registered from the `student` run, so the version links to its metrics."""
+    (None when tracking is off). Registered from the `student` run, so the version links to its metrics, as an MLflow
+    transformers model: `mlflow.transformers.load_model("models:/alloy-student@candidate")` is a pipeline."""
     with ctx.tracker.child("student", tags={"stage": "student"}) as run:
         version = run.register_model(
-            student["student_dir"], REGISTERED_NAME, alias="candidate",
+            student["student_dir"], REGISTERED_NAME, alias="candidate", flavor="transformers",
             description=f"OPD student of {len(ctx.domains)} domains ({ctx.cfg.distill.loss}, "
                         f"{student['steps']} steps) from config {ctx.config_path}",
             tags={"alloy.config": ctx.config_path, "alloy.fingerprint": ctx.cfg.fingerprint(),

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from domains.base import Example
-from domains.tools import count_tool_calls, parse_tool_call
+from domains.tools import TURN_END, count_tool_calls, parse_tool_call
+from infra.chat import PromptRenderer, response_text
 from infra.engine.client import EngineClient, seed_for
 from teachers.april import AprilBuffer, Partial, Sample, collect_batch, merge_continuation, plan_requests
 
@@ -45,15 +46,15 @@ class PromptCursor:
     """The specialist's train prompts, shuffled once by the pool's seed and cycled; ids are `<domain>-<cursor>`
     so that a restored cursor re-issues the same ids (the ledger then says what was already trained)."""
 
-    def __init__(self, domain, tokenizer, n: int, seed: int):
+    def __init__(self, domain, tokenizer, n: int, seed: int, chat_template: str = "auto"):
         self.domain, self.pool = domain, domain.split("train", n, seed)
-        self.bos, self.tok, self.cursor = tokenizer.bos_token_id, tokenizer, 0
+        self.render, self.cursor = PromptRenderer(tokenizer, chat_template), 0
 
     def take(self, k: int, max_new_tokens: int, version: int) -> list[Partial]:
         out = []
         for _ in range(k):
             ex = self.pool[self.cursor % len(self.pool)]
-            ids = [self.bos] + self.tok(ex.prompt, add_special_tokens=False).input_ids
+            ids = self.render.example_ids(self.domain, ex)  # infra.chat: the rendering of every stage
             out.append(Partial.fresh(f"{self.domain.name}-{self.cursor:08d}", ids, self.domain.name, asdict(ex),
                                      max_new_tokens, version))
             self.cursor += 1
@@ -64,23 +65,25 @@ class Roller:
     """Runs episodes against the policy's engine server. `guard`: a `teachers.guard.Guard` for tool domains.
     `seed`: None lets the server draw the randomness (it depends on which requests share its batch); an int seeds
     every call with `seed_for(seed, rid)` (rid: sample, policy version, turn), so an episode's tokens depend only
-    on the weights and its rid."""
+    on the weights and its rid.
+    Generation stops at the stop ids of `infra.chat.stop_token_ids` (EOS, the generation config's, the template's end
+    of turn); a tool domain's turn also ends at the first token whose text holds a newline (the engine's `stop`
+    string "\n", so a newline merged into a longer BPE token ends it too)."""
 
     def __init__(self, client: EngineClient, domain, tokenizer, *, temperature: float, guard=None,
-                 env_kwargs: dict | None = None, seed: int | None = None):
+                 env_kwargs: dict | None = None, seed: int | None = None, chat_template: str = "auto",
+                 generation_config=None):
         self.client, self.domain, self.tok, self.temperature, self.guard = client, domain, tokenizer, temperature, guard
         self.seed = seed
-        self.eos = tokenizer.eos_token_id
-        self.newline = tokenizer("\n", add_special_tokens=False).input_ids[0]
+        self.render = PromptRenderer(tokenizer, chat_template)
+        self.stops = self.render.stop_ids(generation_config)
         self.uses_tools = hasattr(domain, "env")
         self.env_kwargs = dict(env_kwargs or {})
         self._aborting = False
 
     def text(self, ids: Sequence[int]) -> str:
-        ids = list(ids)
-        if self.eos in ids:
-            ids = ids[: ids.index(self.eos)]
-        return self.tok.decode(ids, skip_special_tokens=True)
+        """The response text of `ids`: up to the first stop id, special tokens removed (what the verifier sees)."""
+        return response_text(self.tok, ids, self.stops)
 
     async def abort_all(self) -> None:
         self._aborting = True
@@ -89,7 +92,7 @@ class Roller:
     async def episode(self, p: Partial, version: int, rid: str) -> Episode:
         ep = Episode()
         budget = p.remaining_budget
-        stops = [self.eos, self.newline] if self.uses_tools else [self.eos]
+        stop_strs = [TURN_END] if self.uses_tools else None
         env = None
         if self.uses_tools:
             ex = Example(**p.example)
@@ -101,7 +104,8 @@ class Roller:
                 call = f"{rid}-{turn}"
                 seed = None if self.seed is None else seed_for(self.seed, call)
                 g = (await self.client.generate([p.input_ids + ep.output_ids], max_new_tokens=budget,
-                                                temperature=self.temperature, stop_token_ids=stops,
+                                                temperature=self.temperature, stop_token_ids=self.stops,
+                                                stop=stop_strs,
                                                 return_logprob=True, rid=call, sampling_seed=seed))[0]
                 turn += 1
                 ep.output_ids += g.output_ids
@@ -110,7 +114,7 @@ class Roller:
                 budget -= len(g.output_ids)
                 if g.finish_reason == "abort":
                     return ep  # partial: resumes next step
-                if env is None or not g.output_ids or g.output_ids[-1] != self.newline or budget <= 0:
+                if env is None or not g.output_ids or not self.text(g.output_ids).endswith(TURN_END) or budget <= 0:
                     ep.finish_reason = g.finish_reason
                     return ep
                 line = await env.step(self.text(p.output_ids + ep.output_ids))

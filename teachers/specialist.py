@@ -72,7 +72,8 @@ class SpecialistTrainer:
     """`sc`: infra.config.SpecialistsConfig; `policy`/`critic`: DeepSpeedBackends; `server`: a PolicyServer."""
 
     def __init__(self, sc, domain, tokenizer, policy, critic, server, *, out_url: str, work_dir, tracker, seed: int,
-                 max_new_tokens: int, guard=None, ref_model=None, on_step=None, ranks=None):
+                 max_new_tokens: int, guard=None, ref_model=None, on_step=None, ranks=None,
+                 chat_template: str = "auto"):
         # several ranks (torchrun): rank 0 drives this loop, the others run `ranks.follow()` (teachers/specialist_main)
         self.ranks = ranks or Ranks()
         policy, critic = led(policy, self.ranks, "policy"), led(critic, self.ranks, "critic")
@@ -84,7 +85,8 @@ class SpecialistTrainer:
         self.max_new_tokens, self.guard, self.on_step, self.seed = max_new_tokens, guard, on_step, seed
         self.ref_model = ref_model  # frozen base policy for the KL penalty (kl_coef > 0), else None
         self.buffer = AprilBuffer(max_staleness=sc.max_staleness)
-        self.cursor = PromptCursor(domain, tokenizer, sc.n_prompts, seed)
+        self.chat_template = chat_template  # model.chat_template: how prompts become ids (infra.chat)
+        self.cursor = PromptCursor(domain, tokenizer, sc.n_prompts, seed, chat_template)
         self.state = SpecialistState()
         self.val_examples = domain.split("val", sc.val_n, seed) if sc.val_every else []
         self.last_checkpoint: str | None = None
@@ -171,7 +173,9 @@ class SpecialistTrainer:
         self.policy.eval_mode()
         try:
             rewards = score_examples(self.policy.module, self.tok, {self.domain.name: self.domain},
-                                     {self.domain.name: self.val_examples}, self.max_new_tokens)[self.domain.name]
+                                     {self.domain.name: self.val_examples}, self.max_new_tokens,
+                                     chat_template=self.chat_template,
+                                     budgets={self.domain.name: self.max_new_tokens})[self.domain.name]
         finally:
             self.policy.train_mode()
         score, step, sel = float(np.mean(rewards)), self.state.step, self.state.selection
@@ -189,7 +193,8 @@ class SpecialistTrainer:
         t0 = time.perf_counter()
         det = sc.deterministic_rollouts  # seeded calls + the abort by token count: the same run under any load
         roller = Roller(self.server.client, self.domain, self.tok, temperature=sc.temperature, guard=self.guard,
-                        seed=self.seed if det else None)
+                        seed=self.seed if det else None, chat_template=self.chat_template,
+                        generation_config=getattr(self.policy.module, "generation_config", None))
         samples, april = await rollout_step(roller, self.buffer, self.cursor, batch_size=sc.batch_size,
                                             over_sampling=sc.over_sampling, max_new_tokens=self.max_new_tokens,
                                             version=version, min_extra=sc.min_extra_requests, deterministic=det)

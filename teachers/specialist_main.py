@@ -26,6 +26,7 @@ import zlib
 from pathlib import Path
 
 from domains.registry import load_domains
+from infra.chat import token_budget
 from infra.deepspeed_backend import DeepSpeedBackend
 from infra.models import load_model
 from infra.ranks import Ranks, process_world_size
@@ -55,12 +56,13 @@ def make_guard(gc) -> Guard | None:
     return Guard(judge, allowed_hosts=set(gc.allowed_hosts))
 
 
-def response_budget(cfg, domain) -> int:
-    """Configured budget, else a tool episode's length (tool domains), else the eval budget."""
+def response_budget(cfg, domain, tokenizer) -> int:
+    """Configured budget, else a tool episode's length (tool domains), else the domain's own budget in tokens
+    (`token_budget(tokenizer)`: dataset domains), else the eval budget."""
     sc = cfg.specialists.for_domain(domain.name)
     if sc.max_new_tokens:
         return sc.max_new_tokens
-    return int(getattr(domain, "episode_chars", 0)) or cfg.eval.max_new_tokens
+    return int(getattr(domain, "episode_chars", 0)) or token_budget(domain, tokenizer, cfg.eval.max_new_tokens)
 
 
 def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, on_step=None) -> dict:
@@ -77,15 +79,17 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     ranks = Ranks()
     if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
         SpecialistTrainer(sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work, tracker=tracker,
-                          seed=seed, max_new_tokens=response_budget(cfg, domain), ref_model=ref, ranks=ranks)
+                          seed=seed, max_new_tokens=response_budget(cfg, domain, tok), ref_model=ref, ranks=ranks,
+                          chat_template=cfg.model.chat_template)
         ranks.follow()
         policy.close()
         critic.close()
         return {"world_size": ranks.world_size}
     guard = make_guard(sc.guard) if hasattr(domain, "env") else None
     trainer = SpecialistTrainer(sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work,
-                                tracker=tracker, seed=seed, max_new_tokens=response_budget(cfg, domain), guard=guard,
-                                ref_model=ref, on_step=on_step, ranks=ranks)
+                                tracker=tracker, seed=seed, max_new_tokens=response_budget(cfg, domain, tok),
+                                guard=guard, ref_model=ref, on_step=on_step, ranks=ranks,
+                                chat_template=cfg.model.chat_template)
     policy = trainer.policy  # on rank 0 of several: its collective calls are announced to the other ranks
     serve_dir = trainer.resume() or init_dir
     summary = serve_and_run(cfg.engine, work, f"policy-{domain.name}", serve_dir, version=trainer.state.step,
@@ -106,7 +110,8 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
         model = policy.module
     summary["selected_step"] = best if use_best else trainer.state.step
     df = evaluate_model(model, tok, {domain.name: domain}, sc.eval_n or cfg.eval.n_eval, seed, "specialist",
-                        max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size)
+                        max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
+                        chat_template=cfg.model.chat_template)
     summary["score"] = float(df.score.iloc[0])
     tracker.log_metrics({"eval/score": summary["score"], "eval/selected_step": summary["selected_step"]},
                         step=trainer.state.step)

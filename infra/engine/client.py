@@ -25,7 +25,7 @@ import logging
 import os
 import random
 import urllib.parse
-from typing import Any
+from typing import Any, Sequence
 
 import aiohttp
 import orjson
@@ -192,8 +192,9 @@ class EngineClient:
         raise EngineUnavailable(f"{method} {url} failed after {retries + 1} attempts; last error: {last}")
 
     # -- generation and scoring ---------------------------------------------------------------------------------
-    async def generate(self, input_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                       top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
+    async def generate(self, input_ids: list[list[int]], *, max_new_tokens: int | Sequence[int],
+                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                       stop_token_ids: list[int] | None = None, stop: list[str] | None = None,
                        ignore_eos: bool = False, return_logprob: bool = True, rid: str | list[str] | None = None,
                        n: int = 1, sampling_seed: int | None = None, binary: bool = True) -> list[Generation]:
         """Sample completions for a batch of token prompts; returns len(input_ids) * n generations, prompt-major
@@ -205,6 +206,8 @@ class EngineClient:
         `sampling_seed + k`, so its tokens do not depend on which other requests share the server's batch.
         `binary`: ask for the packed log-prob body (`infra.engine.wire`); a server that does not speak it (SGLang)
         answers JSON, parsed as before.
+        `max_new_tokens`: one budget for all, or one per prompt (then the sampling params are sent per request).
+        `stop`: stop strings (a generation ends once its text contains one; its tokens stay in `output_ids`).
         """
         if not input_ids or not all(isinstance(p, list) and p for p in input_ids):
             raise ValueError("input_ids must be a non-empty list of non-empty token lists")
@@ -212,13 +215,24 @@ class EngineClient:
             raise ValueError(f"n must be >= 1, got {n}")
         all_rids = expand_rids(rid, len(input_ids), n)
         prompts = [p for p in input_ids for _ in range(n)]
-        params: dict[str, Any] = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
-                                  "top_p": float(top_p), "top_k": int(top_k), "ignore_eos": bool(ignore_eos)}
+        budgets = [int(b) for b in max_new_tokens] if isinstance(max_new_tokens, (list, tuple)) else None
+        if budgets is not None and len(budgets) != len(input_ids):
+            raise ValueError(f"max_new_tokens has {len(budgets)} budgets for {len(input_ids)} prompts")
+        params: dict[str, Any] = {"max_new_tokens": int(budgets[0] if budgets else max_new_tokens),
+                                  "temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k),
+                                  "ignore_eos": bool(ignore_eos)}
         if stop_token_ids:
             params["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        if stop:
+            params["stop"] = [str(x) for x in stop]
         sampling: dict[str, Any] | list[dict[str, Any]] = params
-        if sampling_seed is not None:
-            sampling = [dict(params, sampling_seed=(int(sampling_seed) + k) % 2**63) for k in range(len(prompts))]
+        if sampling_seed is not None or budgets is not None:
+            sampling = [dict(params) for _ in prompts]
+            for k, sp in enumerate(sampling):
+                if budgets is not None:
+                    sp["max_new_tokens"] = budgets[k // n]
+                if sampling_seed is not None:
+                    sp["sampling_seed"] = (int(sampling_seed) + k) % 2**63
         payload: dict[str, Any] = {"input_ids": prompts, "sampling_params": sampling,
                                    "return_logprob": bool(return_logprob)}
         if all_rids[0] is not None:

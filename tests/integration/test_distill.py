@@ -89,6 +89,7 @@ def test_distill_flow_three_teachers_kl_down_scores_up(models, tmp_path, prefect
     assert client.get_metric_history(child, "summary/teacher_scored_tokens_per_s")[0].value > 0
     mv = client.get_model_version_by_alias("alloy-student", "candidate")
     assert str(mv.version) == "1" and mv.run_id == child and mv.tags["alloy.loss"] == "topk_kl"
+    assert mv.tags["alloy.mlflow_flavor"] == "transformers"  # mlflow.transformers.load_model-able (test_tracking.py)
 
 
 def test_sampled_rkl_on_policy_importance_ratio_is_one(models, tmp_path):

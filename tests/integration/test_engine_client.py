@@ -59,6 +59,22 @@ def test_generate_stops_on_stop_token(server, model):
     assert g.finish_reason == "stop" and g.output_ids == greedy.output_ids[: first + 1]
 
 
+def test_generate_per_prompt_budgets_and_stop_strings(server, tiny_model_dir):
+    from infra.models import load_tokenizer
+
+    c, tok = client_for(server), load_tokenizer(tiny_model_dir)
+    prompts = [[1, 20, 21], [1, 30, 31, 32], [1, 40]]
+    gens = c.run_sync(c.generate(prompts, max_new_tokens=[2, 5, 3], temperature=0.0, ignore_eos=True, n=2))
+    assert [len(g.output_ids) for g in gens] == [2, 2, 5, 5, 3, 3]  # each prompt's own budget (the batch mixes domains)
+    # a stop string ends a generation at the first token whose text completes it; that token stays in output_ids
+    greedy = c.run_sync(c.generate([prompts[1]], max_new_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    pieces = [tok.decode([t]) for t in greedy.output_ids]
+    stop = pieces[min(2, len(pieces) - 1)]
+    first = pieces.index(stop)
+    g = c.run_sync(c.generate([prompts[1]], max_new_tokens=8, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert g.finish_reason == "stop" and g.output_ids == greedy.output_ids[: first + 1]
+
+
 def test_score_aligned_to_response_tokens(server, model):
     c = client_for(server)
     seqs = [[1, 20, 21, 22, 23, 24, 25], [1, 50, 51, 52, 53]]

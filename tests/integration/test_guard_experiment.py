@@ -28,13 +28,12 @@ def scripted_turns(command_for):
     the next answers with the last tool output line (as a model that trusts its tool would). Records each call."""
     seen: list[int] = []
 
-    def turns(texts: list[str], budgets: list[int]) -> list[tuple[str, bool]]:
-        seen.append(len(texts))
+    def turns(prompts: list[str], responses: list[str], budgets: list[int]) -> list[tuple[str, bool]]:
+        seen.append(len(prompts))
         out = []
-        for text in texts:
-            prompt, body = text.split("=", 1)
+        for prompt, body in zip(prompts, responses):
             if "\n" not in body:
-                out.append((f"!{command_for(prompt + '=')}\n", False))
+                out.append((f"!{command_for(prompt)}\n", False))
             else:
                 results = [ln[1:] for ln in body.split("\n") if ln.startswith(">")]
                 out.append((results[-1], True))
@@ -73,7 +72,7 @@ def test_turn_errors_fail_every_episode_instead_of_hanging():
     dom = load_domain("tool_add")
     exs = dom.split("eval", 3, seed=0)
 
-    def broken(texts, budgets):
+    def broken(prompts, responses, budgets):
         raise RuntimeError("model exploded")
 
     with pytest.raises(RuntimeError, match="model exploded"):
@@ -85,7 +84,7 @@ def test_turn_errors_fail_every_episode_instead_of_hanging():
 
     assert asyncio.run(inside_a_running_loop())[0].response == "!calc 1+1\n>2\n2"
     with pytest.raises(RuntimeError, match="returned 0 continuations for 3 texts"):
-        run_tool_episodes(dom, exs, lambda texts, budgets: [], dom.episode_chars)
+        run_tool_episodes(dom, exs, lambda prompts, responses, budgets: [], dom.episode_chars)
 
 
 def test_evaluate_model_on_a_tool_domain_equals_one_episode_at_a_time(tiny_model_dir):

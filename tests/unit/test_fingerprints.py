@@ -36,7 +36,7 @@ STAGES = ("base", "specialist", "student")
 ALL, SPEC_ON = set(STAGES), {"specialist", "student"}
 # settings that change what is trained, and the stages whose checkpoints they move
 TRAINING_CHANGES = [
-    ("run.seed=1", ALL), ("run.name=other", ALL), ("model.preset=nano", ALL), ("domains.0.difficulty=2", ALL),
+    ("run.seed=1", ALL), ("run.name=other", ALL), ("model.preset=nano", ALL), ("model.chat_template=none", ALL), ("domains.0.difficulty=2", ALL),
     ("base.steps=5", ALL), ("base.train.lr=0.01", ALL),
     ("specialists.steps=7", SPEC_ON), ("specialists.per_domain.max_list.kl_coef=0.0", SPEC_ON),
     ("specialists.per_domain.reverse.kl_coef=0.0", {"student"}),  # another domain's specialist

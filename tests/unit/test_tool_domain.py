@@ -97,8 +97,7 @@ def test_env_plants_files_and_runs_tools_in_the_sandbox():
 def policy(tool_call: str | None):
     """One tool call (if any), then copy the last tool output as the answer; with no tool call, guess "0"."""
 
-    async def turn(text: str, budget: int) -> tuple[str, bool]:
-        body = text.split("=", 1)[1]
+    async def turn(prompt: str, body: str, budget: int) -> tuple[str, bool]:
         if tool_call is not None and "\n" not in body:
             return f"!{tool_call}\n", False
         results = [ln[1:] for ln in body.split("\n") if ln.startswith(">")]
