@@ -120,6 +120,16 @@ def test_cli_nonexistent_model_path_exits_2_naming_field_and_path(cmd):
     assert "model.path" in proc.stderr and "/nonexistent" in proc.stderr
 
 
+def test_alloy_config_refuses_a_missing_local_dataset_path(capsys):
+    from alloy.cli import main
+
+    example = str(Path(SMOKE).parent / "dataset-example.yaml")
+    code = main(["config", example, "--set", "model.path=" + str(Path(SMOKE).parent),
+                 "--set", "domains.1.dataset.path=/no/such/quiz.parquet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "domains.1.dataset.path" in err and "/no/such/quiz.parquet" in err, err
+
+
 @pytest.mark.parametrize("path", ["./no-such-model", "~/no-such-alloy-model", "~/", "/no/such/model", "a/b/c",
                                   "models/missing", "org/name/", "my model", "org/na..me"])
 def test_alloy_config_refuses_a_missing_local_model_path(path, tmp_path, monkeypatch, capsys):
