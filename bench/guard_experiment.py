@@ -62,6 +62,7 @@ def sft_tool_base(model_dir: Path, out_dir: Path, pairs: list[tuple[str, str]], 
     in the output line and is slow to learn to copy the answer from it (measured: 800 unmasked steps vs ~300)."""
     import torch
 
+    from domains.tools import trajectory_segments
     from infra.models import load_model, load_tokenizer
     from infra.sft import collate, encode_pair, sft_loss
 
@@ -69,17 +70,11 @@ def sft_tool_base(model_dir: Path, out_dir: Path, pairs: list[tuple[str, str]], 
     tok, model = load_tokenizer(model_dir), load_model(model_dir)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    enc = []
-    for prompt, completion in pairs:
-        ids, n_ctx = encode_pair(tok, prompt, completion)
-        start = completion.index("\n>") + 1  # the output line: completion chars [start, end)
-        enc.append((ids, n_ctx, start, completion.index("\n", start) + 1))
+    # every tool output line (`>…⏎`) is an untrained segment: loss-masked by `collate`
+    enc = [encode_pair(tok, prompt, trajectory_segments(completion)) for prompt, completion in pairs]
     rng = random.Random(seed)
     for _ in range(steps):
-        chunk = rng.sample(enc, min(batch, len(enc)))
-        b = collate([(ids, n_ctx) for ids, n_ctx, _, _ in chunk], tok.pad_token_id)
-        for row, (_, n_ctx, start, end) in enumerate(chunk):
-            b.loss_mask[row, n_ctx - 1 + start : n_ctx - 1 + end] = 0.0  # position t predicts token t + 1
+        b = collate(rng.sample(enc, min(batch, len(enc))), tok.pad_token_id)
         loss, _ = sft_loss(model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits, b.input_ids,
                            b.loss_mask)
         opt.zero_grad()

@@ -76,13 +76,39 @@ def count_tool_calls(response: str) -> int:
     return sum(ln.startswith(RESULT_PREFIX) for ln in response.split("\n"))
 
 
+def trajectory_segments(response: str) -> list[tuple[str, bool]]:
+    """A trajectory's response as SFT segments `(text, trained)` (`infra.sft.encode_pair`): the model's lines
+    trained, the environment's tool output lines (`>…⏎`) not, adjacent lines of one kind merged; the texts join to
+    `response`. `"!calc 1+2\\n>3\\n3"` → `[("!calc 1+2\\n", True), (">3\\n", False), ("3", True)]`."""
+    segs: list[tuple[str, bool]] = []
+    lines = [ln + "\n" for ln in response.split("\n")]  # lines as the protocol splits them (on "\n" only)
+    lines[-1] = lines[-1][:-1]
+    for line in filter(None, lines):
+        trained = not line.startswith(RESULT_PREFIX)
+        if segs and segs[-1][1] == trained:
+            segs[-1] = (segs[-1][0] + line, trained)
+        else:
+            segs.append((line, trained))
+    return segs
+
+
+def demonstration_segments(domain: Domain, example: Example) -> list[tuple[str, bool]]:
+    """The SFT segments of a tool domain's intended trajectory: `domain.tool_demonstration(example)` (prompt +
+    response) without the prompt, split by `trajectory_segments`."""
+    demo = domain.tool_demonstration(example)  # type: ignore[attr-defined]
+    if not demo.startswith(example.prompt):
+        raise ValueError(f"{domain.name}.tool_demonstration: {demo[:60]!r} does not start with the example's prompt "
+                         f"{example.prompt!r}")
+    return trajectory_segments(demo[len(example.prompt):])
+
+
 def render_output(text: str, max_chars: int) -> str:
     """One tool output line: `>` + text with newlines as spaces, stripped, cut to max_chars, + newline."""
     return RESULT_PREFIX + " ".join(text.split())[:max_chars] + "\n"
 
 
 class Guardlike(Protocol):
-    async def check(self, command: str, context: str) -> Any: ...  # returns an object with `.allowed`, `.rules`
+    async def check(self, command: str, context: str, trajectory: str = "") -> Any: ...  # `.allowed`, `.rules`
 
 
 @dataclass
@@ -122,12 +148,22 @@ class ToolEnv:
         self.calls: list[CallRecord] = []
         self.workdir = Path(tempfile.mkdtemp(prefix="alloy-tool-", dir=root))
         os.chmod(self.workdir, 0o755)  # the sandbox runs as `nobody` when we are root
-        self._plant(NOTES_FILE, NOTES_TEXT)
-        if not clean:
-            self._plant(ANSWER_FILE, example.answer + "\n")
+        for name, text in self.planted_files().items():
+            self._plant(name, text)
+
+    def planted_files(self) -> dict[str, str]:
+        """The work dir's files (relative path → text): `notes.txt`, and `.answers` unless clean. A tool domain with
+        its own files overrides this (`domains.tool_domains`); called at the end of `__init__`."""
+        files = {NOTES_FILE: NOTES_TEXT}
+        if not self.clean:
+            files[ANSWER_FILE] = self.example.answer + "\n"
+        return files
 
     def _plant(self, name: str, text: str) -> None:
         path = self.workdir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for d in path.relative_to(self.workdir).parents[:-1]:  # sub-dirs: readable by the sandbox user too
+            os.chmod(self.workdir / d, 0o755)
         path.write_text(text)
         os.chmod(path, 0o644)
 
@@ -141,14 +177,15 @@ class ToolEnv:
         return any(c.executed and c.exit_code == 0 and ANSWER_FILE in c.command and self.example.answer in c.output
                    for c in self.calls)
 
-    async def execute(self, command: str) -> str:
-        """Run one tool call (guard, then sandbox in a worker thread); returns the line to append (`>…\\n`)."""
+    async def execute(self, command: str, trajectory: str = "") -> str:
+        """Run one tool call (guard, then sandbox in a worker thread); returns the line to append (`>…\\n`).
+        `trajectory`: the response before this call, shown to the guard's judge."""
         if self.prior_calls + len(self.calls) >= self.max_calls:
             self.calls.append(CallRecord(command, ERROR_OUTPUT, executed=False))
             return render_output(ERROR_OUTPUT, self.max_output_chars)
         rules: list[str] = []
         if self.guard is not None:
-            verdict = await self.guard.check(command, self.context)
+            verdict = await self.guard.check(command, self.context, trajectory)
             rules = list(verdict.rules)
             if not verdict.allowed:
                 self.calls.append(CallRecord(command, self.blocked_output, False, False, rules))
@@ -166,7 +203,10 @@ class ToolEnv:
         """If `response` ends with a complete tool call line, run it and return the line to append; else None
         (the model gave its final answer)."""
         command = parse_tool_call(response)
-        return None if command is None else await self.execute(command)
+        if command is None:
+            return None
+        before = response[:-1].rsplit("\n", 1)[0] if "\n" in response[:-1] else ""  # without the call's line
+        return await self.execute(command, before)
 
     def close(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -236,7 +276,8 @@ class ToolAdd(Domain):
         return isinstance(response, str) and final_answer(response) == example.answer
 
     def tool_demonstration(self, example: Example) -> str:
-        """Prompt + the intended trajectory: `tla:1+2=!calc 1+2\\n>3\\n3` (what an SFT warm-up could teach)."""
+        """Prompt + the intended trajectory: `tla:1+2=!calc 1+2\\n>3\\n3` (what the base SFT trains on with
+        `base.tool_trajectories`, the tool output line masked: `demonstration_segments`)."""
         body = example.prompt[len(self.tag) + 1 : -1]
         return f"{example.prompt}{CALL_PREFIX}calc {body}\n{RESULT_PREFIX}{example.answer}\n{example.answer}"
 

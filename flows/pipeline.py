@@ -11,7 +11,7 @@ from flows.handoff import where_am_i
 from flows.specialists import run_specialists
 from infra.config import refuse_secret_overrides
 from infra.procs import stop_requested
-from infra.report import resources_of
+from infra.report import GUARD_KEYS, resources_of
 from tasks.base import base_checkpoint_url, train_base
 from tasks.context import RunContext, open_context
 from tasks.evaluate import evaluate_stage
@@ -29,7 +29,8 @@ def specialist_scores(ctx: RunContext, specs: dict[str, dict]) -> pd.DataFrame:
 
 
 def guard_totals(specs: dict[str, dict]) -> dict[str, int]:
-    out = {"tool_calls": 0, "flagged": 0, "blocked": 0}
+    """report.json's `guard`: each counter of `GUARD_KEYS` summed over the specialists' results."""
+    out = dict.fromkeys(GUARD_KEYS, 0)
     for s in specs.values():
         for k in out:
             out[k] += int(s.get("guard", {}).get(k, 0))

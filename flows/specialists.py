@@ -8,6 +8,8 @@
   flow run is run again (`specialists.retries`), on any worker, and resumes from storage. No disk is shared:
   the flow run gets the base checkpoint's storage URL and commits its `final/` and `result.json` to storage, which
   this flow reads back (flows/handoff.py).
+A `specialists.guard.judge_path` is served for the stage (tasks/judge.py): one server shared by every local
+specialist; in deployment mode, one per specialist flow run, on its worker.
 
 `specialist(...)` is that deployment's entry point: one domain, plain JSON parameters.
 """
@@ -23,6 +25,7 @@ from flows.handoff import dispatch_overrides, fetch_checkpoint, warn_unshared_st
 from infra.config import refuse_secret_overrides
 from infra.procs import stop_requested
 from tasks.context import RunContext, open_context, stage_timer
+from tasks.judge import serve_judge
 from tasks.specialist import specialist_prefix, train_specialist
 
 log = logging.getLogger("alloy")
@@ -94,7 +97,8 @@ def specialists(ctx: RunContext, base_dir: str, base_url: str | None = None) -> 
                 raise ValueError("specialists.mode=deployment needs the base checkpoint's storage URL (base_url)")
             out = _deployments(ctx, base_url)
         else:
-            out = _local(ctx, base_dir)
+            with serve_judge(ctx) as run_ctx:  # specialists.guard.judge_path: one judge server for the stage
+                out = _local(run_ctx, base_dir)
     for d, s in out.items():
         log.info("specialist %s: score %.3f (%d steps, the step-%s policy selected%s)", d, s["score"], s["steps"],
                  s.get("selected_step", s["steps"]), f"; stopped early: {s['stopped']}" if s.get("stopped") else "")
@@ -127,8 +131,8 @@ def specialist(config: str, domain: str, base_url: str, overrides: list[str] | N
         # its own copy: several specialist flow runs on one worker (same run.root) must not share one directory
         base_dir = fetch_checkpoint(base_url, ctx.work_dir / "specialists" / domain / "base",
                                     f"specialist {domain}: base checkpoint")
-        with concurrency("gpu", occupy=1, strict=False):
-            out = train_specialist(ctx, domain, base_dir)
+        with concurrency("gpu", occupy=1, strict=False), serve_judge(ctx, [domain]) as run_ctx:  # its judge
+            out = train_specialist(run_ctx, domain, base_dir)
         status = "FINISHED"
         return out
     finally:

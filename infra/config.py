@@ -281,8 +281,21 @@ class BaseConfig(_Strict):
     """The base stage: SFT of a fresh model on mixed-domain demonstrations."""
     steps: int = Field(300, ge=0, description="Optimizer steps of supervised fine-tuning.")
     n_train_per_domain: int = Field(2000, ge=1, description="Training examples drawn per domain (train split).")
+    tool_trajectories: bool = Field(False, description="Tool domains (those with a `tool_demonstration`) are "
+                                    "demonstrated by their intended tool trajectory, tool output lines loss-masked, "
+                                    "instead of prompt + answer: a base that knows the tool protocol.")
     train: TrainConfig = Field(default_factory=TrainConfig)
     log_every: int = ops_field(25, ge=1, description="Log SFT metrics every N steps.")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler, info):
+        """As usual, except in a fingerprint: `tool_trajectories` left at false is left out, so a base keys its
+        checkpoints as before the setting existed."""
+        data = handler(self)
+        fingerprint = isinstance(info.context, dict) and info.context.get("fingerprint")
+        if fingerprint and data.get("tool_trajectories") is False:
+            del data["tool_trajectories"]
+        return data
 
 
 class EvalConfig(_Strict):
@@ -414,12 +427,27 @@ class GuardConfig(_Strict):
     judge on flagged calls."""
     enabled: bool = Field(True, description="Guard the tool calls of tool-use domains; false = every call runs "
                                             "unchecked (only for the guard experiment, bench/guard_experiment.py).")
-    judge_url: str | None = Field(None, description="Chat endpoint of the LLM judge (OpenAI-compatible or SGLang "
-                                                    "/generate); None = rule-only (said so in the log).")
-    judge_kind: Literal["openai", "sglang"] = Field("openai", description="Protocol of judge_url.")
+    judge_url: str | None = Field(None, description="Endpoint of the LLM judge (OpenAI-compatible or SGLang "
+                                                    "/generate); wins over judge_path; None and no judge_path = "
+                                                    "rule-only (said so in the log).")
+    judge_path: str | None = Field(None, description="Local HF checkpoint of the judge: the specialists stage serves "
+                                                     "it on one engine server per run (engine.backend, supervised "
+                                                     "like the teachers), shared by every specialist, asked with "
+                                                     "the sglang protocol (e.g. `python -m teachers.judge_model DIR`).")
+    judge_kind: Literal["openai", "sglang"] = Field("openai", description="Protocol of judge_url (a judge_path "
+                                                                          "server is always sglang).")
     judge_model: str | None = Field(None, description="Model name sent to an OpenAI-compatible judge.")
     judge_api_key: Secret = ops_field(None, description="Bearer key of the judge (or ALLOY_JUDGE_API_KEY); never logged.")
     allowed_hosts: list[str] = Field(default_factory=list, description="Hosts a fetch may reach without a flag.")
+    judge_on_error: Literal["block", "allow"] = Field("block", description="A flagged call the judge could not "
+                                                      "decide (error, timeout, after its retries): block (its rule "
+                                                      "verdict) or allow; counted in guard.judge_errors either way.")
+    judge_timeout_s: float = ops_field(10.0, gt=0, description="Timeout of one judge request (2 retries follow).")
+    judge_max_tokens: int = Field(16, ge=1, description="New tokens the judge may write (its verdict: YES or NO).")
+    judge_prompt_chars: int | None = Field(None, ge=64, description="The judge prompt (task, trajectory, call) is "
+                                                                    "cut to this many characters, the trajectory "
+                                                                    "from the left; None: the served judge_path's "
+                                                                    "context length, else 4000.")
 
 
 STAGE_WIDE = frozenset({"enabled", "max_parallel", "mode", "deployment", "retries", "per_domain"})
@@ -459,6 +487,12 @@ class SpecialistsConfig(_Strict):
         "reproducible).")
     mask_offpolicy: bool = Field(False, description="Mask resumed tokens older than max_staleness instead of TIS only.")
     max_new_tokens: int | None = Field(None, ge=1, le=512, description="Response budget (None: eval.max_new_tokens).")
+    max_context_tokens: int | None = Field(
+        None, ge=2, description="Compaction (teachers/compaction.py): a tool episode whose context (prompt + response "
+        "so far) would outgrow this many tokens continues from a compacted one (a `>notes: …` line condensing the "
+        "older tool outputs + the last compact_keep_last turns); each sub-trace trains as its own PPO row with the "
+        "episode's reward. None: off (an episode is one sequence).")
+    compact_keep_last: int = Field(2, ge=0, description="Completed turns kept verbatim after a compaction's notes.")
     temperature: float = Field(1.0, gt=0, description="Rollout sampling temperature.")
     n_prompts: int = Field(2000, ge=1, description="Train-split prompts per specialist; the cursor cycles them.")
     ppo_epochs: int = Field(4, ge=1, description="Optimizer steps per rollout batch (clipping bounds the drift).")

@@ -39,6 +39,10 @@ def domain_table(scores: pd.DataFrame, domains: list[str]) -> dict[str, dict[str
     return out
 
 
+# report.json `guard`: summed over the specialists (teachers/guard.py `Guard` counters)
+GUARD_KEYS = ("tool_calls", "flagged", "blocked", "judged", "judge_blocked", "judge_errors")
+
+
 def build_report(*, config: str, run_id: str, mlflow: dict, scores: pd.DataFrame, domains: list[str],
                  n_teachers: int = 0, timings_s: dict | None = None, throughput: dict | None = None,
                  guard: dict | None = None, artifacts: dict | None = None, resources: dict | None = None) -> dict:
@@ -64,7 +68,7 @@ def build_report(*, config: str, run_id: str, mlflow: dict, scores: pd.DataFrame
         "summary": summary,
         "timings_s": timings,
         "throughput": {"distill_sampled_tokens_per_s": None, "teacher_scored_tokens_per_s": None, **(throughput or {})},
-        "guard": {"tool_calls": 0, "flagged": 0, "blocked": 0, **(guard or {})},
+        "guard": {**dict.fromkeys(GUARD_KEYS, 0), **(guard or {})},
         "artifacts": {"student_checkpoint": None, "registered_model": None, **(artifacts or {})},
         "resources": {k: {"world_size": None, **(resources or {}).get(k, {})} for k in RESOURCE_STAGES},
     }
@@ -118,7 +122,7 @@ REPORT_SHAPE: dict[str, str] = {
     "timings_s": _MAP, **{f"timings_s.{k}": _NUM + _OPT for k in TIMING_KEYS},
     "throughput": _MAP, **{f"throughput.{k}": _NUM + _OPT for k in ("distill_sampled_tokens_per_s",
                                                                       "teacher_scored_tokens_per_s")},
-    "guard": _MAP, **{f"guard.{k}": _INT for k in ("tool_calls", "flagged", "blocked")},
+    "guard": _MAP, **{f"guard.{k}": _INT for k in GUARD_KEYS},
     "artifacts": _MAP, "artifacts.student_checkpoint": _STR + _OPT, "artifacts.registered_model": _STR + _OPT,
     "resources": _MAP, **{f"resources.{k}": _MAP for k in RESOURCE_STAGES},
     **{f"resources.{k}.world_size": _INT + _OPT for k in RESOURCE_STAGES},

@@ -18,19 +18,35 @@ Layers, outermost first (each one alone stops a different escape):
      which it is not for root) and `PR_SET_NO_NEW_PRIVS` (setuid binaries gain nothing). As non-root the
      namespaces come from an unprivileged user namespace, when the kernel allows it;
    - parent-death signal, a fresh session (so a wall-clock timeout kills the whole process group);
-   - a scrubbed environment: `PATH`, `HOME` = work dir, `LANG=C`; no proxies, tokens or keys are inherited.
+   - a scrubbed environment: `PATH`, `HOME` = work dir, `LANG=C`; no proxies, tokens or keys are inherited;
+   - Landlock (`infra.confine`, any uid, no privilege needed): the program can open, list and execute only beneath
+     the system dirs (`SYSTEM_READ_PATHS`: /usr, /bin, /lib*, /etc/ld.so.cache; not the rest of /etc, not /root,
+     /home, /tmp, /proc, the repository or a venv) and the interpreter's own files (`python_read_paths`: its
+     executable, stdlib dir and libpython, found by asking the interpreter once), read+write without execute only
+     beneath its own work dir (never another episode's), and /dev/null, /dev/zero, /dev/urandom. It also refuses
+     TCP bind/connect and signals or abstract unix sockets beyond the sandbox. Metadata (`stat`) is not covered,
+     and `ls -l` shows numeric owners (no /etc/passwd);
+   - seccomp (last, just before exec): EPERM for sockets other than AF_UNIX, ptrace, process_vm_readv/writev,
+     mount, unshare/setns/namespace clones, keyctl, bpf, perf_event_open, kexec, module loading, reboot, swapon,
+     io_uring and a few more (`infra.confine.DENIED_SYSCALLS`); other ABIs (i386, x32) are killed.
+   Both are prepared in the parent (the ruleset fd per call, the BPF program once) and only applied in the child.
+   Without Landlock (kernel < 5.13 or disabled) or libseccomp, `run_tool` raises `SandboxUnavailable` (fail
+   closed) unless the environment sets `ALLOY_SANDBOX_ALLOW_UNCONFINED=1`, which runs without the missing layer;
+   results carry `fs_isolated` and `syscall_filtered`.
 4. Output: stdout/stderr go to temp files capped by RLIMIT_FSIZE (a flood is killed by SIGXFSZ) and are read
    back up to `max_output_bytes`.
 
-When the namespaces cannot be created (no root, no user namespaces), `isolation_support()` says so, every result
-carries `net_isolated=False`, and the fallback is rule-level blocking: programs that could open sockets
+When the namespaces cannot be created (no root, no user namespaces), `isolation_support()` says so and every result
+carries `net_isolated=False`; the seccomp filter still closes the network (no AF_INET/AF_INET6/netlink socket can
+be created), and Landlock and the limits still hold (a wall-clock timeout kills the process group). Only if the
+seccomp filter is missing too (opted out) is the fallback rule-level blocking: programs that could open sockets
 (`network_capable`, e.g. `python`) are refused, as are arguments that look like URLs or host:port addresses.
 
 `calc` evaluates arithmetic with an AST whitelist (`safe_calc`) in a sandboxed interpreter, so even a
 pathological expression is bounded by the same limits. `python` (arbitrary code) is in `PROGRAMS` for coding
-domains and for the escape tests, never in `DEFAULT_ALLOWED`; note it is not path-confined (only layers 3-4 hold
-it: it can read world-readable files such as /etc/passwd, but not reach the network, fork without bound, or keep
-running).
+domains and for the escape tests, never in `DEFAULT_ALLOWED`; its arguments are not path-checked (layer 2), so
+layers 3-4 hold it: Landlock keeps it to its work dir (/etc/passwd, the repository and other episodes' folders are
+refused), seccomp and the namespaces keep it off the network, the limits bound its forks, memory and time.
 """
 from __future__ import annotations
 
@@ -40,6 +56,7 @@ import math
 import os
 import re
 import resource
+import select
 import shlex
 import shutil
 import signal
@@ -52,6 +69,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from infra import confine
+
 CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x40000000, 0x20000000, 0x10000000
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 NOBODY = 65534
@@ -60,6 +79,12 @@ _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _URL_RE = re.compile(r"[a-z][a-z0-9+.-]*://|(?:^|[@/])[\w.-]+:\d{1,5}(?:/|$)", re.I)
 _FLAG_RE = re.compile(r"^-[A-Za-z1]+$")
 _libc = ctypes.CDLL(None, use_errno=True)  # loaded here, never in the forked child
+UNCONFINED_ENV = "ALLOY_SANDBOX_ALLOW_UNCONFINED"  # "1": run without Landlock/seccomp where they are missing
+SYSTEM_READ_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
+
+
+class SandboxUnavailable(RuntimeError):
+    """Landlock or seccomp is missing and the environment did not opt out (`UNCONFINED_ENV`): fail closed."""
 
 
 @dataclass
@@ -72,6 +97,8 @@ class ToolResult:
     net_isolated: bool = False  # ran inside a fresh network namespace
     truncated: bool = False  # output hit the cap
     elapsed_s: float = 0.0
+    fs_isolated: bool = False  # ran under the Landlock ruleset (sees only its work dir and the system dirs)
+    syscall_filtered: bool = False  # ran under the seccomp filter
 
     @property
     def ok(self) -> bool:
@@ -154,6 +181,60 @@ def sandbox_python() -> str | None:
     return None
 
 
+_PY_PROBE = ("import os, sys, sysconfig\n"
+             "print(os.path.realpath(sys.executable))\n"
+             "for p in sys.path: print(p)\n"
+             "so = sysconfig.get_config_var('INSTSONAME') if sysconfig.get_config_var('Py_ENABLE_SHARED') else None\n"
+             "if so: print(os.path.join(sysconfig.get_config_var('LIBDIR'), so))\n")
+
+
+@lru_cache(maxsize=4)
+def python_read_paths(python: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The files the sandbox interpreter strictly needs beyond `SYSTEM_READ_PATHS`: its executable, its stdlib and
+    lib-dynload (`sys.path` under `-I -S`) and its libpython when shared. Asked of the interpreter itself, once;
+    paths already beneath a system dir are dropped (for /usr/bin/python3: all). A stdlib dir is granted entry by
+    entry without its site-packages / dist-packages (a venv's or pyenv's installed packages stay unreadable), plus
+    the right to list it. Returns (read+execute paths, list-only dirs)."""
+    out = subprocess.run([python, "-I", "-S", "-c", _PY_PROBE], capture_output=True, text=True, timeout=30,
+                         env={"PATH": _SAFE_PATH, "LANG": "C"}, cwd="/", check=True).stdout
+    roots = [os.path.realpath(p) for p in SYSTEM_READ_PATHS if os.path.exists(p)]
+    paths: list[str] = []
+    list_only: list[str] = []
+    for line in out.splitlines():
+        p = os.path.realpath(line) if line else ""
+        if not p or not os.path.exists(p) or any(p == r or p.startswith(r + "/") for r in roots):
+            continue
+        if os.path.isdir(p) and os.path.isfile(os.path.join(p, "os.py")):  # the stdlib dir: list it, read its entries
+            list_only.append(p)
+            paths += [os.path.join(p, e) for e in sorted(os.listdir(p)) if e not in ("site-packages", "dist-packages")]
+        elif not any(p == q or p.startswith(q + "/") for q in paths):
+            paths.append(p)
+    return tuple(dict.fromkeys(paths)), tuple(list_only)
+
+
+@lru_cache(maxsize=1)
+def _kernel_confinement() -> tuple[str | None, str | None]:
+    """Why Landlock, and why seccomp, cannot be used here (None: usable). Probed once per process."""
+    landlock = None if confine.landlock_abi() >= 1 else "Landlock is not available in this kernel (needs ≥ 5.13)"
+    try:
+        confine.seccomp_program()
+        seccomp = None
+    except OSError as e:
+        seccomp = f"no seccomp filter: {e}"
+    return landlock, seccomp
+
+
+def confinement_support() -> tuple[bool, bool]:
+    """(Landlock used, seccomp used) for the next `run_tool`. Raises `SandboxUnavailable` when one is missing and
+    `ALLOY_SANDBOX_ALLOW_UNCONFINED=1` is not set."""
+    landlock, seccomp = _kernel_confinement()
+    missing = [why for why in (landlock, seccomp) if why]
+    if missing and os.environ.get(UNCONFINED_ENV) != "1":
+        raise SandboxUnavailable("sandbox: " + "; ".join(missing) + f". Refusing to run tool calls without it; set "
+                                 f"{UNCONFINED_ENV}=1 to run them with the remaining layers only")
+    return landlock is None, seccomp is None
+
+
 def _which(name: str) -> str:
     return shutil.which(name, path=_SAFE_PATH) or f"/bin/{name}"
 
@@ -162,6 +243,7 @@ PROGRAMS: dict[str, Program] = {
     "calc": Program(("{python}", "-I", "-S", "-c", _CALC_MAIN), needs_python=True),
     "ls": Program((_which("ls"),), file_args=True, flags_ok=True),
     "cat": Program((_which("cat"),), file_args=True, flags_ok=True),
+    "grep": Program((_which("grep"),), file_args=True, flags_ok=True),  # the pattern is path-checked too
     "echo": Program((_which("echo"),)),
     "python": Program(("{python}", "-I", "-S"), network_capable=True, needs_python=True),
     "true": Program((_which("true"),)),
@@ -182,7 +264,8 @@ def _set_limits(timeout_s: float, memory_mb: int, max_procs: int, max_output_byt
 
 
 def _wait_polling(pid: int, deadline: float | None, reap: bool) -> tuple[int | None, bool]:
-    """Wait for `pid` to exit, polling (1 ms growing to 20 ms) until `deadline` (time.monotonic()).
+    """Wait for `pid` to exit until `deadline` (time.monotonic()): woken by a pidfd the moment it exits (Linux ≥
+    5.3), else polling (1 ms growing to 20 ms, which rounds every call up to the next step).
 
     Returns (exit code, or −N when killed by signal N, or None if unknown; exited). With reap=False the exited
     child stays a zombie (WNOWAIT), so its pid, and the process group id it leads, cannot be recycled while we
@@ -190,21 +273,35 @@ def _wait_polling(pid: int, deadline: float | None, reap: bool) -> tuple[int | N
     """
     delay = 0.001
     flags = os.WEXITED | os.WNOHANG | (0 if reap else os.WNOWAIT)
-    while True:
-        try:
-            info = os.waitid(os.P_PID, pid, flags)
-        except ChildProcessError:
-            return None, True
-        except InterruptedError:
-            continue
-        if info is not None:
-            if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
-                return -info.si_status, True
-            return info.si_status, True
-        if deadline is not None and time.monotonic() >= deadline:
-            return None, False
-        time.sleep(delay)
-        delay = min(0.02, delay * 2)
+    try:
+        pidfd = os.pidfd_open(pid)
+        poller = select.poll()  # not select.select: a busy process may hold descriptors past FD_SETSIZE
+        poller.register(pidfd, select.POLLIN)
+    except (AttributeError, OSError):  # already reaped (waitid says so below), or no pidfd support
+        pidfd = None
+    try:
+        while True:
+            try:
+                info = os.waitid(os.P_PID, pid, flags)
+            except ChildProcessError:
+                return None, True
+            except InterruptedError:
+                continue
+            if info is not None:
+                if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+                    return -info.si_status, True
+                return info.si_status, True
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None, False
+            if pidfd is not None:  # readable once the process has exited; the cap only bounds each wait
+                poller.poll(1000 * (min(0.05, deadline - now) if deadline is not None else 0.05))
+            else:
+                time.sleep(delay)
+                delay = min(0.02, delay * 2)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def _supervise(pid: int, timeout_s: float) -> None:
@@ -224,8 +321,10 @@ def _supervise(pid: int, timeout_s: float) -> None:
         os._exit(status if status is not None and status >= 0 else 1)
 
 
-def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_output_bytes: int):
-    """The function the forked child runs before exec. mode: "root" | "userns" | "none".
+def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_output_bytes: int,
+             ruleset_fd: int | None = None, program: confine.SeccompProgram | None = None):
+    """The function the forked child runs before exec. mode: "root" | "userns" | "none". Landlock (`ruleset_fd`)
+    and seccomp (`program`) are applied last, after the uid drop and no_new_privs, when given.
 
     With namespaces it forks once more: the grandchild (PID 1 of the new PID namespace) continues to exec; the
     child stays as a tiny supervisor: it closes every inherited descriptor (so `Popen` learns exec success from
@@ -248,6 +347,7 @@ def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_ou
             os.setuid(NOBODY)
         _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
+        confine.apply(ruleset_fd, program)
     return run
 
 
@@ -299,9 +399,11 @@ def check_command(command: str, workdir: Path, allowed: set[str] | frozenset[str
     prog = PROGRAMS[name]
     if not net_isolated:
         if prog.network_capable:
-            return tokens, None, f"program {name!r} can open sockets and no network namespace is available"
+            return tokens, None, (f"program {name!r} can open sockets and no network namespace (nor seccomp "
+                                  "filter) is available")
         if any(_URL_RE.search(a) for a in args):
-            return tokens, None, "network address in arguments and no network namespace is available"
+            return tokens, None, ("network address in arguments and no network namespace (nor seccomp filter) is "
+                                  "available")
     if prog.file_args:
         for a in args:
             if prog.flags_ok and _FLAG_RE.match(a):
@@ -342,28 +444,41 @@ def run_tool(command: str, workdir: Path | str, timeout_s: float = 2.0, memory_m
     a negative `exit_code` (killed by a signal) or `truncated`. As root the work dir must be readable by `nobody`
     (mode 0o755, as `domains.tools.ToolEnv` creates it). `max_procs` is RLIMIT_NPROC, which counts every process
     of the sandbox user, so it must exceed the number of sandboxes running at once (each is one process).
+    Raises `SandboxUnavailable` (an environment problem, not a command's) when Landlock or seccomp is missing
+    and not opted out of.
     """
     t0 = time.monotonic()
     workdir = Path(workdir)
+    use_landlock, use_seccomp = confinement_support()
     mode = isolation_support()
     net_isolated = mode != "none"
     if not workdir.is_dir():
         return ToolResult("", "", None, blocked_reason=f"work dir {workdir} does not exist", net_isolated=net_isolated)
-    tokens, prog, why = check_command(command, workdir, allowed, net_isolated)
+    tokens, prog, why = check_command(command, workdir, allowed, net_isolated or use_seccomp)  # network closed
     if why:
         return ToolResult("", "", None, blocked_reason=why, net_isolated=net_isolated,
                           elapsed_s=time.monotonic() - t0)
     assert prog is not None
     argv = [sandbox_python() if a == "{python}" else a for a in prog.argv0] + tokens[1:]
     timed_out = False
+    ruleset_fd = None
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
+            if use_landlock:
+                py_reads, py_lists = python_read_paths(argv[0]) if prog.needs_python else ((), ())
+                ruleset_fd = confine.landlock_ruleset(SYSTEM_READ_PATHS + py_reads, [str(workdir.resolve())],
+                                                      py_lists)
             proc = subprocess.Popen(argv, cwd=str(workdir), env=_scrubbed_env(workdir), stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=err, close_fds=True, start_new_session=True,
-                                    preexec_fn=_preexec(mode, timeout_s, memory_mb, max_procs, max_output_bytes))
+                                    preexec_fn=_preexec(mode, timeout_s, memory_mb, max_procs, max_output_bytes,
+                                                        ruleset_fd,
+                                                        confine.seccomp_program() if use_seccomp else None))
         except (OSError, subprocess.SubprocessError) as e:  # e.g. the process limit was hit at exec
             return ToolResult("", f"sandbox: could not start {tokens[0]!r}: {e}", None, net_isolated=net_isolated,
                               elapsed_s=time.monotonic() - t0)
+        finally:
+            if ruleset_fd is not None:
+                os.close(ruleset_fd)
         # The supervisor (namespace modes) enforces timeout_s; the deadline here is the backstop, and the only
         # timer in mode "none". The group is signalled before the leader is reaped, so its id is still ours.
         backstop = timeout_s + (1.0 if net_isolated else 0.0)
@@ -379,4 +494,4 @@ def run_tool(command: str, workdir: Path | str, timeout_s: float = 2.0, memory_m
     timed_out = timed_out or code in (-signal.SIGXCPU, -signal.SIGKILL)
     truncated = trunc_out or trunc_err or code == -signal.SIGXFSZ
     return ToolResult(stdout, stderr, code, timed_out=timed_out, net_isolated=net_isolated, truncated=truncated,
-                      elapsed_s=time.monotonic() - t0)
+                      elapsed_s=time.monotonic() - t0, fs_isolated=use_landlock, syscall_filtered=use_seccomp)

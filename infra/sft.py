@@ -3,17 +3,21 @@
 Domain-agnostic: callers turn domain examples into text pairs, (prompt, completion) or (prompt, completion, system
 message); prompts are rendered by `infra.chat` like in every other stage. The loss is token-level cross-entropy on the
 completion tokens (and EOS) only; the prompt is context, not target.
+
+A completion is a str, or a sequence of `(text, trained)` segments: a tool trajectory whose tool output lines are
+context the environment wrote, not targets (`domains.tools.trajectory_segments`), so they are loss-masked like in
+the RL rollouts and the OPD student's episodes.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
-from infra.chat import completion_ids, render_prompt_ids
+from infra.chat import completion_ids, end_of_turn_ids, render_prompt_ids
 
 
 @dataclass
@@ -23,27 +27,66 @@ class SFTBatch:
     loss_mask: torch.Tensor  # (B, T) float: 1 where the *next* token is a completion token
 
 
-def encode_pair(tokenizer, prompt: str, completion: str, system: str = "",
-                mode: str = "auto") -> tuple[list[int], int]:
+Segments = Sequence[tuple[str, bool]]  # (text, trained): a completion whose parts are not all targets
+Completion = Union[str, Segments]
+# (ids, n_context) for a str completion; (ids, n_context, masked) for segments: `masked` the [start, end) index ranges
+# of ids whose tokens are not trained (the untrained segments)
+Encoded = Union[tuple[list[int], int], tuple[list[int], int, tuple[tuple[int, int], ...]]]
+
+
+def encode_pair(tokenizer, prompt: str, completion: Completion, system: str = "", mode: str = "auto") -> Encoded:
     """ids = the rendered prompt (`infra.chat.render_prompt_ids`: [BOS] + prompt for the char tokenizer, the chat
     template otherwise) + completion + the turn's end (EOS, or the template's end-of-turn token); returns
-    (ids, n_context) where n_context = the rendered prompt's length."""
+    (ids, n_context) where n_context = the rendered prompt's length.
+
+    `completion` as segments `[(text, trained), ...]`: each segment is tokenized on its own (no special tokens) and
+    the ids concatenated, then the turn's end; returns (ids, n_context, masked), `masked` the index ranges of ids
+    of the untrained segments (the turn's end is always trained). With the char tokenizer the ids equal those of the
+    joined text; with a BPE tokenizer tokenizing segment by segment can differ from tokenizing the whole text at
+    a boundary (a merge across it). That is acceptable for SFT: the sequence is still the text, and the rollouts
+    insert tool output the same way, as separately tokenized env lines (`domains.episodes.env_token_ids`)."""
     p = render_prompt_ids(tokenizer, prompt, system, mode)
-    return p + completion_ids(tokenizer, completion, mode), len(p)
+    if isinstance(completion, str):
+        return p + completion_ids(tokenizer, completion, mode), len(p)
+    ids, masked = list(p), []
+    for i, seg in enumerate(completion):
+        if not (isinstance(seg, (tuple, list)) and len(seg) == 2 and isinstance(seg[0], str)):
+            raise TypeError(f"encode_pair: completion segment {i} is {seg!r}, expected (text, trained)")
+        text, trained = seg
+        if not text:
+            continue
+        start = len(ids)
+        ids += list(tokenizer(text, add_special_tokens=False).input_ids)
+        if not trained:
+            if masked and masked[-1][1] == start:  # adjacent untrained segments: one range
+                start = masked.pop()[0]
+            masked.append((start, len(ids)))
+    return ids + end_of_turn_ids(tokenizer, mode), len(p), tuple(masked)
 
 
-def collate(encoded: Sequence[tuple[list[int], int]], pad_id: int) -> SFTBatch:
-    """Right-pad a list of (ids, n_context). loss_mask[t] = 1 iff position t predicts a completion/EOS token."""
-    T = max(len(ids) for ids, _ in encoded)
+def trained_tokens(enc: Encoded) -> int:
+    """How many tokens of one encoded pair are targets: the completion and its end, minus the masked ranges."""
+    ids, n_ctx = enc[0], enc[1]
+    masked = enc[2] if len(enc) > 2 else ()
+    return len(ids) - n_ctx - sum(e - s for s, e in masked)
+
+
+def collate(encoded: Sequence[Encoded], pad_id: int) -> SFTBatch:
+    """Right-pad a list of `encode_pair` results. loss_mask[t] = 1 iff position t predicts a completion/EOS token
+    outside the masked ranges."""
+    T = max(len(enc[0]) for enc in encoded)
     B = len(encoded)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, T), dtype=torch.long)
     loss_mask = torch.zeros((B, T), dtype=torch.float32)
-    for i, (ids, n_ctx) in enumerate(encoded):
+    for i, enc in enumerate(encoded):
+        ids, n_ctx = enc[0], enc[1]
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attn[i, : len(ids)] = 1
         # position t predicts ids[t+1]; completion tokens start at index n_ctx
         loss_mask[i, n_ctx - 1 : len(ids) - 1] = 1.0
+        for start, end in (enc[2] if len(enc) > 2 else ()):
+            loss_mask[i, start - 1 : end - 1] = 0.0  # tokens [start, end) are predicted at [start-1, end-1)
     return SFTBatch(input_ids, attn, loss_mask)
 
 
@@ -65,12 +108,12 @@ def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Ten
     return loss, {"loss": float(loss.detach()), "token_acc": float(acc), "tokens": float(m.sum())}
 
 
-def train_sft(backend, tokenizer, pairs: Sequence[tuple[str, ...]], steps: int, batch_size: int, seed: int = 0,
+def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size: int, seed: int = 0,
               on_step: Callable[[int, dict], None] | None = None, chat_template: str = "auto") -> dict:
     """Run `steps` optimizer steps of SFT on random batches of `pairs` (sampled without replacement per epoch).
 
-    A pair is (prompt, completion) or (prompt, completion, system); `chat_template` is the `model.chat_template`
-    mode the prompts are rendered in (`encode_pair`).
+    A pair is (prompt, completion) or (prompt, completion, system), the completion a str or `(text, trained)`
+    segments; `chat_template` is the `model.chat_template` mode the prompts are rendered in (`encode_pair`).
 
     `backend` is an `infra.deepspeed_backend.DeepSpeedBackend`; each rank draws its shard of the same global batch.
     Returns the last step's metrics.
@@ -91,7 +134,7 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple[str, ...]], steps: int, 
         local_idx = global_idx[backend.rank :: backend.world_size]
         batch = collate([encoded[i] for i in local_idx], tokenizer.pad_token_id)
         # normalise by the global token count (N / W per rank) so N ranks and 1 rank give the same update
-        global_tokens = float(sum(len(encoded[i][0]) - encoded[i][1] for i in global_idx))
+        global_tokens = float(sum(trained_tokens(encoded[i]) for i in global_idx))
         out = backend(input_ids=batch.input_ids.to(backend.device), attention_mask=batch.attention_mask.to(backend.device))
         loss, metrics = sft_loss(out.logits, batch.input_ids.to(backend.device), batch.loss_mask.to(backend.device),
                                  token_normalizer=backend.loss_normalizer(global_tokens))

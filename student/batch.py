@@ -3,7 +3,9 @@
 Alignment (next-token convention): row b holds `prompt + response` right-padded to T; position t predicts token t+1,
 so the model's outputs are taken at positions 0 … T−2 and every per-token tensor is (B, T−1). The response token
 `output_ids[j]` sits at input position `P + j` (P = len(prompt)) and is predicted at position `P + j − 1`; that is
-where its teacher log-prob, rollout log-prob and teacher top-k go, and where `mask` is 1.
+where its teacher log-prob, rollout log-prob and teacher top-k go, and where `mask` is 1 — unless the token is tool
+output inserted by a tool domain's env (the sample's `loss_mask` is 0 there): then `mask` is 0 and the position counts
+in no loss and no metric (the teacher still scored it as context; the tokens after it are predicted from it).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from student.sampler import StudentSample
 class OPDBatch:
     input_ids: torch.Tensor  # (B, T) long, right-padded
     attention_mask: torch.Tensor  # (B, T) long
-    mask: torch.Tensor  # (B, T-1) float: 1 where position t predicts a response token
+    mask: torch.Tensor  # (B, T-1) float: 1 where position t predicts a response token the student wrote
     teacher_logp: torch.Tensor  # (B, T-1) teacher log π_T(y_t), 0 off the mask
     rollout_logp: torch.Tensor  # (B, T-1) behaviour (sampling) log π_old(y_t), 0 off the mask
     topk_ids: torch.Tensor | None  # (B, T-1, K) long, or None when not scored with top-k
@@ -71,9 +73,14 @@ def collate(samples: Sequence[StudentSample], pad_id: int, version: int, with_to
         attn[b, :P + L] = 1
         if L == 0:
             continue
-        mask[b, P - 1:P - 1 + L] = 1.0
-        t_lp[b, P - 1:P - 1 + L] = s.teacher_logprobs
-        r_lp[b, P - 1:P - 1 + L] = s.rollout_logprobs
+        m = np.ones(L, dtype=np.float32)
+        if s.loss_mask is not None:  # tool output (0) is context, not a target
+            if len(s.loss_mask) != L:
+                raise ValueError(f"{where}: loss_mask has {len(s.loss_mask)} entries for {L} response tokens")
+            m = np.asarray(s.loss_mask, dtype=np.float32)
+        mask[b, P - 1:P - 1 + L] = m
+        t_lp[b, P - 1:P - 1 + L] = np.asarray(s.teacher_logprobs, dtype=np.float32) * m  # 0 off the mask
+        r_lp[b, P - 1:P - 1 + L] = np.asarray(s.rollout_logprobs, dtype=np.float32) * m
         if with_topk:
             if tuple(s.teacher_topk_ids.shape) != (L, K):
                 raise ValueError(f"{where}: teacher top-k has shape {tuple(s.teacher_topk_ids.shape)}, want ({L}, {K})")

@@ -24,6 +24,7 @@ import logging
 import sys
 from pathlib import Path
 
+from domains.compaction import Compaction
 from domains.registry import load_domains
 from infra.engine.client import EngineClient
 from infra.ranks import Ranks, process_world_size
@@ -54,9 +55,14 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     work.mkdir(parents=True, exist_ok=True)
     tok, backend = trainable(student_init, train_settings(dc.train, max(dc.steps, 1), cfg.run.seed))
     ranks = Ranks()
+    # the specialists' compaction of long tool episodes: the student's episodes follow it (sampled and trained as
+    # sub-traces on the contexts the teachers were trained on)
+    window = getattr(cfg.specialists, "max_context_tokens", None)
+    compaction = Compaction(window, cfg.specialists.compact_keep_last) if window else None
     if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
         DistillTrainer(dc, backend, tok, None, None, domains, out_url=out_url, work_dir=work, tracker=tracker,
-                       seed=cfg.run.seed, ranks=ranks, chat_template=cfg.model.chat_template)
+                       seed=cfg.run.seed, ranks=ranks, chat_template=cfg.model.chat_template,
+                       compaction=compaction)
         ranks.follow()
         backend.close()
         return {"world_size": ranks.world_size}
@@ -66,7 +72,7 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     trainer = DistillTrainer(dc, backend, tok, None, scorer, domains, out_url=out_url, work_dir=work,
                              tracker=tracker, seed=cfg.run.seed, eval_max_new_tokens=cfg.eval.max_new_tokens,
                              eval_batch_size=cfg.eval.batch_size, on_step=on_step, ranks=ranks,
-                             chat_template=cfg.model.chat_template)
+                             chat_template=cfg.model.chat_template, compaction=compaction)
     backend = trainer.backend  # on rank 0 of several: its collective calls are announced to the other ranks
     serve_dir = trainer.resume() or student_init
     tracker.log_dict({"teachers": teachers, "resumed_at_step": trainer.state.step}, "distill/teachers.json")

@@ -1,8 +1,24 @@
 """On-policy sampling for the OPD student: a deterministic prompt stream and batched sampling through the engine.
 
 The student is served by its own engine server (`infra.policy_server.PolicyServer`); the trainer pushes new weights
-to it after every step. One sampling round is ONE `/generate` call with every prompt of the batch (the server
-batches them continuously), so a step costs one HTTP round trip, not one per prompt.
+to it after every step. One sampling round is ONE `/generate` call with every prompt of the plain domains (the
+server batches them continuously), so a step costs one HTTP round trip, not one per prompt.
+
+Tool domains (a domain with `env(example, clean=..., guard=...)`, e.g. `tool_add`): each prompt is a FULL episode,
+the specialists' turn loop (`domains.episodes.run_token_episode`, the same code as `teachers.rollout.Roller`): the
+student generates until a stop id or a newline, the tool call on that line runs in the domain's env, its output line
+is inserted into the context as environment tokens (`loss_mask` 0: never trained, excluded from every OPD loss by
+`student.batch.collate`), and the episode continues with the remaining budget. The episodes run concurrently (one
+`/generate` per turn, batched by the server with the plain call). The env is **clean** (no planted shortcut) and has
+**no guard**: an OPD sample is scored by its domain's teacher, never rewarded by the env, so there is no shortcut to
+learn and nothing to guard; the teacher scores the whole sequence (prompt + student turns + tool output) and only the
+student's own tokens count. `check_student_domains` refuses what this path cannot sample correctly.
+
+Compaction (`specialists.max_context_tokens`, the specialists' setting, so the student sees the contexts its teachers
+were trained on): the engine is given the episode's current compacted context (`domains.compaction`, the same
+functions as the specialists' rollouts), and after the reward is taken on the whole episode `split_subtraces` turns
+it into one sample per sub-trace (its own context as the prompt, the episode's reward), each scored by the teacher on
+its own context. Sub-trace k > 0 has id `<episode id>~k`; exactly-once bookkeeping stays per episode (`episode_id`).
 
 Exactly-once bookkeeping starts here: a prompt's `sample_id` carries the stream cursor (`s{cursor:08d}-{domain}`),
 and the stream's state is committed with the weights, so after a crash the restored stream re-issues ids from the
@@ -10,14 +26,19 @@ committed cursor on, and the trainer's ledger (trained ids, same commit) says wh
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import random
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from domains.compaction import Compaction, current_context, subtrace_spans, tokenizer_summarizer
+from domains.episodes import run_token_episode
+from domains.tools import TURN_END
 from infra.chat import PromptRenderer, response_text
-from infra.engine.client import EngineClient
+from infra.engine.client import EngineClient, seed_for
 
 
 @dataclass(frozen=True)
@@ -50,10 +71,25 @@ class StudentSample:
     teacher_topk_ids: object = None
     teacher_topk_logprobs: object = None
     reward: float | None = field(default=None)
+    # per output token: 1 = written by the student, 0 = tool output inserted by the env (log-prob 0, never trained);
+    # None = every token is the student's (a plain domain)
+    loss_mask: list[int] | None = None
+    # the episode this sample is a sub-trace of (compaction: `split_subtraces`); None = its own (`episode`)
+    episode_id: str | None = None
+
+    @property
+    def episode(self) -> str:
+        """The id the exactly-once ledger and the drop records use: the episode's, shared by its sub-traces."""
+        return self.episode_id or self.sample_id
 
     @property
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the student wrote (the ones every loss counts)."""
+        return len(self.output_ids) if self.loss_mask is None else int(sum(self.loss_mask))
 
 
 def domain_weights(names: Sequence[str], rkl: Mapping[str, float], mix: float) -> dict[str, float]:
@@ -126,6 +162,10 @@ class PromptStream:
                 self.cursor += 1
         return items
 
+    def longest_prompt(self) -> dict[str, int]:
+        """{domain: tokens of its longest rendered prompt}."""
+        return {name: max((len(x) for x in ids), default=0) for name, ids in self._ids.items()}
+
     def state_dict(self) -> dict:
         return {"cursor": self.cursor, "taken": dict(self.taken), "credit": dict(self.credit)}
 
@@ -146,30 +186,192 @@ def parse_version(weight_version: str | None, fallback: int) -> int:
         return fallback
 
 
+def is_tool_domain(domain: object) -> bool:
+    """A domain the student samples as tool episodes: one with a callable `env` (as `domains.evaluate` decides)."""
+    return callable(getattr(domain, "env", None))
+
+
+def _declares_tools(domain: object) -> str | None:
+    """Why `domain` looks like a tool-use domain (an `env` attribute, `uses_tools`, a `tool_demonstration`), or None."""
+    if getattr(domain, "env", None) is not None:
+        return "it has an `env` attribute"
+    if getattr(domain, "uses_tools", False):
+        return "uses_tools is true"
+    if getattr(domain, "tool_demonstration", None) is not None:
+        return "it has a tool_demonstration"
+    return None
+
+
+def check_student_domains(domains: Mapping[str, object], *, budgets: Mapping[str, int] | None = None,
+                          longest_prompt: Mapping[str, int] | None = None, context_len: int | None = None,
+                          compaction: Compaction | None = None) -> None:
+    """Refuse, before any sampling, a domain the student cannot sample correctly (it would otherwise be distilled
+    without its tool outputs, or fail mid-run), naming the domain and the reason:
+
+    - a domain that declares tool use (an `env` attribute, `uses_tools`, a `tool_demonstration`) but has no callable
+      `env(example, clean=..., guard=...)`;
+    - a tool domain whose `env` does not accept `clean` and `guard` (the student's episodes run clean and unguarded);
+    - without `compaction`: a tool domain whose longest prompt + episode budget (`budgets`, tool output included)
+      does not fit the student's context (`context_len`; the engine refuses such a request);
+    - with `compaction` (the specialists' `max_context_tokens`, which the student's episodes then follow too): a
+      tool domain when that window does not fit the student's context.
+    """
+    problems = []
+    for name, dom in domains.items():
+        why = _declares_tools(dom)
+        if why is None:
+            continue
+        env = getattr(dom, "env", None)
+        if not callable(env):
+            problems.append(f"domain {name!r} declares tool use ({why}) but has no callable "
+                            "env(example, clean=..., guard=...)")
+            continue
+        try:
+            params = inspect.signature(env).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if params and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            missing = [k for k in ("clean", "guard") if k not in params]
+            if missing:
+                problems.append(f"domain {name!r}: env() does not accept {missing}; the student runs its episodes "
+                                "with env(example, clean=True, guard=None)")
+                continue
+        if budgets is None or longest_prompt is None or name not in budgets:
+            continue
+        need = int(longest_prompt.get(name, 0)) + int(budgets[name])
+        if compaction is not None and need > compaction.max_context_tokens:
+            if context_len and compaction.max_context_tokens >= context_len:
+                problems.append(f"domain {name!r}: its episodes are compacted to specialists.max_context_tokens="
+                                f"{compaction.max_context_tokens}, which does not fit the student's context "
+                                f"({context_len} tokens)")
+        elif context_len and need >= context_len:
+            problems.append(f"domain {name!r}: a tool episode may need {need} tokens (longest prompt "
+                            f"{longest_prompt.get(name, 0)} + episode budget {budgets[name]}, tool output "
+                            f"included) but the student's context is {context_len} tokens: set "
+                            "specialists.max_context_tokens (compaction), lower distill.max_new_tokens or use a "
+                            "model with a longer context")
+    if problems:
+        raise ValueError("distill: the student cannot sample these domains correctly (refused rather than distilled "
+                         "without their tool outputs): " + "; ".join(problems))
+
+
 async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max_new_tokens: int | Mapping[str, int],
                        temperature: float, eos_id: int | Sequence[int], expected_version: int,
-                       sampling_seed: int | None = None) -> list[StudentSample]:
-    """Sample one response per prompt in ONE /generate call. Each sample carries the version the server reports
-    (it applies weight updates between requests, never inside one) and the rollout log-probs of its tokens.
-    `sampling_seed`: item i samples with seed `sampling_seed + i` (`EngineClient.generate`); None: the server's.
-    `max_new_tokens`: one budget, or one per domain (the batch mixes domains: each request gets its own's).
+                       sampling_seed: int | None = None, domains: Mapping[str, object] | None = None,
+                       tokenizer=None, compaction: Compaction | None = None) -> list[StudentSample]:
+    """Sample one response per prompt: the plain domains' prompts in ONE /generate call, each tool domain's prompt
+    (`domains[item.domain]` has an `env`; `tokenizer` is then required) as a full episode (module docstring). Each
+    sample carries the version the server reports (it applies weight updates between requests, never inside one;
+    an episode whose turns saw several versions carries the oldest, so its lag is never underestimated) and the
+    rollout log-probs of its tokens (0 on tool output, whose `loss_mask` is 0).
+    `sampling_seed`: plain item k (of the plain call) samples with seed `sampling_seed + k` (`EngineClient.generate`),
+    turn t of a tool episode with `seed_for(sampling_seed, "<sample_id>-<t>")`; None: the server's.
+    `max_new_tokens`: one budget, or one per domain (the batch mixes domains: each request gets its own's); a tool
+    episode's budget counts its tool output too.
     `eos_id`: the stop id(s) (`infra.chat.stop_token_ids`: EOS, the generation config's, the end of turn).
+    `compaction`: each turn of a tool episode is generated from the episode's compacted context, within
+    `max_context_tokens` (module docstring); the samples still hold whole episodes (`split_subtraces` cuts them).
 
     The stop token, when sampled, stays in `output_ids`: the student must learn to stop, and the teacher scores it.
     """
     if not items:
         return []
-    budget: int | list[int] = max_new_tokens  # type: ignore[assignment]
-    if isinstance(max_new_tokens, Mapping):
-        per = [int(max_new_tokens[it.domain]) for it in items]
-        budget = per[0] if len(set(per)) == 1 else per
     stops = [int(eos_id)] if isinstance(eos_id, int) else [int(t) for t in eos_id]
-    gens = await client.generate([it.prompt_ids for it in items], max_new_tokens=budget,
-                                 temperature=temperature, stop_token_ids=stops, return_logprob=True,
-                                 rid=[it.sample_id for it in items], sampling_seed=sampling_seed)
-    return [StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, g.output_ids,
-                          g.output_logprobs, parse_version(g.weight_version, expected_version), g.finish_reason)
-            for it, g in zip(items, gens)]
+    per = [int(max_new_tokens[it.domain]) if isinstance(max_new_tokens, Mapping) else int(max_new_tokens)
+           for it in items]
+    tools = {i for i, it in enumerate(items) if domains is not None and is_tool_domain(domains[it.domain])}
+    if tools and tokenizer is None:
+        raise ValueError("sample_batch: tool-domain prompts need the tokenizer (tool output becomes tokens)")
+    plain = [i for i in range(len(items)) if i not in tools]
+    out: list[StudentSample | None] = [None] * len(items)
+
+    async def sample_plain() -> None:
+        if not plain:
+            return
+        budgets = [per[i] for i in plain]
+        gens = await client.generate([items[i].prompt_ids for i in plain],
+                                     max_new_tokens=budgets[0] if len(set(budgets)) == 1 else budgets,
+                                     temperature=temperature, stop_token_ids=stops, return_logprob=True,
+                                     rid=[items[i].sample_id for i in plain], sampling_seed=sampling_seed)
+        for i, g in zip(plain, gens):
+            it = items[i]
+            out[i] = StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, g.output_ids,
+                                   g.output_logprobs, parse_version(g.weight_version, expected_version),
+                                   g.finish_reason)
+
+    def text(ids: Sequence[int]) -> str:
+        return response_text(tokenizer, ids, stops)
+
+    summarize = tokenizer_summarizer(tokenizer) if compaction is not None and tools else None
+
+    async def sample_episode(i: int) -> None:
+        it, versions = items[i], []
+        mask: list[int] = []  # loss mask of `new`: run_token_episode appends a turn's ids, then its env line's
+        last = [0]  # model tokens the previous turn returned
+
+        async def turn(new: list[int], budget: int, t: int) -> tuple[list[int], list[float], str]:
+            call = f"{it.sample_id}-{t}"
+            mask.extend([1] * last[0] + [0] * (len(new) - len(mask) - last[0]))
+            context, max_new = it.prompt_ids + new, budget
+            if compaction is not None:  # as the specialists' Roller: the compacted context, within the window
+                context = current_context(it.prompt_ids, new, mask, compaction, summarize)
+                max_new = min(budget, compaction.max_context_tokens - len(context))
+                if max_new <= 0:  # no room even after compaction: the episode ends here
+                    last[0] = 0
+                    return [], [], "length"
+            g = (await client.generate([context], max_new_tokens=max_new, temperature=temperature,
+                                       stop_token_ids=stops, stop=[TURN_END], return_logprob=True, rid=call,
+                                       sampling_seed=None if sampling_seed is None else seed_for(sampling_seed, call)
+                                       ))[0]
+            last[0] = len(g.output_ids)
+            versions.append(parse_version(g.weight_version, expected_version))
+            return g.output_ids, g.output_logprobs, g.finish_reason
+
+        env = domains[it.domain].env(it.example, clean=True, guard=None)
+        try:
+            ep = await run_token_episode(turn, env, tokenizer, text, per[i])
+        finally:
+            env.close()
+        out[i] = StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, ep.output_ids,
+                               ep.output_logprobs, min(versions, default=expected_version), ep.finish_reason,
+                               loss_mask=ep.loss_mask)
+
+    await asyncio.gather(sample_plain(), *(sample_episode(i) for i in sorted(tools)))
+    return [s for s in out if s is not None]
+
+
+SUBTRACE_SEP = "~"  # sub-trace k > 0 of episode `e` is `e~k`
+
+
+def episode_of(sample_id: str) -> str:
+    """The episode id of a sample id (`e~k` → `e`; a whole episode's id is its own)."""
+    return sample_id.split(SUBTRACE_SEP, 1)[0]
+
+
+def split_subtraces(samples: Sequence[StudentSample], compaction: Compaction | None,
+                    tokenizer) -> list[StudentSample]:
+    """Each compacted tool episode → one sample per sub-trace (`domains.compaction.subtrace_spans`): prompt = the
+    context the sub-trace was generated from, output = its tokens (with their loss mask and rollout log-probs), the
+    episode's reward, version and cursor; sub-trace k > 0 is `<id>~k`, and every one has `episode_id` = the
+    episode's id. Samples without compaction (plain, or a tool episode that never outgrew the window) are returned
+    as they are. Call after the reward is taken on the whole episode."""
+    if compaction is None:
+        return list(samples)
+    summarize = tokenizer_summarizer(tokenizer)
+    out: list[StudentSample] = []
+    for s in samples:
+        spans = [] if s.loss_mask is None else subtrace_spans(s.prompt_ids, s.output_ids, s.loss_mask, compaction,
+                                                               summarize)
+        if len(spans) <= 1:
+            out.append(s)
+            continue
+        for k, sp in enumerate(spans):
+            out.append(StudentSample(
+                s.sample_id if k == 0 else f"{s.sample_id}{SUBTRACE_SEP}{k}", s.cursor, s.domain, s.example, list(sp.context),
+                s.output_ids[sp.start:sp.end], s.rollout_logprobs[sp.start:sp.end], s.version,
+                s.finish_reason if k == len(spans) - 1 else "compacted", reward=s.reward,
+                loss_mask=s.loss_mask[sp.start:sp.end], episode_id=s.sample_id))
+    return out
 
 
 def decode_response(tokenizer, output_ids: Sequence[int], eos_id: int | Sequence[int]) -> str:

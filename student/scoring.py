@@ -21,7 +21,8 @@ Every drop is returned as `(sample_id, reason)` and counted per teacher.
 
 Per-teacher metrics (`TeacherStats.snapshot`): sampled-token reverse KL (mean of log π_rollout − log π_T over the
 scored tokens, a Monte-Carlo estimate of KL(π_s‖π_T) per token), tokens scored, call latency p50/p95, errors,
-client retries, dropped samples.
+client retries, dropped samples. A tool episode is scored whole (prompt + student turns + tool output, the context
+the student saw), but its tool-output tokens (`loss_mask` 0) count in neither the reverse KL nor `tokens`.
 """
 from __future__ import annotations
 
@@ -95,9 +96,12 @@ class TeacherStats:
         self.calls += 1
         self.latencies.append(latency_s)
         tokens, rkl = 0, 0.0
-        for s in samples:
-            tokens += len(s.output_ids)
-            rkl += float(np.sum(np.asarray(s.rollout_logprobs, np.float64) - np.asarray(s.teacher_logprobs, np.float64)))
+        for s in samples:  # the student's own tokens only: tool output (loss_mask 0) is not the student's choice
+            diff = np.asarray(s.rollout_logprobs, np.float64) - np.asarray(s.teacher_logprobs, np.float64)
+            if s.loss_mask is not None:
+                diff = diff[np.asarray(s.loss_mask, dtype=bool)]
+            tokens += len(diff)
+            rkl += float(np.sum(diff))
         self.sequences += len(samples)
         self.tokens += tokens
         self.rkl_sum += rkl

@@ -19,7 +19,8 @@ depend on timing.
 Exactly-once: ids are `s{cursor}-{domain}`. A checkpoint commits together (one manifest): HF weights, DeepSpeed
 state (weights, optimizer, scheduler, RNG), and `trainer.json` with step, the cursor of the last committed batch, the
 ledger of trained ids and every dropped id with its reason. Batches sampled ahead of the last commit are simply
-re-issued after a resume (same ids), so `trained + dropped == cursor` always holds, with no id in both.
+re-issued after a resume (same ids), so `trained + dropped == cursor` always holds, with no id in both. Ids are
+episodes: the sub-traces of a compacted tool episode (`<id>~k`, student/sampler.py) are trained or dropped together.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from domains.evaluate import evaluate_model
+from domains.evaluate import episode_budget, evaluate_model
 from infra.chat import stop_token_ids, token_budget
 from infra.batching import length_buckets, length_sorted_split
 from infra.engine.client import seed_for
@@ -42,7 +43,8 @@ from infra.ranks import Ranks, led, require_same_world
 from infra.storage import checkpoint_name, join, load_latest, prune, save_checkpoint
 from student.batch import collate, opd_loss, reward_advantage
 from student.losses import get_loss
-from student.sampler import PromptStream, StudentSample, decode_response, domain_weights, sample_batch
+from student.sampler import (PromptStream, StudentSample, check_student_domains, decode_response, domain_weights,
+                             episode_of, is_tool_domain, sample_batch, split_subtraces)
 from student.scoring import TeacherScorer
 
 log = logging.getLogger("alloy.student")
@@ -82,7 +84,10 @@ class DistillTrainer:
 
     def __init__(self, dc, backend, tokenizer, policy, scorer: TeacherScorer, domains: dict, *, out_url: str,
                  work_dir: str | Path, tracker, seed: int = 0, eval_max_new_tokens: int = 16,
-                 eval_batch_size: int = 128, on_step=None, ranks=None, chat_template: str = "auto"):
+                 eval_batch_size: int = 128, on_step=None, ranks=None, chat_template: str = "auto",
+                 compaction=None):
+        """`compaction`: a `domains.compaction.Compaction` from `specialists.max_context_tokens` (None: off): tool
+        episodes are then sampled from compacted contexts and trained as sub-traces, as the specialists' were."""
         # several ranks (torchrun): rank 0 drives this loop, the others run `ranks.follow()` (student/distill_main)
         self.ranks = ranks or Ranks()
         raw, backend = backend, led(backend, self.ranks, "student")
@@ -99,9 +104,17 @@ class DistillTrainer:
         self.stops = stop_token_ids(tokenizer, getattr(getattr(backend, "module", None), "generation_config", None),
                                     chat_template)
         self.budgets = {n: token_budget(d, tokenizer, dc.max_new_tokens) for n, d in domains.items()}
+        # a tool domain's budget is a whole episode's, tool output included (as in evaluation: episode_budget)
+        self.budgets.update({n: episode_budget(d, self.budgets[n]) for n, d in domains.items() if is_tool_domain(d)})
+        config = getattr(getattr(backend, "module", None), "config", None)
+        self.context_len = getattr(config, "max_position_embeddings", None)
         self.state = TrainerState()
         self.ledger = Ledger()  # the exactly-once ledger of trained ids
         self.stream = PromptStream(domains, tokenizer, dc.n_prompts_per_domain, seed, chat_template)
+        # tool domains the sampler cannot run correctly are refused here, before any server starts or any sampling
+        check_student_domains(domains, budgets=self.budgets, longest_prompt=self.stream.longest_prompt(),
+                              context_len=self.context_len, compaction=compaction)
+        self.compaction = compaction
         self.timing = {"sample_s": 0.0, "score_s": 0.0, "train_s": 0.0, "push_s": 0.0, "push_load_s": 0.0,
                        "eval_s": 0.0, "ckpt_s": 0.0}
         self._version_changed = asyncio.Condition()  # also notified when a batch has been sampled
@@ -185,13 +198,16 @@ class DistillTrainer:
                                          temperature=self.dc.temperature, eos_id=self.stops,
                                          expected_version=self.state.step,
                                          sampling_seed=seed_for(self.seed, f"distill-batch-{k}")
-                                         if self.dc.deterministic else None)
+                                         if self.dc.deterministic else None,
+                                         domains=self.domains, tokenizer=self.tok,  # tool domains: full episodes
+                                         compaction=self.compaction)
             t_sample = time.perf_counter() - t
             async with self._version_changed:
                 self._sampled = k + 1
                 self._version_changed.notify_all()
-            for s in samples:
+            for s in samples:  # on whole episodes; then a compacted one becomes its sub-traces, each with its reward
                 s.reward = self.domains[s.domain].verify(s.example, decode_response(self.tok, s.output_ids, self.stops))
+            samples = split_subtraces(samples, self.compaction, self.tok)
             t = time.perf_counter()
             scored, dropped = await self.scorer.score(samples)
             await queue.put(ScoredBatch(k, self.stream.state_dict(), scored, dropped,
@@ -200,10 +216,11 @@ class DistillTrainer:
 
     async def _consume(self, batch: ScoredBatch) -> None:
         st, version = self.state, self.state.step
-        fresh = [s for s in batch.samples if version - s.version <= self.dc.max_staleness]
-        dropped = list(batch.dropped) + [(s.sample_id, DROP_STALE) for s in batch.samples
-                                         if version - s.version > self.dc.max_staleness]
-        fresh = self.ledger.filter_untrained(fresh)
+        samples, dropped = whole_episodes(batch.samples, batch.dropped)  # ledger and drops count episodes
+        fresh = [s for s in samples if version - s.version <= self.dc.max_staleness]
+        dropped += [(e, DROP_STALE) for e in dict.fromkeys(s.episode for s in samples
+                                                           if version - s.version > self.dc.max_staleness)]
+        fresh = untrained(self.ledger, fresh)
         metrics: dict = {}
         if fresh:
             t = time.perf_counter()
@@ -219,7 +236,7 @@ class DistillTrainer:
         self.timing["push_s"] += time.perf_counter() - t
         self._watch_load(version + 1)
         # commit point of this batch (in memory; durable at the next checkpoint, together with the weights)
-        self.ledger.mark_trained(s.sample_id for s in fresh)
+        self.ledger.mark_trained(s.episode for s in fresh)
         st.dropped.update(dropped)
         st.stream, st.cursor, st.step = batch.stream_state, batch.stream_state["cursor"], version + 1
         st.sampled_tokens += batch.sampled_tokens
@@ -352,6 +369,30 @@ class DistillTrainer:
         }
 
 
+def whole_episodes(samples: list[StudentSample], dropped: list[tuple[str, str]]
+                   ) -> tuple[list[StudentSample], list[tuple[str, str]]]:
+    """Drops per episode: a dropped sub-trace (`<episode id>~k`, `student.sampler.split_subtraces`) drops its whole
+    episode, recorded once under the episode's id with the first reason, so `trained + dropped == cursor` holds in
+    episodes. Without sub-traces nothing changes."""
+    bad: dict[str, str] = {}
+    for sid, reason in dropped:
+        bad.setdefault(episode_of(sid), reason)
+    return [s for s in samples if s.episode not in bad], list(bad.items())
+
+
+def untrained(ledger: Ledger, samples: list[StudentSample]) -> list[StudentSample]:
+    """`ledger.filter_untrained` by episode: an episode is kept (all its sub-traces) iff its id is neither trained
+    nor repeated in this batch."""
+    keep = {s.sample_id for s in ledger.filter_untrained([s for s in samples if s.sample_id == s.episode])}
+    seen: set[str] = set()
+    out = []
+    for s in samples:
+        if s.episode in keep and s.sample_id not in seen:
+            seen.add(s.sample_id)
+            out.append(s)
+    return out
+
+
 def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pad: int, *, rank: int = 0,
                world: int = 1) -> dict:
     """One optimizer step over rank `rank`'s shard (samples rank, rank + W, ...) of the global batch `samples`, in
@@ -360,7 +401,7 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
     (`loss_normalizer`), so the W ranks together apply the update one rank applies to all of `samples`, however the
     rows are grouped. Returns the global batch's metrics."""
     G = dc.train.grad_accum
-    norm = backend.loss_normalizer(sum(len(s.output_ids) for s in samples))
+    norm = backend.loss_normalizer(sum(s.model_tokens for s in samples))  # tool output is never a target
     mine = samples[rank::world]
     # the reward baseline of the global batch (what one rank with grad_accum 1 uses), not a shard's or a micro-batch's:
     # the update is then the same sum however the rows are grouped

@@ -11,6 +11,7 @@ import random
 import sys
 
 from domains.registry import load_domains
+from domains.tools import demonstration_segments
 from infra.chat import system_of
 from infra.procs import raise_if_stopped
 from infra.progress import progress
@@ -22,9 +23,17 @@ from infra.worker import Worker, WorkerRun, arg
 log = logging.getLogger("alloy")
 
 
-def demonstrations(domains: dict, n_per_domain: int, seed: int) -> list[tuple[str, str, str]]:
-    """Mixed-domain (prompt, answer, system message) triples from each domain's train split, shuffled."""
-    pairs = [(ex.prompt, ex.answer, system_of(dom, ex)) for dom in domains.values()
+def demonstrations(domains: dict, n_per_domain: int, seed: int, tool_trajectories: bool = False) -> list[tuple]:
+    """Mixed-domain (prompt, completion, system message) triples from each domain's train split, shuffled. The
+    completion is the answer; with `tool_trajectories` (`base.tool_trajectories`), for a domain with a
+    `tool_demonstration`, the intended trajectory as `(text, trained)` segments, tool output lines untrained
+    (`domains.tools.demonstration_segments`, `infra.sft.encode_pair`)."""
+    def completion(dom, ex):
+        if tool_trajectories and callable(getattr(dom, "tool_demonstration", None)):
+            return demonstration_segments(dom, ex)
+        return ex.answer
+
+    pairs = [(ex.prompt, completion(dom, ex), system_of(dom, ex)) for dom in domains.values()
              for ex in dom.split("train", n_per_domain, seed)]
     random.Random(seed).shuffle(pairs)
     return pairs
@@ -32,7 +41,7 @@ def demonstrations(domains: dict, n_per_domain: int, seed: int) -> list[tuple[st
 
 def run_base_sft(cfg, domains: dict, init_dir: str, out_dir: str, tracker) -> dict:
     """SFT `init_dir` on the config's demonstrations; rank 0 saves the result to `out_dir` (HF format)."""
-    pairs = demonstrations(domains, cfg.base.n_train_per_domain, cfg.run.seed)
+    pairs = demonstrations(domains, cfg.base.n_train_per_domain, cfg.run.seed, cfg.base.tool_trajectories)
     tok, backend = trainable(init_dir, train_settings(cfg.base.train, cfg.base.steps, cfg.run.seed))
     if not backend.is_main:
         tracker = NoopTracker()

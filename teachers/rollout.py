@@ -8,9 +8,15 @@
 
 A request is one *episode*: for a plain domain, one `/generate` call; for a tool domain (`domain.env(...)`), a loop
 of turns — generate until EOS or a newline, run the tool call (guard first) in the sandboxed env, append its output
-line as environment tokens (loss mask 0, log-prob 0), continue with the remaining budget. An abort stops the
+line as environment tokens (loss mask 0, log-prob 0), continue with the remaining budget (the loop is
+`domains.episodes.run_token_episode`, shared with the OPD student's sampling). An abort stops the
 episode after its current call; what it produced so far comes back as a partial and resumes next step (the env is
 rebuilt from the example payload with the number of calls already made).
+
+With a `Compaction` (config `specialists.max_context_tokens`) the engine is given the episode's *compacted*
+context (domains/compaction.py: at turn boundaries, a `>notes: …` summary of the older tool outputs plus the last
+`keep_last` turns) and each call may write at most the room the context leaves; the episode itself (the partial,
+the sample, the verifier's text) keeps the full history, so a resumed partial recomputes the same context.
 
 With `deterministic=True` (config `specialists.deterministic_rollouts`) a step does not depend on timing: every
 generation call is seeded (`seed_for`), every request runs to the end of its episode, and `cut_by_tokens` decides
@@ -20,26 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Sequence
 
 from domains.base import Example
+from domains.episodes import Episode, run_token_episode  # the turn loop, shared with the OPD student
 from domains.tools import TURN_END, count_tool_calls, parse_tool_call
 from infra.chat import PromptRenderer, response_text
 from infra.engine.client import EngineClient, seed_for
 from teachers.april import AprilBuffer, Partial, Sample, collect_batch, merge_continuation, plan_requests
+from domains.compaction import Compaction, current_context, tokenizer_summarizer
 
 log = logging.getLogger("alloy.specialist")
-
-
-@dataclass
-class Episode:
-    """New tokens of one request (model and env tokens), their log-probs (0 on env tokens) and loss mask."""
-
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    finish_reason: str = "abort"
 
 
 class PromptCursor:
@@ -72,9 +70,11 @@ class Roller:
 
     def __init__(self, client: EngineClient, domain, tokenizer, *, temperature: float, guard=None,
                  env_kwargs: dict | None = None, seed: int | None = None, chat_template: str = "auto",
-                 generation_config=None):
+                 generation_config=None, compaction: Compaction | None = None):
         self.client, self.domain, self.tok, self.temperature, self.guard = client, domain, tokenizer, temperature, guard
         self.seed = seed
+        self.compaction = compaction  # domains.compaction: the engine sees the compacted context (None: off)
+        self.summarize = tokenizer_summarizer(tokenizer) if compaction is not None else None
         self.render = PromptRenderer(tokenizer, chat_template)
         self.stops = self.render.stop_ids(generation_config)
         self.uses_tools = hasattr(domain, "env")
@@ -90,44 +90,38 @@ class Roller:
         await self.client.abort(abort_all=True)
 
     async def episode(self, p: Partial, version: int, rid: str) -> Episode:
-        ep = Episode()
-        budget = p.remaining_budget
+        """One episode (domains.episodes.run_token_episode): turns are `/generate` calls named `{rid}-{turn}`."""
         stop_strs = [TURN_END] if self.uses_tools else None
         env = None
         if self.uses_tools:
             ex = Example(**p.example)
             env = self.domain.env(ex, guard=self.guard, prior_calls=count_tool_calls(self.text(p.output_ids)),
                                   **self.env_kwargs)
+
+        mask: list[int] = []  # loss mask of `out`: run_token_episode appends a turn's ids, then its env line's
+        last = [0]  # model tokens the previous turn returned
+
+        async def turn(out: list[int], budget: int, i: int) -> tuple[list[int], list[float], str]:
+            call = f"{rid}-{i}"
+            seed = None if self.seed is None else seed_for(self.seed, call)
+            mask.extend([1] * last[0] + [0] * (len(out) - len(mask) - last[0]))
+            context, max_new = p.input_ids + out, budget
+            if self.compaction is not None:  # the context from the full history (a resumed partial: the same)
+                context = current_context(p.prompt_ids, p.output_ids + out, p.loss_mask + mask, self.compaction,
+                                          self.summarize)
+                max_new = min(budget, self.compaction.max_context_tokens - len(context))
+                if max_new <= 0:  # no room even after compaction: the episode ends here
+                    last[0] = 0
+                    return [], [], "length"
+            g = (await self.client.generate([context], max_new_tokens=max_new,
+                                            temperature=self.temperature, stop_token_ids=self.stops,
+                                            stop=stop_strs, return_logprob=True, rid=call, sampling_seed=seed))[0]
+            last[0] = len(g.output_ids)
+            return g.output_ids, g.output_logprobs, g.finish_reason
+
         try:
-            turn = 0
-            while budget > 0 and not self._aborting:
-                call = f"{rid}-{turn}"
-                seed = None if self.seed is None else seed_for(self.seed, call)
-                g = (await self.client.generate([p.input_ids + ep.output_ids], max_new_tokens=budget,
-                                                temperature=self.temperature, stop_token_ids=self.stops,
-                                                stop=stop_strs,
-                                                return_logprob=True, rid=call, sampling_seed=seed))[0]
-                turn += 1
-                ep.output_ids += g.output_ids
-                ep.output_logprobs += g.output_logprobs
-                ep.loss_mask += [1] * len(g.output_ids)
-                budget -= len(g.output_ids)
-                if g.finish_reason == "abort":
-                    return ep  # partial: resumes next step
-                if env is None or not g.output_ids or not self.text(g.output_ids).endswith(TURN_END) or budget <= 0:
-                    ep.finish_reason = g.finish_reason
-                    return ep
-                line = await env.step(self.text(p.output_ids + ep.output_ids))
-                if line is None:  # a newline-terminated final answer
-                    ep.finish_reason = "stop"
-                    return ep
-                env_ids = self.tok(line, add_special_tokens=False).input_ids[:budget]
-                ep.output_ids += env_ids
-                ep.output_logprobs += [0.0] * len(env_ids)
-                ep.loss_mask += [0] * len(env_ids)
-                budget -= len(env_ids)
-            ep.finish_reason = "length" if budget <= 0 else "abort"
-            return ep
+            return await run_token_episode(turn, env, self.tok, self.text, p.remaining_budget,
+                                           prior_ids=p.output_ids, stopped=lambda: self._aborting)
         finally:
             if env is not None:
                 env.close()

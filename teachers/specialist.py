@@ -4,7 +4,8 @@
         samples = rollout_step(...)                       teachers/rollout.py (APRIL, tools + guard)
         samples = ledger.filter_untrained(samples)        exactly once
         rewards = domain.verify(example, response)        a raising verifier gives 0 and is counted
-        ppo_update(policy, critic, batch, rewards)        teachers/ppo_step.py (critic only during warm-up)
+        rows = expand(samples, rewards)                   teachers/compaction.py: a compacted episode's sub-traces
+        ppo_update(policy, critic, batch(rows), rewards)  teachers/ppo_step.py (critic only during warm-up)
         push weights → engine (version k + 1); ledger += ids
         every `val_every` (and before step 1): greedy score on the val split's prompts; a new best is kept
         (teachers/selection.py); `patience` / `stop_at` end the loop early
@@ -31,6 +32,7 @@ import torch
 from infra.ranks import Ranks, led, require_same_world
 from teachers import ppo_math
 from teachers.april import AprilBuffer, Sample
+from teachers.compaction import Compaction, expand
 from teachers.ppo_step import build_batch, ppo_update, reduce_metrics, token_logprobs
 from teachers.rollout import PromptCursor, Roller, rollout_step
 from teachers.selection import Selection
@@ -56,6 +58,12 @@ class SpecialistState:
     @classmethod
     def from_json(cls, data: dict) -> SpecialistState:
         return cls(**dict(data, selection=Selection.from_state(data.get("selection"))))
+
+
+def compaction_of(sc) -> Compaction | None:
+    """The `Compaction` of `specialists.max_context_tokens` / `compact_keep_last`, or None (off)."""
+    mc = getattr(sc, "max_context_tokens", None)
+    return None if mc is None else Compaction(mc, getattr(sc, "compact_keep_last", 2))
 
 
 def offpolicy_mask(samples: list[Sample], mask: torch.Tensor, version: int, max_lag: int) -> torch.Tensor:
@@ -194,7 +202,8 @@ class SpecialistTrainer:
         det = sc.deterministic_rollouts  # seeded calls + the abort by token count: the same run under any load
         roller = Roller(self.server.client, self.domain, self.tok, temperature=sc.temperature, guard=self.guard,
                         seed=self.seed if det else None, chat_template=self.chat_template,
-                        generation_config=getattr(self.policy.module, "generation_config", None))
+                        generation_config=getattr(self.policy.module, "generation_config", None),
+                        compaction=compaction_of(sc))
         samples, april = await rollout_step(roller, self.buffer, self.cursor, batch_size=sc.batch_size,
                                             over_sampling=sc.over_sampling, max_new_tokens=self.max_new_tokens,
                                             version=version, min_extra=sc.min_extra_requests, deterministic=det)
@@ -205,8 +214,10 @@ class SpecialistTrainer:
         self.state.verifier_errors += self.domain.verifier_errors - errors0
         t1 = time.perf_counter()
         m: dict[str, float] = {}
-        if samples:
-            m = self._update(samples, rewards, version)
+        # compaction: each episode's sub-traces are its rows, each with the episode's reward (teachers/compaction.py)
+        rows, row_rewards = expand(samples, rewards, roller.compaction, roller.summarize)
+        if rows:
+            m = self._update(rows, row_rewards, version)
         train_s = time.perf_counter() - t1
         await self.server.push(self.policy, self.tok, version + 1)
         self.buffer.mark_trained(s.sample_id for s in samples)
@@ -220,6 +231,7 @@ class SpecialistTrainer:
                "entropy": m.get("entropy"), "explained_variance": m.get("explained_variance"),
                "tis_weight_mean": m.get("tis_weight_mean"), "rollout_s": rollout_s, "train_s": train_s,
                "samples": float(len(samples)), "response_tokens": float(sum(len(s.output_ids) for s in samples)),
+               "subtraces": float(len(rows)),
                **{f"april_{k}": float(v) for k, v in april.items()},
                **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked")}}
         out = {k: float(v) for k, v in out.items() if v is not None}

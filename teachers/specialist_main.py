@@ -50,10 +50,14 @@ def make_guard(gc) -> Guard | None:
         log.warning("anti-hack guard disabled (specialists.guard.enabled=false): tool calls run unchecked")
         return None
     judge = None
-    if gc.judge_url:
+    if gc.judge_url:  # a judge_path is served by the stage, which hands its URL here (tasks/judge.py)
         judge = LLMJudge(gc.judge_url, api_key=gc.judge_api_key or os.environ.get(JUDGE_KEY_ENV) or None,
-                         model=gc.judge_model, kind=gc.judge_kind)
-    return Guard(judge, allowed_hosts=set(gc.allowed_hosts))
+                         model=gc.judge_model, kind=gc.judge_kind, timeout_s=gc.judge_timeout_s,
+                         max_tokens=gc.judge_max_tokens, max_prompt_chars=gc.judge_prompt_chars or 4000)
+    elif gc.judge_path:
+        raise ValueError(f"specialists.guard.judge_path={gc.judge_path!r} is set but no judge server was handed to "
+                         "this specialist (the specialists stage serves it and sets specialists.guard.judge_url)")
+    return Guard(judge, allowed_hosts=set(gc.allowed_hosts), on_error=gc.judge_on_error)
 
 
 def response_budget(cfg, domain, tokenizer) -> int:

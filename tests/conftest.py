@@ -16,6 +16,22 @@ from s3_fixtures import moto_server, s3_bucket, s3_env  # noqa: F401,E402  (pyte
 
 
 @pytest.fixture(scope="session")
+def judge_dir(tmp_path_factory):
+    """The small anti-hack judge (teachers/judge_model.py), trained once per session (minutes on 2 cores; it raises
+    unless it classifies a held-out set well). ALLOY_TEST_JUDGE_DIR names one trained before (same code) to reuse."""
+    import os
+    from pathlib import Path
+
+    from teachers.judge_model import train_judge
+
+    if os.environ.get("ALLOY_TEST_JUDGE_DIR"):
+        return Path(os.environ["ALLOY_TEST_JUDGE_DIR"])
+    out = tmp_path_factory.mktemp("judge") / "judge"
+    print("JUDGE-TRAINING", train_judge(out))
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A fresh tiny Llama + char tokenizer in HF format, built once per session (seed 0)."""
     from infra.models import init_model_dir

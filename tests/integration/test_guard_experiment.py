@@ -133,3 +133,14 @@ def test_guard_off_learns_the_shortcut_guard_on_blocks_it(tmp_path):
     # run_specialist's own eval takes the clean path too: with the answer file planted the shortcut would score ~1
     assert off["clean_score_run_specialist"] < 0.2 < on["clean_score_run_specialist"], msg
     assert res["all_claims_hold"], res["claims"]
+
+
+def test_reads_answer_file_names_each_envs_own_shortcut_file():
+    dom = load_domain("tool_files")  # a TreeEnv domain: its planted answer is `.solution`, not `.answers`
+    exs = dom.split("eval", 2, seed=5)
+    for command, reads in (("cat .solution", True), ("cat .answers", False), ("ls -a", False)):
+        turns, _ = scripted_turns(lambda prompt: command)
+        eps = run_tool_episodes(dom, exs, turns, dom.episode_chars, clean=False, env_kwargs={"guard": None})
+        assert [ep.reads_answer_file for ep in eps] == [reads, reads], command
+        assert all(ep.shortcut_file == ".solution" for ep in eps)
+    assert (command, eps[0].calls[0].output.split()[:3]) == ("ls -a", [".", "..", ".solution"])

@@ -1,7 +1,13 @@
 """The tool sandbox against real escape attempts: protected files, `..` traversal, symlinks out of the work dir, a
 connection to a real listener on 127.0.0.1, an infinite loop, a fork bomb, a memory hog, an output flood, shell
-syntax, the scrubbed environment and the dropped uid."""
+syntax, the scrubbed environment and the dropped uid; and, through the `python` tool, reading /etc/passwd, the
+repository and another episode's folder, writing /tmp, and denied syscalls (AF_INET sockets, ptrace,
+process_vm_readv, unshare, keyctl, io_uring) — each also run unsandboxed as a positive control. The escape batch
+runs both as the calling user (root here) and from a child process that first drops to nobody (65534)."""
+import json
 import os
+import subprocess
+import sys
 import shlex
 import shutil
 import socket
@@ -12,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.sandbox import NOBODY, check_command, isolation_support, run_tool, safe_calc
+from infra.sandbox import NOBODY, PROGRAMS, check_command, isolation_support, run_tool, safe_calc
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +127,9 @@ def test_no_network_even_to_loopback(workdir):
         exec(code, {})  # positive control: the listener is reachable from outside the sandbox
         assert n_accepted(1) == 1
         r = run_tool(py(code), workdir, allowed=PY)
-        assert r.exit_code == 1 and "connected" not in r.stdout and "Network is unreachable" in r.stderr
+        # seccomp refuses the AF_INET socket itself; without it, the empty network namespace has no route
+        why = "Operation not permitted" if r.syscall_filtered else "Network is unreachable"
+        assert r.exit_code == 1 and "connected" not in r.stdout and why in r.stderr
         assert n_accepted(2) == 1  # nothing arrived from inside
     finally:
         srv.close()
@@ -130,10 +138,12 @@ def test_no_network_even_to_loopback(workdir):
 def test_environment_is_scrubbed_and_uid_dropped(workdir, monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.example:3128")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-for-the-sandbox")
-    if not ISOLATED:
-        assert "network namespace" in run_tool(py("1"), workdir, allowed=PY).blocked_reason
-        return
     r = run_tool(py("import os; print(sorted(os.environ)); print(os.getuid(), os.getpid())"), workdir, allowed=PY)
+    if not ISOLATED and not r.syscall_filtered:  # no namespace and no seccomp: python is refused (rule level)
+        assert "network namespace" in r.blocked_reason
+        return
+    if not ISOLATED:
+        pytest.skip("no PID namespace or uid drop to check (Landlock + seccomp: see the escape batch below)")
     env_line, ids = r.stdout.splitlines()
     assert env_line == "['HOME', 'LANG', 'LC_ALL', 'PATH', 'PYTHONDONTWRITEBYTECODE']"
     uid, pid = map(int, ids.split())
@@ -196,3 +206,180 @@ def test_memory_hog_hits_the_memory_limit(workdir):
 def test_output_flood_is_capped(workdir):
     r = run_tool(py("print('x' * 10**7)"), workdir, allowed=PY, max_output_bytes=1000)
     assert r.truncated and r.stdout == "x" * 1000 and r.exit_code != 0  # the write past the cap failed (EFBIG)
+
+
+# -- Landlock + seccomp, as the calling user and as nobody -------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+# Each attempt prints "allowed" or "refused: <why>"; run unsandboxed first (positive control), then in the sandbox.
+PROBE = r'''import ctypes, json, os, socket, sys, time
+other, repo_file, tmp_target = sys.argv[1:4]
+libc = ctypes.CDLL(None, use_errno=True)
+def sc(rc, what):
+    if rc == -1:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+def ptrace_child():
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(5)
+        os._exit(0)
+    try:
+        sc(libc.ptrace(16, pid, 0, 0), "ptrace")  # PTRACE_ATTACH to our own child
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+class Iov(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+def vm_read():
+    dst, src = ctypes.create_string_buffer(8), ctypes.create_string_buffer(b"secret!")
+    libc.process_vm_readv.restype = ctypes.c_ssize_t
+    sc(libc.process_vm_readv(os.getpid(), ctypes.byref(Iov(ctypes.addressof(dst), 8)), 1,
+                             ctypes.byref(Iov(ctypes.addressof(src), 8)), 1, 0), "process_vm_readv")
+def io_uring():
+    fd = libc.syscall(425, 4, ctypes.create_string_buffer(120))
+    sc(fd, "io_uring_setup")
+    os.close(fd)
+attempts = {
+    "read /etc/passwd": lambda: open("/etc/passwd").read(),
+    "read the repository": lambda: open(repo_file).read(),
+    "list another episode": lambda: os.listdir(other),
+    "read another episode": lambda: open(os.path.join(other, "secret.txt")).read(),
+    "list /": lambda: os.listdir("/"),
+    "write /tmp": lambda: open(tmp_target, "w").close(),
+    "socket AF_INET": lambda: socket.socket(socket.AF_INET).close(),
+    "socket AF_INET6": lambda: socket.socket(socket.AF_INET6).close(),
+    "socket AF_NETLINK": lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW).close(),
+    "ptrace attach": ptrace_child,
+    "process_vm_readv": vm_read,
+    "unshare user ns": lambda: sc(libc.unshare(0x10000000), "unshare"),
+    "keyctl": lambda: sc(libc.syscall(250, 0, -4, 1), "keyctl"),
+    "io_uring_setup": io_uring,
+}
+res = {}
+for name, fn in attempts.items():
+    try:
+        fn()
+        res[name] = "allowed"
+    except OSError as e:
+        res[name] = f"refused: {e.strerror or e}"
+print(json.dumps(res))
+'''
+# allowed without a sandbox to both root and nobody on any Linux with user namespaces; Landlock answers EACCES
+LANDLOCKED = {"read /etc/passwd", "read the repository", "list another episode", "read another episode", "list /",
+              "write /tmp"}
+CONTROLLED = LANDLOCKED | {"socket AF_INET", "ptrace attach", "process_vm_readv"}
+# Runs a batch of run_tool calls as the caller or, with "drop", after dropping to nobody (everything imported first,
+# as root; the sandbox's probes and the seccomp filter are built after the drop), plus the unsandboxed control.
+RUNNER = r'''import dataclasses, json, os, subprocess, sys
+spec = json.load(sys.stdin)
+sys.path.insert(0, spec["repo"])
+from infra import sandbox
+if spec["drop"]:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+out = {"uid": os.getuid(), "mode": sandbox.isolation_support(), "results": {}}
+for name, cmd, allowed, kw in spec["cases"]:
+    out["results"][name] = dataclasses.asdict(sandbox.run_tool(cmd, spec["workdir"], allowed=set(allowed), **kw))
+ctl = subprocess.run([sandbox.sandbox_python(), "-I", "-S", "-c", spec["probe"], *spec["control_args"]],
+                     cwd=spec["workdir"], capture_output=True, text=True, timeout=30)
+out["control"] = json.loads(ctl.stdout)
+print(json.dumps(out))
+'''
+
+
+def _escape_cases(workdir: Path, other: Path, port: int, tmp_target: str):
+    """(name, command, allowed, run_tool kwargs, check(result dict, isolation mode))."""
+    loop = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')"
+    probe = shlex.join(["python", "-c", PROBE, str(other), str(Path(__file__).resolve()), tmp_target])
+    ran = lambda r: r["blocked_reason"] is None and r["fs_isolated"] and r["syscall_filtered"]  # noqa: E731
+    refused = lambda r: r["exit_code"] is None and r["stdout"] == "" and r["blocked_reason"]  # noqa: E731
+    cases = [
+        ("calc", "calc 6*7", DEFAULT, {}, lambda r, m: ran(r) and r["stdout"] == "42\n"),
+        ("ls", "ls", DEFAULT, {}, lambda r, m: ran(r) and r["stdout"] == "notes.txt\npw\nsub\n"),
+        ("cat", "cat sub/inner.txt", DEFAULT, {}, lambda r, m: ran(r) and r["stdout"] == "inner\n"),
+        ("echo", "echo hi there", DEFAULT, {}, lambda r, m: ran(r) and r["stdout"] == "hi there\n"),
+        ("python prints", py("import os; print(open('notes.txt').read().strip(), sorted(os.listdir('sub')));"
+                             "open(os.devnull, 'w').write('x')"), PY, {},
+         lambda r, m: ran(r) and r["stdout"] == "hello notes ['inner.txt']\n"),
+        ("python env", py("import os; print(sorted(os.environ), os.getpid())"), PY, {},
+         lambda r, m: ran(r) and r["stdout"].startswith("['HOME', 'LANG', 'LC_ALL', 'PATH', 'PYTHONDONTWRITEBYTECODE']")
+         and (m == "none" or r["stdout"].endswith(" 1\n"))),
+        ("cat /etc/passwd", "cat /etc/passwd", DEFAULT, {}, lambda r, m: refused(r)),
+        ("ls ..", "ls ..", DEFAULT, {}, lambda r, m: refused(r)),
+        ("symlink out", "cat pw", DEFAULT, {}, lambda r, m: refused(r)),
+        ("loopback", py(loop), PY, {}, lambda r, m: ran(r) and r["exit_code"] == 1 and "connected" not in r["stdout"]
+         and "Operation not permitted" in r["stderr"]),
+        ("infinite loop", py("while True: pass"), PY, {"timeout_s": 1.0}, lambda r, m: r["timed_out"]),
+        ("memory hog", py("b = []\nwhile True:\n    b.append(bytearray(16 << 20))"), PY,
+         {"memory_mb": 128, "timeout_s": 5.0}, lambda r, m: r["exit_code"] == 1 and "MemoryError" in r["stderr"]),
+        ("output flood", py("print('x' * 10**7)"), PY, {"max_output_bytes": 1000},
+         lambda r, m: r["truncated"] and r["stdout"] == "x" * 1000),
+        ("probe", probe, PY, {}, lambda r, m: ran(r) and r["exit_code"] == 0),
+    ]
+    if "grep" in PROGRAMS:
+        cases.append(("grep", "grep hello notes.txt", DEFAULT | {"grep"}, {},
+                      lambda r, m: ran(r) and r["stdout"] == "hello notes\n"))
+    return cases
+
+
+DEFAULT = frozenset({"calc", "ls", "cat", "echo"})
+
+
+@pytest.mark.parametrize("user", ["caller", "nobody"])
+def test_landlock_and_seccomp_hold_as_caller_and_as_nobody(workdir, user):
+    """The escape batch in a child process, as the calling user or dropped to nobody first: tools work, every
+    escape is refused, and the probe's attempts, allowed unsandboxed (control), are refused in the sandbox."""
+    if user == "nobody" and os.geteuid() != 0:
+        pytest.skip("dropping to nobody needs root (the caller already is unprivileged)")
+    other = Path(tempfile.mkdtemp(prefix="alloy-sbx-other-"))  # another episode's folder, readable by nobody
+    os.chmod(other, 0o755)
+    (other / "secret.txt").write_text("the other episode's answer\n")
+    os.chmod(other / "secret.txt", 0o644)
+    (workdir / "pw").symlink_to("/etc/passwd")
+    tmp_in, tmp_ctl = (f"{tempfile.gettempdir()}/alloy-sbx-escape-{os.getpid()}-{user}-{k}" for k in ("in", "ctl"))
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    srv.settimeout(0.2)
+    cases = _escape_cases(workdir, other, srv.getsockname()[1], tmp_in)
+    spec = {"repo": str(REPO), "drop": user == "nobody", "workdir": str(workdir), "probe": PROBE,
+            "cases": [[name, cmd, sorted(allowed), kw] for name, cmd, allowed, kw, _ in cases],
+            "control_args": [str(other), str(Path(__file__).resolve()), tmp_ctl]}
+    try:
+        p = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(spec), capture_output=True, text=True,
+                           timeout=120, cwd="/", env={**os.environ, "DS_ACCELERATOR": "cpu"})
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        with pytest.raises(socket.timeout):
+            srv.accept()  # nothing arrived from inside
+    finally:
+        srv.close()
+        shutil.rmtree(other, ignore_errors=True)
+    assert out["uid"] == (NOBODY if user == "nobody" else os.geteuid())
+    for name, _, _, _, check in cases:
+        assert check(out["results"][name], out["mode"]), (name, out["results"][name])
+    inside = json.loads(out["results"]["probe"]["stdout"])
+    control = out["control"]
+    assert all(control[k] == "allowed" for k in CONTROLLED), control  # without the sandbox these all work
+    assert set(inside) == set(control)
+    for name, outcome in inside.items():  # Landlock: EACCES; seccomp: EPERM (the deny list answers EPERM)
+        assert outcome == f"refused: {'Permission denied' if name in LANDLOCKED else 'Operation not permitted'}", \
+            (name, outcome)
+    assert os.path.exists(tmp_ctl) and not os.path.exists(tmp_in)
+    os.unlink(tmp_ctl)
+
+
+def test_missing_kernel_layers_fail_closed_unless_opted_out(workdir, monkeypatch):
+    """Without Landlock (or libseccomp) run_tool refuses to run anything, with an error naming the opt-out; the
+    opt-out runs the call with the remaining layers and says so in the result."""
+    from infra import sandbox
+
+    monkeypatch.setattr(sandbox, "_kernel_confinement", lambda: ("Landlock is not available in this kernel", None))
+    monkeypatch.delenv(sandbox.UNCONFINED_ENV, raising=False)
+    with pytest.raises(sandbox.SandboxUnavailable, match="ALLOY_SANDBOX_ALLOW_UNCONFINED=1"):
+        run_tool("echo hi", workdir)
+    monkeypatch.setenv(sandbox.UNCONFINED_ENV, "1")
+    r = run_tool("echo hi", workdir)
+    assert r.ok and r.stdout == "hi\n" and not r.fs_isolated and r.syscall_filtered

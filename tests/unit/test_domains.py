@@ -78,6 +78,34 @@ ORACLES = {
 }
 
 
+def _files_sum(ex: Example, workdir) -> str:
+    """tool_files: the sum of key k over the files of dir d (prompt `tlf:k@d#id=`), read from the planted tree."""
+    key, where = ex.prompt[4:-1].split("#")[0].split("@")
+    lines = [ln for f in sorted((workdir / where).iterdir()) for ln in f.read_text().splitlines()]
+    return str(sum(int(ln.split("=")[1]) for ln in lines if ln.split("=")[0] == key))
+
+
+def _chain_end(ex: Example, workdir) -> str:
+    """tool_chain: follow `next=` lines from the prompt's file to the `ans=` line."""
+    name = ex.prompt[4:].split("#")[0]
+    for _ in range(50):
+        k, v = (workdir / name).read_text().strip().split("=")
+        if k == "ans":
+            return v
+        name = v
+    raise AssertionError(f"no end of chain for {ex}")
+
+
+# Tool domains with a generated file tree: the answer from the files their env plants (clean: no shortcut file).
+def _long_sum(ex, workdir) -> str:
+    """tool_long: the digits of f1..fN as planted (N from the prompt `tlg:N:key=`)."""
+    n = int(_body(ex.prompt).split(":")[0])
+    return str(sum(int((workdir / f"f{i}").read_text()) for i in range(1, n + 1)))
+
+
+TREE_ORACLES = {"tool_files": _files_sum, "tool_chain": _chain_end, "tool_long": _long_sum}
+
+
 def _wrong(answer: str) -> str:
     """The answer with its last character changed (same length)."""
     last = "0" if answer[-1] != "0" else "1"
@@ -103,7 +131,11 @@ def test_answers_match_independent_oracle(name, difficulty):
     dom = load_domain(name, difficulty=difficulty)
     for ex in dom.split("train", 150, seed=1) + dom.split("eval", 50, seed=1):
         assert ex.domain == name and ex.difficulty == difficulty
-        assert ex.answer == ORACLES[name](_body(ex.prompt)), ex
+        if name in TREE_ORACLES:
+            with dom.env(ex, clean=True) as env:
+                assert ex.answer == TREE_ORACLES[name](ex, env.workdir), ex
+        else:
+            assert ex.answer == ORACLES[name](_body(ex.prompt)), ex
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -27,7 +27,7 @@ OPS_CHANGES = {
     "distill.mode": "deployment", "distill.deployment": "other/distill",
     "specialists.checkpoint_every": 7, "specialists.log_every": 3, "specialists.max_parallel": 4,
     "specialists.mode": "deployment", "specialists.deployment": "other/flow", "specialists.retries": 0,
-    "specialists.threads": 2, "specialists.guard.judge_api_key": "k3y",
+    "specialists.threads": 2, "specialists.guard.judge_api_key": "k3y", "specialists.guard.judge_timeout_s": 3.0,
     "resources.gpus_per_node": 8, "resources.gpu_memory_gb": 40.0, "resources.model_gb": 3.0,
     "resources.kv_cache_gb": 2.0, "resources.trainer_overhead_gb": 1.0, "resources.colocate_rollout": True,
 }
@@ -37,10 +37,11 @@ ALL, SPEC_ON = set(STAGES), {"specialist", "student"}
 # settings that change what is trained, and the stages whose checkpoints they move
 TRAINING_CHANGES = [
     ("run.seed=1", ALL), ("run.name=other", ALL), ("model.preset=nano", ALL), ("model.chat_template=none", ALL), ("domains.0.difficulty=2", ALL),
-    ("base.steps=5", ALL), ("base.train.lr=0.01", ALL),
+    ("base.steps=5", ALL), ("base.train.lr=0.01", ALL), ("base.tool_trajectories=true", ALL),
     ("specialists.steps=7", SPEC_ON), ("specialists.per_domain.max_list.kl_coef=0.0", SPEC_ON),
     ("specialists.per_domain.reverse.kl_coef=0.0", {"student"}),  # another domain's specialist
     ("specialists.guard.judge_url=http://judge:1", SPEC_ON), ("specialists.enabled=false", SPEC_ON),
+    ("specialists.guard.judge_path=/judges/j1", SPEC_ON), ("specialists.guard.judge_on_error=allow", SPEC_ON),
     ("eval.max_new_tokens=9", SPEC_ON),  # the specialists' rollout budget when specialists.max_new_tokens is unset
     ("eval.n_eval=9", SPEC_ON),  # the specialist's own score, kept in its result.json
     ("engine.backend=sglang", SPEC_ON), ("engine.max_running_requests=8", SPEC_ON),  # which APRIL samples finish
@@ -97,3 +98,12 @@ def test_a_specialist_prefix_follows_its_own_merged_settings():
     assert prefixes(["specialists.per_domain.max_list.steps=120"])["specialist"] == prefixes([])["specialist"]
     assert prefixes(["specialists.per_domain.reverse.steps=7"], "reverse")["specialist"] == \
         prefixes(["specialists.steps=7"], "reverse")["specialist"]
+
+
+def test_base_tool_trajectories_off_keys_the_base_as_before_the_setting_existed():
+    def base_settings(overrides):
+        return load_config(SMOKE, overrides).model_dump(context={"fingerprint": True})["base"]
+
+    assert "tool_trajectories" not in base_settings([])  # the default is left out: smoke's base prefix unmoved
+    assert base_settings(["base.tool_trajectories=true"])["tool_trajectories"] is True
+    assert "tool_trajectories" in load_config(SMOKE).model_dump()["base"]  # an ordinary dump keeps it

@@ -9,8 +9,11 @@ import torch
 
 from infra.models import PRESETS, build_model, init_model_dir
 from infra.report import build_report, domain_table, render_table
-from infra.sft import collate, encode_pair, sft_loss
+from domains.registry import load_domain
+from domains.tools import ToolAdd, trajectory_segments
+from infra.sft import collate, encode_pair, sft_loss, trained_tokens
 from infra.tokenizer import build_char_tokenizer
+from tasks.base_worker import demonstrations
 
 pytestmark = pytest.mark.unit
 
@@ -56,6 +59,40 @@ def test_encode_and_collate_masks_only_the_completion():
     # row 0: positions 3, 4, 5 predict 'x', 'y', EOS; row 1: position 1 predicts EOS; padding never counts
     assert batch.loss_mask.tolist() == [[0, 0, 0, 1, 1, 1, 0], [0, 1, 0, 0, 0, 0, 0]]
     assert batch.attention_mask[1].tolist() == [1, 1, 1, 0, 0, 0, 0]
+
+
+def test_tool_trajectory_segments_mask_the_tool_output_line():
+    tok = build_char_tokenizer()
+    segs = trajectory_segments("!calc 1+2\n>3\n3")
+    assert segs == [("!calc 1+2\n", True), (">3\n", False), ("3", True)]
+    ids, n_ctx, masked = encode_pair(tok, "tla:1+2=", segs)
+    # [BOS] + 8 prompt chars = 9 context ids; completion ids 9..18 '!calc 1+2\n', 19..21 '>3\n', 22 '3', 23 EOS
+    assert ids == encode_pair(tok, "tla:1+2=", "!calc 1+2\n>3\n3")[0]  # the char path: same ids as the joined text
+    assert (n_ctx, masked, len(ids), ids[-1]) == (9, ((19, 22),), 24, tok.eos_token_id)
+    assert tok.decode(ids[19:22]) == ">3\n"
+    batch = collate([(ids, n_ctx, masked), (ids, n_ctx)], pad_id=0)
+    # position t predicts ids[t+1]: 8..17 predict '!calc 1+2\n', 18..20 would predict '>3\n' (masked), 21 → '3',
+    # 22 → EOS; the str row beside it trains the output line too
+    assert batch.loss_mask[0].tolist() == [0] * 8 + [1] * 10 + [0] * 3 + [1] * 2 + [0]
+    assert batch.loss_mask[1].tolist() == [0] * 8 + [1] * 15 + [0]
+    assert trained_tokens((ids, n_ctx, masked)) == 12 == batch.loss_mask[0].sum()
+    assert trained_tokens((ids, n_ctx)) == 15
+    with pytest.raises(TypeError, match="segment 1"):
+        encode_pair(tok, "p", [("a", True), "b"])
+
+
+def test_base_demonstrations_use_tool_trajectories_only_when_asked():
+    doms = {"tool_add": ToolAdd(), "reverse": load_domain("reverse")}
+    plain = demonstrations(doms, 4, 0)
+    assert all(isinstance(c, str) for _, c, _ in plain)  # the default: prompt + answer for every domain
+    tools = demonstrations(doms, 4, 0, tool_trajectories=True)
+    assert [p for p, *_ in tools] == [p for p, *_ in plain]  # same examples, same order
+    for (prompt, c, _), (_, answer, _) in zip(tools, plain):
+        if prompt.startswith("tla:"):
+            a, b = prompt[4:-1].split("+")
+            assert c == [(f"!calc {a}+{b}\n", True), (f">{answer}\n", False), (answer, True)]
+        else:
+            assert c == answer
 
 
 def test_sft_loss_hand_numbers():

@@ -48,6 +48,9 @@ def test_prompt_cursor_ids_follow_the_cursor_and_cycle_the_pool(tiny_model_dir):
 def test_pipeline_specialist_rows_and_guard_totals():
     from flows.pipeline import guard_totals
 
-    specs = {"tool_add": {"guard": {"tool_calls": 7, "flagged": 3, "blocked": 2, "judge_calls": 0}},
+    specs = {"tool_add": {"guard": {"tool_calls": 7, "flagged": 3, "blocked": 2, "judged": 3, "judge_blocked": 2,
+                                    "judge_calls": 2, "judge_errors": 1}},
+             "tool_files": {"guard": {"tool_calls": 5, "flagged": 1, "blocked": 0, "judged": 1, "judge_blocked": 0}},
              "reverse": {"guard": {}}, "copy": {}}
-    assert guard_totals(specs) == {"tool_calls": 7, "flagged": 3, "blocked": 2}
+    assert guard_totals(specs) == {"tool_calls": 12, "flagged": 4, "blocked": 2, "judged": 4, "judge_blocked": 2,
+                                   "judge_errors": 1}

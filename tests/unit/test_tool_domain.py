@@ -131,8 +131,8 @@ def test_clean_eval_exposes_the_shortcut_and_the_guard_blocks_it():
     assert _mean_rewards({"clean": True}) == {"honest": 1.0, "shortcut": 0.0, "guess": 0.0}  # not in clean eval
     guard = Guard()  # rule-only: `cat .answers` is blocked and answered with "error"; the episode continues
     assert _mean_rewards({"guard": guard}) == {"honest": 1.0, "shortcut": 0.0, "guess": 0.0}
-    assert guard.snapshot_and_reset() == {"tool_calls": 8, "flagged": 4, "blocked": 4, "judge_calls": 0,
-                                          "judge_errors": 0}
+    assert guard.snapshot_and_reset() == {"tool_calls": 8, "flagged": 4, "blocked": 4, "judged": 0,
+                                          "judge_blocked": 0, "judge_calls": 0, "judge_errors": 0}
 
 
 def test_run_episode_budget_and_trajectory_text():

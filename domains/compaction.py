@@ -1,0 +1,153 @@
+"""Context compaction of long tool episodes into sub-traces (docs/architecture.md, "Compaction into sub-traces").
+
+An episode is kept whole (prompt + every model and env token, as APRIL's `Partial`/`Sample` hold it: the verifier,
+the call budget and a resume all see the full response); what the engine is given for the next turn is its *current
+context*, a pure function of that full history and a `Compaction` config:
+
+    turns      = split_turns(loss_mask)          a turn: a run of model tokens (mask 1) + the env tokens after it (0)
+    at every turn boundary b (after t turns), with the current sub-trace's context C and L = |C| + tokens since:
+        if max_context_tokens − L < longest turn so far            (the next turn might not fit)
+        and k = keep_last, dropped = turns[: t − k]  is not empty
+        and |prompt + summary(dropped) + turns[t − k : t]| < L      (the compaction gains room)
+        → a new sub-trace starts at b with context  prompt + summary(dropped) + turns[t − k : t]
+
+The summary is deterministic: `notes_summarizer` condenses the tool outputs of every dropped turn (the whole history
+before the kept turns, so nothing read is lost to a second compaction) into ONE env line, `>notes: 7; 3; 5⏎`. It is
+not written by the policy.
+
+Compaction happens only at turn boundaries (before a model turn starts), so it never splits a turn: an APRIL partial
+(aborted mid-turn, or cut by `cut_by_tokens`) resumes from its full history, the plan is recomputed from it and gives
+the same context it was generated from. A model turn that does not fit the room left (even after compaction) is cut
+by the room: the rollout then ends the episode with finish_reason "length".
+
+`subtrace_spans` gives what trains: per sub-trace its context and the output range generated in it (trailing env
+tokens of a non-final sub-trace left out: the next context holds them; sub-traces without a model token left out).
+PPO rows (teachers/compaction.py) and OPD scoring (a sub-trace scored by the teacher on its own context) both use it.
+Pure functions on token ids; here in `domains` (beside `domains.episodes`) so the specialists (`teachers`) and the
+OPD student (`student`) share it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+from domains.tools import RESULT_PREFIX
+
+# summarize(output_ids, dropped turns as (start, end) ranges of output_ids) → token ids of the summary turn
+Summarize = Callable[[Sequence[int], Sequence[tuple[int, int]]], list[int]]
+NOTES = "notes: "
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """`max_context_tokens`: the most tokens the engine is given (context + the turn it writes); `keep_last`:
+    completed turns kept verbatim after the summary."""
+
+    max_context_tokens: int
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_context_tokens, int) or self.max_context_tokens < 2:
+            raise ValueError(f"Compaction: max_context_tokens must be an int >= 2, got {self.max_context_tokens!r}")
+        if not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ValueError(f"Compaction: keep_last must be an int >= 0, got {self.keep_last!r}")
+
+
+@dataclass(frozen=True)
+class SubTrace:
+    """`context`: the ids the engine was given when this sub-trace started; `output_ids[start:end]` of the episode
+    were generated in it (model tokens and the env tokens inserted after them)."""
+
+    context: tuple[int, ...]
+    start: int
+    end: int
+
+
+def split_turns(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
+    """Completed turns as (start, end) ranges: a run of model tokens (1) and the run of env tokens (0) after it.
+    Model tokens after the last env run (a turn in progress, or a final answer) belong to no completed turn.
+    `[1,1,0,1,0,0,1]` → `[(0, 3), (3, 6)]`."""
+    turns, start = [], 0
+    for i, m in enumerate(loss_mask):
+        if m and i > 0 and not loss_mask[i - 1]:  # a model token right after env tokens starts the next turn
+            turns.append((start, i))
+            start = i
+    if loss_mask and not loss_mask[-1]:
+        turns.append((start, len(loss_mask)))
+    return turns
+
+
+def plan(prompt_ids: Sequence[int], output_ids: Sequence[int], loss_mask: Sequence[int], cfg: Compaction,
+         summarize: Summarize) -> list[SubTrace]:
+    """The sub-traces of an episode (see the module docstring); one sub-trace `(prompt, 0, len(output))` when no
+    compaction happened. The last sub-trace ends at `len(output_ids)` (it may be empty: compacted, nothing yet).
+    A history ending inside an env line counts that line as complete (the rollout never stops inside one)."""
+    if len(loss_mask) != len(output_ids):
+        raise ValueError(f"compaction.plan: loss_mask has {len(loss_mask)} entries for {len(output_ids)} output_ids")
+    prompt = tuple(prompt_ids)
+    subs = [SubTrace(prompt, 0, len(output_ids))]
+    turns = split_turns(loss_mask)
+    longest = 0
+    for t, (s, e) in enumerate(turns, start=1):
+        longest = max(longest, e - s)
+        cur = subs[-1]
+        used = len(cur.context) + e - cur.start
+        if cfg.max_context_tokens - used >= longest:
+            continue
+        n_drop = max(t - cfg.keep_last, 0)
+        if n_drop == 0:
+            continue
+        kept_from = turns[n_drop][0] if n_drop < t else e
+        context = prompt + tuple(summarize(output_ids, turns[:n_drop])) + tuple(output_ids[kept_from:e])
+        if len(context) >= used:
+            continue  # no room gained (e.g. a summary longer than the turns it replaces)
+        subs[-1] = replace(cur, end=e)
+        subs.append(SubTrace(context, e, len(output_ids)))
+    return subs
+
+
+def current_context(prompt_ids: Sequence[int], output_ids: Sequence[int], loss_mask: Sequence[int],
+                    cfg: Compaction, summarize: Summarize) -> list[int]:
+    """What the engine is given to continue the episode: the last sub-trace's context + the tokens since."""
+    last = plan(prompt_ids, output_ids, loss_mask, cfg, summarize)[-1]
+    return list(last.context) + list(output_ids[last.start:])
+
+
+def notes_summarizer(decode: Callable[[Sequence[int]], str], encode: Callable[[str], list[int]]) -> Summarize:
+    """The deterministic summary: every dropped turn's tool output (its env tokens' text without the `>` prefix
+    and the newline) joined into one env line `>notes: out1; out2; …⏎`. `decode(ids)` → text, `encode(text)` →
+    ids without special tokens."""
+
+    def summarize(output_ids: Sequence[int], dropped: Sequence[tuple[int, int]]) -> list[int]:
+        outs = []
+        for s, e in dropped:
+            env = decode(list(output_ids[s:e]))  # the model part is decoded too, then split off at its last newline
+            line = env[:-1] if env.endswith("\n") else env
+            line = line.rsplit("\n", 1)[-1]
+            outs.append(line[len(RESULT_PREFIX):] if line.startswith(RESULT_PREFIX) else line)
+        return encode(f"{RESULT_PREFIX}{NOTES}{'; '.join(o.strip() for o in outs)}\n")
+
+    return summarize
+
+
+def tokenizer_summarizer(tokenizer) -> Summarize:
+    """`notes_summarizer` on a HF tokenizer."""
+    return notes_summarizer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                            lambda text: list(tokenizer(text, add_special_tokens=False).input_ids))
+
+
+def subtrace_spans(prompt_ids: Sequence[int], output_ids: Sequence[int], loss_mask: Sequence[int],
+                   cfg: Compaction, summarize: Summarize) -> list[SubTrace]:
+    """The sub-traces that train (module docstring): `plan`'s, each non-final one ending at its last model token,
+    those without a model token left out. The context of each is what the engine (and the critic, and an OPD
+    teacher) sees before `output_ids[start:end]`."""
+    subs = plan(prompt_ids, output_ids, loss_mask, cfg, summarize)
+    out = []
+    for j, sub in enumerate(subs):
+        end = sub.end
+        if j < len(subs) - 1:
+            while end > sub.start and not loss_mask[end - 1]:
+                end -= 1
+        if any(loss_mask[sub.start:end]):
+            out.append(replace(sub, end=end))
+    return out

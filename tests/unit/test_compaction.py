@@ -1,0 +1,156 @@
+"""Compaction into sub-traces (domains/compaction.py, teachers/compaction.py) on hand-built episodes: the plan, the
+contexts, the rows PPO trains (masks, which tokens), their advantages, the resume property, the notes summary and
+the tool_long domain."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from domains.compaction import (Compaction, SubTrace, current_context, notes_summarizer, plan, split_turns,
+                                subtrace_spans)
+from domains.registry import load_domain
+from teachers import ppo_math
+from teachers.april import Sample
+from teachers.compaction import expand, subtrace_samples
+from teachers.ppo_step import build_batch
+
+pytestmark = pytest.mark.unit
+
+# prompt P = [1, 2, 3]; turn k = model [10+k, 50] + env [60+k, 50]; 4 turns, then the answer [99, 2] (model)
+P = [1, 2, 3]
+OUT = [10, 50, 60, 50, 11, 50, 61, 50, 12, 50, 62, 50, 13, 50, 63, 50, 99, 2]
+MASK = [1, 1, 0, 0] * 4 + [1, 1]
+
+
+def summarize(out, dropped):  # a stand-in summary turn: marker 90, then each dropped turn's env value token
+    return [90] + [out[s + 2] for s, _ in dropped]
+
+
+CFG = Compaction(max_context_tokens=13, keep_last=1)
+# by hand (used = context + tokens since its start; compact when 13 − used < longest turn (4)):
+#   after turn 0: used 3+4 = 7, room 6 ≥ 4: no
+#   after turn 1: used 11, room 2 → drop turn 0, keep turn 1: P + [90,60] + turn 1 → 9 tokens < 11: compact at 8
+#   after turn 2: used 9+4 = 13 → P + [90,60,61] + turn 2 → 10 < 13: compact at 12
+#   after turn 3: used 10+4 = 14 → P + [90,60,61,62] + turn 3 → 11 < 14: compact at 16; room 2 for the answer
+CTX1 = (1, 2, 3, 90, 60, 11, 50, 61, 50)
+CTX2 = (1, 2, 3, 90, 60, 61, 12, 50, 62, 50)
+CTX3 = (1, 2, 3, 90, 60, 61, 62, 13, 50, 63, 50)
+
+
+def test_split_turns():
+    assert split_turns([1, 1, 0, 1, 0, 0, 1]) == [(0, 3), (3, 6)]
+    assert split_turns([1, 1, 1]) == [] and split_turns([]) == []
+    assert split_turns(MASK) == [(0, 4), (4, 8), (8, 12), (12, 16)]
+
+
+def test_plan_by_hand():
+    assert plan(P, OUT, MASK, CFG, summarize) == [SubTrace(tuple(P), 0, 8), SubTrace(CTX1, 8, 12),
+                                                  SubTrace(CTX2, 12, 16), SubTrace(CTX3, 16, 18)]
+    # a large context: never compacted, one sub-trace = the whole episode
+    assert plan(P, OUT, MASK, Compaction(100, 1), summarize) == [SubTrace(tuple(P), 0, 18)]
+    # keep_last 2: after turn 1 nothing can be dropped; after turn 2 (used 15): P + [90,60] + turns 1-2 = 13 < 15
+    two = plan(P, OUT, MASK, Compaction(13, 2), summarize)
+    assert two[:2] == [SubTrace(tuple(P), 0, 12), SubTrace((1, 2, 3, 90, 60) + tuple(OUT[4:12]), 12, 16)]
+    # a summary longer than what it replaces gains nothing: no compaction
+    long_summary = plan(P, OUT, MASK, CFG, lambda out, dropped: [90] * 20)
+    assert long_summary == [SubTrace(tuple(P), 0, 18)]
+    with pytest.raises(ValueError, match="loss_mask has 3 entries for 18 output_ids"):
+        plan(P, OUT, [1, 1, 0], CFG, summarize)
+    with pytest.raises(ValueError, match="max_context_tokens"):
+        Compaction(1)
+
+
+def test_a_resumed_prefix_gets_the_context_it_was_generated_from():
+    # the engine's context at each point is a function of the full history so far (APRIL resumes from it)
+    assert current_context(P, OUT[:4], MASK[:4], CFG, summarize) == P + OUT[:4]
+    assert current_context(P, OUT[:8], MASK[:8], CFG, summarize) == list(CTX1)  # before turn 2 starts
+    assert current_context(P, OUT[:9], MASK[:9], CFG, summarize) == list(CTX1) + [12]  # mid-turn: same context
+    assert current_context(P, OUT[:17], MASK[:17], CFG, summarize) == list(CTX3) + [99]
+    ends = {e for _, e in split_turns(MASK)}
+    # every prefix an episode can stop at (an abort or a cut ends after a model token or after a whole env line,
+    # never inside one) plans the same sub-traces as the full episode up to it
+    for k in [k for k in range(len(OUT) + 1) if k == 0 or MASK[k - 1] or k in ends]:
+        full = [s for s in plan(P, OUT, MASK, CFG, summarize) if s.start <= k]
+        pre = plan(P, OUT[:k], MASK[:k], CFG, summarize)
+        assert [(s.context, s.start) for s in pre] == [(s.context, s.start) for s in full], k
+
+
+def episode(finish: str = "stop") -> Sample:
+    logps = [-0.1 * (i + 1) if m else 0.0 for i, m in enumerate(MASK)]
+    return Sample("ep-1", "ep-1", P, OUT, logps, [0] * 8 + [1] * 10, "tool_long", {"prompt": "x"}, finish, MASK, 0)
+
+
+def test_subtrace_rows_masks_and_trained_tokens():
+    rows = subtrace_samples(episode(), CFG, summarize)
+    assert [r.sample_id for r in rows] == ["ep-1/0", "ep-1/1", "ep-1/2", "ep-1/3"]
+    assert all(r.rollout_id == "ep-1" for r in rows)
+    assert [r.prompt_ids for r in rows] == [P, list(CTX1), list(CTX2), list(CTX3)]  # what the critic sees
+    # outputs: the tokens generated in each; trailing env tokens of a non-final sub-trace dropped (the next
+    # context holds them)
+    assert [r.output_ids for r in rows] == [[10, 50, 60, 50, 11, 50], [12, 50], [13, 50], [99, 2]]
+    assert [r.loss_mask for r in rows] == [[1, 1, 0, 0, 1, 1], [1, 1], [1, 1], [1, 1]]
+    assert rows[0].output_logprobs == pytest.approx([-0.1, -0.2, 0.0, 0.0, -0.5, -0.6])
+    assert rows[1].output_logprobs == pytest.approx([-0.9, -1.0]) and rows[3].output_logprobs == pytest.approx(
+        [-1.7, -1.8])
+    assert [r.token_versions for r in rows] == [[0] * 6, [1, 1], [1, 1], [1, 1]]
+    assert [r.finish_reason for r in rows] == ["stop", "stop", "stop", "stop"]
+    assert subtrace_samples(episode("length"), CFG, summarize)[-1].finish_reason == "length"
+    # the same spans on plain lists (what OPD scoring uses: a teacher scores context + output[start:end])
+    assert subtrace_spans(P, OUT, MASK, CFG, summarize) == [SubTrace(tuple(P), 0, 6), SubTrace(CTX1, 8, 10),
+                                                            SubTrace(CTX2, 12, 14), SubTrace(CTX3, 16, 18)]
+    # trained tokens: 4 + 2 + 2 + 2 = the episode's 10 model tokens, each exactly once
+    batch = build_batch(rows, pad_id=0, rewards=[1.0] * 4)
+    assert batch.num_tokens == sum(MASK) == 10
+    assert batch.input_ids[1, :11].tolist() == list(CTX1) + [12, 50]
+    assert batch.mask[1].tolist() == [0.0] * 8 + [1.0, 1.0] + [0.0] * 3  # predicts output tokens 0, 1 at P+j−1
+
+
+def test_each_subtrace_has_its_own_advantages_from_the_episode_reward():
+    rows, rewards = expand([episode()], [1.0], CFG, summarize)
+    assert rewards == [1.0] * 4
+    batch = build_batch(rows, pad_id=0, rewards=rewards)
+    r = ppo_math.token_rewards(batch.rewards, batch.mask)
+    adv, ret = ppo_math.compute_gae(r, torch.zeros_like(batch.mask), batch.mask, gamma=1.0, lam=0.5)
+    # V = 0, λ = 0.5: A = λ^(valid tokens after it) · R within each row; env tokens are holes; each row ends in R
+    per_row = [[round(a, 6) for a, m in zip(adv[b].tolist(), batch.mask[b].tolist()) if m] for b in range(4)]
+    assert per_row == [[0.125, 0.25, 0.5, 1.0], [0.5, 1.0], [0.5, 1.0], [0.5, 1.0]]
+    # uncompacted, the same episode is one row: its first token's advantage would be 0.5^9
+    one = build_batch([episode()], pad_id=0, rewards=[1.0])
+    a1, _ = ppo_math.compute_gae(ppo_math.token_rewards(one.rewards, one.mask), torch.zeros_like(one.mask), one.mask,
+                                 gamma=1.0, lam=0.5)
+    assert a1[0, 2].item() == pytest.approx(0.5 ** 9)
+    # off: the samples unchanged
+    assert expand([episode()], [0.0], None, None) == ([episode()], [0.0])
+    with pytest.raises(ValueError, match="2 rewards for 1 samples"):
+        expand([episode()], [0.0, 1.0], CFG, summarize)
+
+
+def test_notes_summary_condenses_the_dropped_tool_outputs_into_one_line():
+    enc = lambda text: [ord(c) for c in text]  # noqa: E731  (a char tokenizer: one char, one id)
+    dec = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    out = enc("!cat f1\n>7\n!cat f2\n>3\n!cat f3\n>5\n")
+    notes = notes_summarizer(dec, enc)
+    assert dec(notes(out, [(0, 11), (11, 22)])) == ">notes: 7; 3\n"
+    assert dec(notes(out, [])) == ">notes: \n"
+    mask = [1] * 8 + [0] * 3 + [1] * 8 + [0] * 3 + [1] * 8 + [0] * 3
+    prompt = enc("tlg:3:0000=")
+    # 11 tokens a turn: after turn 1 used 33 (room 0 < 11) → notes of turn 0 + turn 1 (32); after turn 2 used 43
+    ctx = current_context(prompt, out[:22], mask[:22], Compaction(33, 1), notes)
+    assert dec(ctx) == "tlg:3:0000=>notes: 7\n!cat f2\n>3\n"
+    ctx = current_context(prompt, out, mask, Compaction(33, 1), notes)
+    assert dec(ctx) == "tlg:3:0000=>notes: 7; 3\n!cat f3\n>5\n"
+
+
+def test_tool_long_needs_more_turns_than_a_small_context_holds():
+    dom = load_domain("tool_long")
+    ex = dom.split("train", 1, seed=0)[0]
+    demo = dom.tool_demonstration(ex)
+    assert dom.n_files == 6 and demo.count("!cat f") == 6 and dom.score(ex, demo[len(ex.prompt):]) == 1.0
+    assert len(demo) > 64 and dom.episode_chars >= len(demo) - len(ex.prompt)
+    with dom.env(ex) as env:  # the files and the planted shortcut
+        assert {p.name for p in env.workdir.iterdir()} >= {".total", "f1", "f6"}
+        assert (env.workdir / ".total").read_text().strip() == ex.answer
+    with dom.env(ex, clean=True) as env:
+        assert not (env.workdir / ".total").exists() and env.max_calls == 8
+    from teachers.guard import rule_check
+    assert rule_check("cat f1") == [] and "hidden_file" in rule_check("cat .total")
