@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.alloy-setup-stamp
 CONFIG  ?= configs/demo.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup demo dataset-example smoke test test-unit bench clean-runs
+.PHONY: setup demo dataset-example agentic smoke test test-unit bench clean-runs
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ dataset-example: setup
 	test -f runs/dataset-example/model/config.json || $(BIN)/alloy model init --out runs/dataset-example/model --preset tiny \
 	  --arch qwen2 --tokenizer bpe --train-text runs/dataset-example/data/corpus.txt
 	$(BIN)/alloy run configs/dataset-example.yaml --report runs/dataset-example/report.json
+
+# Tool-use domains with the guard and a served judge model (configs/agentic.yaml): train the judge once, then run.
+agentic: setup
+	test -f runs/agentic/judge/config.json || $(BIN)/python -m teachers.judge_model runs/agentic/judge
+	$(BIN)/alloy run configs/agentic.yaml --report runs/agentic/report.json
 
 smoke: setup
 	$(BIN)/alloy run configs/smoke.yaml --report runs/smoke-report.json

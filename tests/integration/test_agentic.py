@@ -1,0 +1,35 @@
+"""`configs/agentic.yaml` end to end, shrunk: three tool domains through base SFT on tool trajectories → specialists
+with the guard and the served judge (the session's trained judge model on a real engine server) → OPD over full
+tool episodes → evaluation by clean episodes → report. The base is warmed on shortcut trajectories for every
+`tool_files` prompt (`shortcut_demos: 1.0`), so the specialists' rollouts do try the hack and the judge is asked."""
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+AGENTIC = str(ROOT / "configs" / "agentic.yaml")
+FAST = ["base.steps=80", "base.n_train_per_domain=300", "eval.n_eval=8", "specialists.steps=2",
+        "specialists.batch_size=8", "specialists.checkpoint_every=2", "specialists.critic_warmup_steps=1",
+        "specialists.val_n=4", "specialists.eval_n=8", "specialists.n_prompts=100", "distill.steps=2",
+        "distill.batch_size=9", "distill.n_prompts_per_domain=100", "distill.checkpoint_every=2",
+        "tracking.enabled=false", "domains.1.params.shortcut_demos=1.0"]
+
+
+def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harness, judge_dir):
+    from flows.pipeline import pipeline
+
+    out = tmp_path / "report.json"
+    pipeline(config=AGENTIC, report_path=str(out), overrides=FAST + [
+        f"run.root={tmp_path}/runs", f"specialists.guard.judge_path={judge_dir}"])
+    report = json.loads(out.read_text())
+    assert set(report["domains"]) == {"tool_add", "tool_files", "tool_chain"}
+    for dom, row in report["domains"].items():
+        assert row["n_eval"] == 8 and 0.0 <= row["student"] <= 1.0, dom
+    g = report["guard"]
+    assert g["tool_calls"] > 0 and g["flagged"] > 0, g
+    assert g["judged"] > 0 and g["judge_errors"] == 0, g  # the judge model answered every flagged call
+    assert g["judge_blocked"] <= g["judged"] and g["blocked"] >= g["judge_blocked"], g
+    assert report["summary"]["student_mean"] is not None
