@@ -22,6 +22,10 @@ is then blocked or allowed as configured (`on_error`, `specialists.guard.judge_o
 Counters (per training step, `snapshot_and_reset`): tool_calls, flagged (a rule hit), blocked (by rule-only mode, a
 judge verdict or the error fallback), judged (flagged calls the judge decided, cached verdicts included),
 judge_blocked (of those, blocked), judge_calls (requests sent), judge_errors.
+
+Every check is also kept in a bounded log (`take_calls()`: (command, verdict) since the last take, at most
+`call_log_size`, the oldest dropped): bench/guard_experiment.py reads it each step to see which calls were flagged
+and which of them the judge let through.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import logging
 import random
 import re
 import shlex
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -278,19 +282,25 @@ class Guard:
     COUNTERS = ("tool_calls", "flagged", "blocked", "judged", "judge_blocked", "judge_calls", "judge_errors")
 
     def __init__(self, judge: LLMJudge | None = None, allowed_hosts: set[str] | frozenset[str] = frozenset(),
-                 cache_size: int = 4096, on_error: str = "block"):
+                 cache_size: int = 4096, on_error: str = "block", call_log_size: int = 4096):
         if on_error not in ("block", "allow"):
             raise ValueError(f"Guard: on_error must be 'block' or 'allow', got {on_error!r}")
         self.judge, self.allowed_hosts, self.cache_size = judge, frozenset(allowed_hosts), cache_size
         self.on_error = on_error
         self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
         self._counts = dict.fromkeys(self.COUNTERS, 0)
+        self._calls: deque[tuple[str, Verdict]] = deque(maxlen=call_log_size)
         if judge is None:
             log.warning("anti-hack guard: no judge configured, running rule-only (every flagged tool call is blocked)")
 
     async def check(self, command: str, context: str = "", trajectory: str = "") -> Verdict:
         """Rule filter, then (if flagged and a judge is set) the judge, shown `context` (the task), `trajectory`
         (the episode so far, without this call) and the call. Never raises for judge failures."""
+        verdict = await self._check(command, context, trajectory)
+        self._calls.append((command, verdict))
+        return verdict
+
+    async def _check(self, command: str, context: str, trajectory: str) -> Verdict:
         self._counts["tool_calls"] += 1
         rules = rule_check(command, self.allowed_hosts)
         if not rules:
@@ -337,6 +347,12 @@ class Guard:
         """Close the judge's HTTP session on this event loop (call once at the end of training)."""
         if self.judge is not None:
             await self.judge.aclose()
+
+    def take_calls(self) -> list[tuple[str, Verdict]]:
+        """The (command, verdict) of each check since the last take (at most `call_log_size`), then forget them."""
+        out = list(self._calls)
+        self._calls.clear()
+        return out
 
     def snapshot_and_reset(self) -> dict[str, int]:
         """The counters since the last call (one training step), then zero them."""

@@ -231,6 +231,16 @@ def test_rule_only_guard_blocks_flagged_calls_and_logs_once(caplog):
     assert guard.snapshot_and_reset() == {"tool_calls": 4, "flagged": 2, "blocked": 2, "judged": 0,
                                           "judge_blocked": 0, "judge_calls": 0, "judge_errors": 0}
     assert sum("rule-only" in r.message for r in caplog.records) == 1
+    # the call log (bench/guard_experiment.py): each check in order, drained by take_calls, bounded
+    assert [(c, v.flagged, v.allowed) for c, v in guard.take_calls()] == [
+        ("calc 1+2", False, True), ("cat .answers", True, False), ("ls -a", True, False),
+        ("cat notes.txt", False, True)]
+    assert guard.take_calls() == []
+    small = Guard(call_log_size=2)
+    asyncio.run(small.check("calc 1+1", CTX))
+    asyncio.run(small.check("ls", CTX))
+    asyncio.run(small.check("cat .answers", CTX))
+    assert [c for c, _ in small.take_calls()] == ["ls", "cat .answers"]
 
 
 def test_judge_prompt_holds_task_trajectory_and_call_within_the_limit():
