@@ -27,6 +27,14 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
+
+def _cmdline(p: psutil.Process) -> str:
+    """A process's command line, or "" once it has exited (a zombie some other test's child left: not ours)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
 def gone(pid: int) -> bool:
     """True once `pid` no longer runs (a zombie awaiting a non-reaping init counts as gone)."""
     try:
@@ -240,7 +248,7 @@ def test_stop_leaves_no_process(fleet):
     sup.stop()
     assert all(gone(p) for p in pids)
     assert not any(s["alive"] for s in sup.status())
-    mine = [p for p in psutil.Process().children(recursive=True) if "infra.engine.server" in " ".join(p.cmdline())]
+    mine = [p for p in psutil.Process().children(recursive=True) if "infra.engine.server" in _cmdline(p)]
     assert mine == []
 
 

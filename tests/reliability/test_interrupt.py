@@ -77,12 +77,19 @@ def wait_for(proc: subprocess.Popen, out: Path, log: Path, trainer: str, step_li
             except psutil.Error:
                 pass
         trainers = [pid for pid, cmd in kids.items() if trainer in cmd]
-        served = any("infra.engine.server" in c for pid in trainers
-                     for c in [" ".join(q.cmdline()) for q in _children(pid)])
+        served = any("infra.engine.server" in _cmdline(q) for pid in trainers for q in _children(pid))
         if trainers and served and (step_line is None or log.exists() and re.search(step_line, log.read_bytes()[since:])):
             return
         time.sleep(0.5)
     raise AssertionError(f"{trainer} did not get going in {timeout:.0f} s:\n{out.read_text()[-3000:]}")
+
+
+def _cmdline(p: psutil.Process) -> str:
+    """A process's command line, or "" once it has exited (a zombie until its parent reaps it: normal for a moment)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def _children(pid: int) -> list[psutil.Process]:

@@ -135,7 +135,19 @@ def test_cli_config_loads_domain_plugins(tmp_path):
 def test_every_shipped_config_validates(name, tmp_path):
     path = Path(__file__).resolve().parents[2] / "configs" / name
     # a local model.path (gpu-example.yaml: /models/…) exists on the machine the config is for: stand in a directory
-    local_model = (yaml.safe_load(path.read_text()).get("model") or {}).get("path")
-    cfg = load_config(path, [f"model.path={tmp_path}"] if local_model else [])
+    raw = yaml.safe_load(path.read_text())
+    local_model = (raw.get("model") or {}).get("path")
+    overrides = [f"model.path={tmp_path}"] if local_model else []
+    # dataset files (dataset-example.yaml: made by scripts/make_datasets.py): the same script writes them here
+    datasets = {i: d["dataset"]["path"] for i, d in enumerate(raw.get("domains") or []) if d.get("dataset")}
+    if datasets:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("make_datasets", path.parents[1] / "scripts" / "make_datasets.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.write_datasets(tmp_path / "data", rows=50)
+        overrides += [f"domains.{i}.dataset.path={tmp_path / 'data' / Path(p).name}" for i, p in datasets.items()]
+    cfg = load_config(path, overrides)
     for d in cfg.domain_names():
         cfg.specialists.for_domain(d)  # per-domain overrides merge into valid settings
