@@ -14,6 +14,9 @@ mlflow and does without) and that none was loaded. Parts:
   `--steps` steps on one fixed batch of 8 × 512 random tokens (memorising it: the loss must fall), token-mean
   cross-entropy normalised as the trainers do (`backend.loss_normalizer`). Checks: every loss finite, the last
   below the first. Reports tokens/s over the steps after the first two (warm-up), peak GPU memory.
+- `deepspeed_zero3_buckets` (CUDA): the ZeRO-3 part with each step's batch forwarded in 4 calls of 2 rows before
+  one backward (as the student forwards a micro-batch in length buckets); its per-step losses must stay within 0.05
+  of the one-forward ZeRO-3 part's (`max_loss_diff_to_one_forward`).
 - `torch_bf16` (CUDA): the same model, batch and steps as a plain torch loop (fp32 weights, bf16 autocast, AdamW):
   the reference the DeepSpeed tokens/s are divided by (`ratio_to_torch`; a DeepSpeed part under 0.2 fails).
 - `deepspeed_zero2_2ranks` (≥ 2 GPUs): the ZeRO-2 part under torchrun on 2 ranks (each its half of a 16-row batch).
@@ -54,6 +57,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKED = ("prefect", "mlflow", "sglang")
+MAX_BUCKET_LOSS_DIFF = 0.05  # bf16: ZeRO-3 with 4 forwards per step vs 1 forward, per-step loss, same batch
 MIN_RATIO_TO_TORCH = 0.2  # a DeepSpeed part slower than 1/5 of plain torch on the same work fails
 _ATTEMPTS: set[str] = set()
 
@@ -130,7 +134,7 @@ def _train_summary(losses: list[float], times: list[float], tokens_per_step: int
             "check": None if ok else f"losses not finite or not decreasing: {losses}"}
 
 
-def part_deepspeed(args, stage: int) -> dict:
+def part_deepspeed(args, stage: int, chunks: int = 1) -> dict:
     import infra  # noqa: F401
     import torch
 
@@ -151,13 +155,14 @@ def part_deepspeed(args, stage: int) -> dict:
     for _ in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = backend(input_ids=ids)
-        local = _token_ce_sum(out.logits, ids)
+        # `chunks` > 1: the rows forwarded in that many calls before one backward, as the student forwards a
+        # micro-batch in length buckets (student/trainer.py); the summed loss equals the one-forward loss
+        local = sum(_token_ce_sum(backend(input_ids=part).logits, part) for part in ids.chunk(chunks))
         backend.step(local / backend.loss_normalizer(global_tokens))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(backend.all_reduce_sum(local.item()) / global_tokens)
-    res = {"zero_stage": stage, "world_size": world, "params": params, "batch": f"{rows * world} x {seq}",
+    res = {"zero_stage": stage, "world_size": world, "forwards_per_step": chunks, "params": params, "batch": f"{rows * world} x {seq}",
            "device": str(backend.device), "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
            **_train_summary(losses, times, rows * world * seq)}
     if backend.device.type != "cuda" and not res["check"]:  # it trained, but on the CPU of a GPU machine
@@ -288,6 +293,7 @@ def part_distill_step(args) -> dict:
 PARTS = {
     "probe": (part_probe, False, 0, 180),
     **{f"deepspeed_zero{z}": ((lambda a, z=z: part_deepspeed(a, z)), True, 1, 600) for z in range(4)},
+    "deepspeed_zero3_buckets": ((lambda a: part_deepspeed(a, 3, chunks=4)), True, 1, 600),
     "torch_bf16": (part_torch_bf16, True, 1, 600),
     "deepspeed_zero2_2ranks": ((lambda a: part_deepspeed(a, 2)), True, 2, 600),
     "placement": (part_placement, True, 1, 600),
@@ -424,6 +430,13 @@ def main(argv: list[str] | None = None) -> int:
             if d["ratio_to_torch"] < MIN_RATIO_TO_TORCH and d["status"] == "ok":  # the same model, batch and steps
                 d.update(status="failed", error=f"DeepSpeed at {d['ratio_to_torch']} of the plain torch loop's "
                                                 f"tokens/s (< {MIN_RATIO_TO_TORCH}): not on the GPU, or a slow path")
+    one, four = parts.get("deepspeed_zero3", {}), parts.get("deepspeed_zero3_buckets", {})
+    if one.get("losses") and four.get("losses") and four["status"] == "ok":  # same model, batch, seed, steps
+        diff = max(abs(a - b) for a, b in zip(one["losses"], four["losses"]))
+        four["max_loss_diff_to_one_forward"] = round(diff, 4)
+        if diff > MAX_BUCKET_LOSS_DIFF:
+            four.update(status="failed", error=f"4 forwards before one backward under ZeRO-3 trained differently from "
+                                               f"one forward: losses differ by {diff:.4f} > {MAX_BUCKET_LOSS_DIFF}")
     failed = [n for n, r in parts.items() if r["status"] == "failed"]
     attempted = sorted({m for r in parts.values() for m in r.get("blocked_attempts", [])})
     loaded = sorted({m for r in parts.values() for m in r.get("blocked_loaded", [])} | set(loaded_blocked()))
