@@ -23,8 +23,9 @@ def test_gpu_check_on_cpu(tmp_path):
     assert proc.returncode == 0 and report["ok"] is True and report["failed"] == [], proc.stderr[-3000:]
     assert report["cuda"] is False and report["device_count"] == 0
     assert set(report["parts"]) == {"probe", "deepspeed_zero0", "deepspeed_zero1", "deepspeed_zero2",
-                                    "deepspeed_zero3", "torch_bf16", "deepspeed_zero2_2ranks", "placement",
-                                    "specialist_step", "distill_step", "loss_memory"}
+                                    "deepspeed_zero3", "deepspeed_zero3_buckets", "torch_bf16",
+                                    "deepspeed_zero2_2ranks", "placement", "specialist_step", "distill_step",
+                                    "loss_memory"}
     for name, part in report["parts"].items():
         if name in ("probe", "specialist_step", "distill_step"):
             assert part["status"] == "ok" and part["blocked_loaded"] == [], (name, part)
