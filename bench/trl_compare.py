@@ -200,6 +200,17 @@ def measure(model, spec: dict, names: list[str]) -> dict:
             "heldout_rkl": heldout_rkl(model, teachers, domains, tok, spec["kl_n"], spec["max_new_tokens"])}
 
 
+# A parent that trained in-process (a world of one) has these in its environment, pointing at its own TCP store:
+# a worker that inherited them would rendezvous there (TRL's trainers init torch.distributed: EADDRINUSE).
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                   "ALLOY_SELF_RENDEZVOUS")
+
+
+def worker_env() -> dict[str, str]:
+    """This process's environment without rendezvous variables: each worker is its own world."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
+
+
 def worker(system: str, seed: int, threads: int, spec: dict, result_path: Path) -> None:
     import torch
 
@@ -238,7 +249,7 @@ def run_worker(system: str, seed: int, threads: int, spec_path: Path, out_dir: P
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, __file__, "--worker", system, "--seed", str(seed), "--threads",
                                  str(threads), "--spec", str(spec_path), "--result", str(res_path)], stdout=log,
-                                stderr=subprocess.STDOUT, cwd=str(REPO))
+                                stderr=subprocess.STDOUT, cwd=str(REPO), env=worker_env())
         root = psutil.Process(proc.pid)
         peak_rss = peak_pss = 0
         while proc.poll() is None:
