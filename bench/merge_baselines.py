@@ -2,6 +2,15 @@
 
     python bench/merge_baselines.py --out bench/results/merge_baselines.json [--domains sort_digits,max_list:3,caesar]
         [--rl-steps 40] [--distill-steps 60] [--batch 64] [--base-steps 150] [--quick]
+    python bench/merge_baselines.py --demo [--seeds 0,1,2] [--fresh]     # → bench/results/merge_baselines_demo.json
+
+`--demo`: configs/demo.yaml's 12 domains (their difficulties), a base like the demo's (1000 SFT steps on 2000
+demonstrations per domain), S = 50, Sd = 144, offline_kd on the teachers' greedy outputs. With `--seeds` (or
+`--demo`) each seed writes `<out>_seed<K>.json` (+ .md) as it finishes and a rerun reuses it (same settings, else it
+refuses, naming them; `--fresh` reruns), so a crash or Ctrl-C loses at most the seed in progress. Then `<out>.json`
+summarises the seeds (`merge_stats.py`: per arm the mean over domains with a Student-t 95% interval over seeds,
+per-domain intervals, forgetting, OPD's paired difference to each arm), `<out>.md` is its table, `<out>.png` the
+arms × domains chart, also logged with the summary to an MLflow run (experiment `alloy-bench`).
 
 One tiny base (a fresh `tiny` model, plain-torch SFT on the domains' demonstrations, stopped early so RL has room)
 is every arm's start. The arms (each worker is a fresh process; PPO is `teachers.specialist_main.run_specialist`,
@@ -65,12 +74,12 @@ def load(specs: list[dict]) -> dict:
     return {s["name"]: load_domain(s["name"], difficulty=s["difficulty"]) for s in specs}
 
 
-def build_base(root: Path, specs: list[dict], steps: int, seed: int) -> Path:
-    """A fresh tiny model SFT-ed (plain torch, `distill_fixtures.sft_plain`) on 1000 demonstrations per domain."""
+def build_base(root: Path, specs: list[dict], steps: int, seed: int, n_train: int = 1000) -> Path:
+    """A fresh tiny model SFT-ed (plain torch, `distill_fixtures.sft_plain`) on `n_train` demonstrations per domain."""
     from distill_fixtures import sft_plain
     from infra.models import init_model_dir
 
-    pairs = [(e.prompt, e.answer) for dom in load(specs).values() for e in dom.split("train", 1000, seed)]
+    pairs = [(e.prompt, e.answer) for dom in load(specs).values() for e in dom.split("train", n_train, seed)]
     return sft_plain(init_model_dir("tiny", root / "init", seed=seed), root / "base", pairs, steps, seed=seed)
 
 
@@ -126,9 +135,10 @@ def worker_opd(spec: dict, work: Path) -> dict:
     from tasks.teachers import start_teachers
 
     d = spec["distill"]
+    levers = {k: d[k] for k in ("reward_coef", "domain_weighting") if d.get(k) is not None}  # merge_levers.py
     cfg = make_cfg(work, spec["domains"], seed=spec["seed"], steps=d["steps"], batch_size=spec["batch"],
                    max_new_tokens=spec["max_new_tokens"], n_prompts_per_domain=spec["rl"]["n_prompts"],
-                   train={"lr": d["lr"]})
+                   train={"lr": d["lr"]}, **levers)
     names = [s["name"] for s in spec["domains"]]
     fleet = start_teachers(names, spec["teachers"], spec["base"], log_dir=work / "logs", engine_cfg=cfg.engine,
                            teachers_cfg=cfg.teachers)
@@ -161,8 +171,9 @@ def worker_offline(spec: dict, work: Path) -> dict:
         pool = dom.split("train", spec["rl"]["n_prompts"], spec["seed"])
         exs = [pool[j % len(pool)] for j in range(n)]
         torch.manual_seed(spec["seed"] + i)
+        greedy = spec.get("offline_sampling", "sample") == "greedy"
         outs = generate_batch(load_model(spec["teachers"][name]).eval(), tok, [e.prompt for e in exs],
-                              spec["max_new_tokens"], batch_size=128, greedy=False, temperature=1.0)
+                              spec["max_new_tokens"], batch_size=128, greedy=greedy, temperature=1.0)
         pairs += [(e.prompt, o) for e, o in zip(exs, outs)]
         reward[name] = statistics.fmean(dom.verify(e, o) for e, o in zip(exs, outs))
         tokens += sum(len(tok(o, add_special_tokens=False).input_ids) for o in outs)
@@ -246,38 +257,54 @@ def mean(xs) -> float:
     return statistics.fmean(list(xs))
 
 
+def specialists_summary(names: list[str], spec_runs: dict) -> dict:
+    """{domain: specialist run} → each specialist's score on its own domain, all scores, the compute they used."""
+    return {"own": {d: spec_runs[d]["final"][d] for d in names}, "scores": {d: spec_runs[d]["final"] for d in names},
+            **{k: sum(r[k] for r in spec_runs.values()) for k in
+               ("rl_samples", "sampled_tokens", "policy_optimizer_steps", "wall_s", "cpu_s")}}
+
+
+def arm_summary(r: dict, own: dict, uses: dict | None, base: dict, names: list[str]) -> dict:
+    """One arm's final scores, forgetting (own point − final), drop vs base and compute (+ `uses`: the specialists
+    an arm depends on)."""
+    final = r["final"]
+    forgetting = {d: own[d] - final[d] for d in names}
+    compute = {k: r[k] + (uses[k] if uses and k in uses else 0) for k in
+               ("rl_samples", "teacher_samples", "distill_samples", "sampled_tokens", "policy_optimizer_steps",
+                "wall_s", "cpu_s")}
+    compute["total_samples"] = compute["rl_samples"] + compute["teacher_samples"] + compute["distill_samples"]
+    return {"scores": final, "mean_score": mean(final.values()), "own_point": own, "forgetting": forgetting,
+            "forgetting_mean": mean(forgetting.values()),
+            "drop_vs_base": {d: max(0.0, base[d] - final[d]) for d in names},
+            "drop_vs_base_mean": mean(max(0.0, base[d] - final[d]) for d in names),
+            "gain_vs_base_mean": mean(final[d] - base[d] for d in names), "compute": compute}
+
+
 def aggregate(names: list[str], base: dict, runs: list[dict]) -> dict:
     """Per arm: final per-domain scores, forgetting (own point − final, see the module doc), drop vs base and the
     compute it used (the specialists' RL counted in opd and offline)."""
     spec_runs = {r["arm"].split(":", 1)[1]: r for r in runs if r["arm"].startswith("specialist:")}
     by_arm = {r["arm"]: r for r in runs}
-    specialists = {"own": {d: spec_runs[d]["final"][d] for d in names},
-                   "scores": {d: spec_runs[d]["final"] for d in names},
-                   **{k: sum(r[k] for r in spec_runs.values()) for k in
-                      ("rl_samples", "sampled_tokens", "policy_optimizer_steps", "wall_s", "cpu_s")}}
+    specialists = specialists_summary(names, spec_runs)
     out = {"base": {"scores": base, "mean_score": mean(base.values())}, "specialists": specialists}
     for arm in FINAL_ARMS:
         r = by_arm[arm]
-        final = r["final"]
         if arm in ("opd", "offline"):
             own, uses = specialists["own"], specialists
         elif arm == "sequential_rl":
             own, uses = {s["domain"]: s["scores"][s["domain"]] for s in r["stages"]}, None
         else:
             own, uses = {d: max(e["scores"][d] for e in r["evals"]) for d in names}, None
-        forgetting = {d: own[d] - final[d] for d in names}
-        compute = {k: r[k] + (uses[k] if uses and k in uses else 0) for k in
-                   ("rl_samples", "teacher_samples", "distill_samples", "sampled_tokens", "policy_optimizer_steps",
-                    "wall_s", "cpu_s")}
-        compute["total_samples"] = compute["rl_samples"] + compute["teacher_samples"] + compute["distill_samples"]
-        out[arm] = {"scores": final, "mean_score": mean(final.values()), "own_point": own, "forgetting": forgetting,
-                    "forgetting_mean": mean(forgetting.values()),
-                    "drop_vs_base": {d: max(0.0, base[d] - final[d]) for d in names},
-                    "drop_vs_base_mean": mean(max(0.0, base[d] - final[d]) for d in names),
-                    "gain_vs_base_mean": mean(final[d] - base[d] for d in names), "compute": compute}
+        out[arm] = arm_summary(r, own, uses, base, names)
     out["sequential_rl"]["forgetting_mean_first_d_minus_1"] = mean(
         out["sequential_rl"]["forgetting"][d] for d in names[:-1]) if len(names) > 1 else 0.0
     return out
+
+
+def aggregate_opd_only(names: list[str], base: dict, specialist_runs: list[dict], opd_run: dict) -> dict:
+    """The OPD arm's summary from kept specialists (merge_levers.py)."""
+    s = specialists_summary(names, {r["arm"].split(":", 1)[1]: r for r in specialist_runs})
+    return arm_summary(opd_run, s["own"], s, base, names)
 
 
 def target(agg: dict) -> dict:
@@ -326,54 +353,19 @@ def table(names: list[str], agg: dict, runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(REPO / "bench/results/merge_baselines.json"))
-    p.add_argument("--domains", default="sort_digits,max_list:3,caesar", help="name[:difficulty],...")
-    p.add_argument("--rl-steps", type=int, default=40, help="PPO steps of each specialist (S)")
-    p.add_argument("--distill-steps", type=int, default=60, help="OPD / offline student updates (Sd)")
-    p.add_argument("--batch", type=int, default=64, help="prompts per step, every arm (B)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--rl-lr", type=float, default=1e-3)
-    p.add_argument("--distill-lr", type=float, default=2e-3)
-    p.add_argument("--lam", type=float, default=1.0, help="GAE lambda (1: A = R − V, robust to a young critic)")
-    p.add_argument("--kl-coef", type=float, default=0.05)
-    p.add_argument("--critic-warmup", type=int, default=3)
-    p.add_argument("--ppo-epochs", type=int, default=4)
-    p.add_argument("--n-prompts", type=int, default=2000, help="train prompts per domain")
-    p.add_argument("--base-steps", type=int, default=150)
-    p.add_argument("--eval-n", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--jobs", type=int, default=2, help="workers at once")
-    p.add_argument("--quick", action="store_true", help="2 domains, batch 8, 2 RL and 2 distill steps (a smoke run)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        worker(args.worker, json.loads(Path(args.spec).read_text()), Path(args.result))
-        return 0
-    if args.quick:
-        args.domains = ",".join(args.domains.split(",")[:2])
-        args.rl_steps, args.distill_steps, args.batch, args.max_new_tokens = 2, 2, 8, 8
-        args.base_steps, args.eval_n, args.n_prompts, args.critic_warmup, args.jobs = 10, 10, 50, 0, 4
+def run_seed(args, seed: int, out: Path, argv: list[str]) -> dict:
+    """One seed: base, specialists, the four arms; writes `out` (+ .md) and returns the result."""
     specs = parse_domains(args.domains)
     names, D, B = [s["name"] for s in specs], len(specs), args.batch
     budget = D * args.rl_steps * B + args.distill_steps * B  # C: OPD's samples incl. its specialists' RL
     mixed_steps = budget // B
-    if mixed_steps % D:
-        raise SystemExit(f"C/B = D·S + Sd = {mixed_steps} must be divisible by D = {D} (sequential stages)")
-    import torch
-
-    torch.set_num_threads(1)  # as every worker: two threads on two shared, busy cores mostly wait for each other
     t0 = time.perf_counter()
     machine = machine_info()
-    exit_on_sigterm()
     with tempfile.TemporaryDirectory(prefix="bench-merge-") as tmp:
         root = Path(tmp)
-        base = build_base(root / "models", specs, args.base_steps, args.seed)
-        spec = {"base": str(base), "root": str(root), "domains": specs, "seed": args.seed, "batch": B,
-                "max_new_tokens": args.max_new_tokens, "eval_n": args.eval_n,
+        base = build_base(root / "models", specs, args.base_steps, seed, args.n_train)
+        spec = {"base": str(base), "root": str(root), "domains": specs, "seed": seed, "batch": B,
+                "max_new_tokens": args.max_new_tokens, "eval_n": args.eval_n, "offline_sampling": args.offline_sampling,
                 "rl": {"steps": args.rl_steps, "lr": args.rl_lr, "lam": args.lam, "kl_coef": args.kl_coef,
                        "warmup": args.critic_warmup, "ppo_epochs": args.ppo_epochs, "n_prompts": args.n_prompts},
                 "distill": {"steps": args.distill_steps, "lr": args.distill_lr},
@@ -388,22 +380,235 @@ def main(argv: list[str] | None = None) -> int:
             runs = [f.result() for f in specialists]
             spec["teachers"] = {r["arm"].split(":", 1)[1]: r["dir"] for r in runs}
             spec_path.write_text(json.dumps(spec))
+            if args.keep:
+                keep_models(Path(args.keep) / f"seed{seed}", spec, runs, base_scores)
             runs += list(pool.map(lambda a: run_worker(a, spec_path, root), ("opd", "offline")))
             runs += [f.result() for f in first]
     agg = aggregate(names, base_scores, runs)
     result = {"bench": "merge_baselines",
-              "command": " ".join(["python bench/merge_baselines.py"] + (argv or sys.argv[1:])),
-              "quick": args.quick, "machine": machine, "loadavg_end": list(os.getloadavg()),
+              "command": " ".join(["python bench/merge_baselines.py"] + argv),
+              "quick": args.quick, "demo": args.demo, "machine": machine, "loadavg_end": list(os.getloadavg()),
               "shared_machine_note": "2 cores shared with other agents' jobs; per-run load averages in runs[]",
               "config": {k: v for k, v in spec.items() if k not in ("base", "root", "teachers")} | {
-                  "jobs": args.jobs, "base_steps": args.base_steps, "offline_samples": "unverified (all kept)",
+                  "jobs": args.jobs, "base_steps": args.base_steps, "n_train": args.n_train,
+                  "offline_samples": f"{args.offline_sampling}, unverified (all kept)",
                   "equal_compute": {
                       "unit": "sampled completions (one response to one prompt) consumed by an arm's training",
                       "budget_C": budget, "formula": "C = D·S·B + Sd·B", "D": D, "S": args.rl_steps,
                       "Sd": args.distill_steps, "B": B, "mixed_rl_steps": mixed_steps,
                       "sequential_rl_steps_per_stage": mixed_steps // D}},
-              "runs": runs, "aggregate": agg, "target": target(agg), "total_s": time.perf_counter() - t0}
-    write_outputs(Path(args.out), result, table(names, agg, runs))
+              "plan": plan_of(args), "runs": runs, "aggregate": agg, "target": target(agg),
+              "total_s": time.perf_counter() - t0}
+    write_outputs(out, result, table(names, agg, runs))
+    return result
+
+
+def keep_models(dest: Path, spec: dict, specialist_runs: list[dict], base_scores: dict) -> None:
+    """Copy a seed's base and specialists (the teachers) to `dest` (base/, teachers/<domain>/, runs.json, spec.json)
+    so that `merge_levers.py` can rerun OPD from the same specialists."""
+    import shutil
+
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(spec["base"], tmp / "base")
+    for name, d in spec["teachers"].items():
+        shutil.copytree(d, tmp / "teachers" / name)
+    (tmp / "runs.json").write_text(json.dumps({"base_scores": base_scores, "specialists": specialist_runs},
+                                              default=float))
+    (tmp / "spec.json").write_text(json.dumps({k: v for k, v in spec.items() if k not in ("base", "root", "teachers")}))
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def plan_of(args) -> dict:
+    """The settings a per-seed file was made with (all but the seed and how it was run): reuse needs them equal."""
+    skip = {"seeds", "seed", "out", "fresh", "jobs", "worker", "spec", "result", "mlflow_root", "no_mlflow", "keep"}
+    return {k: v for k, v in vars(args).items() if k not in skip}
+
+
+def seed_argv(argv: list[str], seed: int) -> list[str]:
+    """`argv` with --seeds/--fresh replaced by `--seeds <seed>` (the command a per-seed file records)."""
+    out, it = [], iter(argv)
+    for a in it:
+        if a == "--seeds":
+            next(it, None)
+        elif not a.startswith("--seeds=") and a != "--fresh":
+            out.append(a)
+    return out + ["--seeds", str(seed)]
+
+
+def seed_path(out: Path, seed: int) -> Path:
+    return out.with_name(f"{out.stem}_seed{seed}.json")
+
+
+def same_setup(a: dict, b: dict) -> bool:
+    """Two seeds' configs agree on everything but the seed (what a summary may pool)."""
+    drop = ("seed", "jobs")
+    return {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
+
+
+def chart(summary: dict, names: list[str]):
+    """Arms × domains: grouped bars of the mean score over seeds with 95% intervals (a matplotlib Figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from merge_stats import ARMS as S_ARMS
+
+    rows = [("base", summary["base"]["per_domain"]), ("specialists", summary["specialists"]["per_domain"])]
+    rows += [(arm, summary[arm]["per_domain"]) for arm in S_ARMS]
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(names)), 4.5))
+    width = 0.8 / len(rows)
+    for i, (label, per) in enumerate(rows):
+        xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(names))]
+        m = [per[d]["mean"] for d in names]
+        err = [[per[d]["mean"] - per[d]["ci95_low"] for d in names], [per[d]["ci95_high"] - per[d]["mean"]
+                                                                       for d in names]]
+        ax.bar(xs, m, width, yerr=err, capsize=2, label=label)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_ylabel("greedy eval score (mean over seeds, 95% CI)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(ncol=3, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def log_to_mlflow(result: dict, fig, runs_root: Path) -> str:
+    """One MLflow run (experiment `alloy-bench`) with the summary as metrics, the chart, the table and the JSON."""
+    from infra.tracking import Tracker
+
+    tr = Tracker(runs_root=runs_root, experiment="alloy-bench")
+    run_id = tr.start_parent("merge_baselines_demo" if result["demo"] else "merge_baselines",
+                             tags={"bench": "merge_baselines", "n_seeds": result["n_seeds"]})
+    tr.log_params({"n_seeds": result["n_seeds"], "n_domains": result["n_domains"], "seeds": result["seeds"],
+                   **{f"equal_compute.{k}": v for k, v in result["config"]["equal_compute"].items()}})
+    tr.log_metrics({f"{arm}.{k}": result["summary"][arm][k] for arm in FINAL_SUMMARY_ARMS
+                    for k in ("mean", "ci95_low", "ci95_high")})
+    tr.log_figure(fig, "merge_baselines_chart.png")
+    tr.log_text(result["table_md"], "merge_baselines.md")
+    tr.log_dict({k: v for k, v in result.items() if k != "table_md"}, "merge_baselines.json")
+    tr.end()
+    return run_id
+
+
+FINAL_SUMMARY_ARMS = ("opd", "offline_kd", "mixed_rl", "sequential_rl")
+
+
+def summarize_seeds(args, out: Path, seeds: list[int], per_seed: list[dict], argv: list[str]) -> dict:
+    """The multi-seed file: n_seeds, n_domains, the summary with 95% intervals, the chart, the MLflow run."""
+    from merge_stats import summarize, summary_table
+    from merge_stats import target as summary_target
+
+    names = [d["name"] for d in per_seed[0]["config"]["domains"]]
+    for s, r in zip(seeds, per_seed):
+        if not same_setup(r["config"], per_seed[0]["config"]):
+            raise SystemExit(f"{seed_path(out, s)}: its config differs from seed {seeds[0]}'s (beyond the seed); "
+                             "rerun it with --fresh or pool only like runs")
+    summary = summarize([r["aggregate"] for r in per_seed], names)
+    result = {"bench": "merge_baselines", "command": " ".join(["python bench/merge_baselines.py"] + argv),
+              "quick": args.quick, "demo": args.demo, "n_seeds": len(seeds), "n_domains": len(names),
+              "seeds": seeds, "domains": names, "seed_files": [seed_path(out, s).name for s in seeds],
+              "config": {k: v for k, v in per_seed[0]["config"].items() if k != "seed"},
+              "interval": "Student-t 95% over seeds: mean ± t(n−1)·sd/√n of the per-seed mean over domains",
+              "arm_names": {"offline_kd": "per-seed files call it 'offline'"},
+              "summary": summary, "target": summary_target(summary),
+              "per_seed_target": [r["target"] for r in per_seed],
+              "total_s": sum(r["total_s"] for r in per_seed)}
+    write_outputs(out, result, summary_table(summary, names, len(seeds)))
+    fig = chart(summary, names)
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    if not args.no_mlflow:
+        result["mlflow_run_id"] = log_to_mlflow(result, fig, Path(args.mlflow_root))
+        out.write_text(json.dumps(result, indent=2, default=float))
+        print(f"MLflow run {result['mlflow_run_id']} (experiment alloy-bench)", file=sys.stderr)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="result JSON (default bench/results/merge_baselines[_demo].json)")
+    p.add_argument("--domains", default="sort_digits,max_list:3,caesar", help="name[:difficulty],...")
+    p.add_argument("--demo", action="store_true",
+                   help="configs/demo.yaml's 12 domains with the --demo defaults below (seeds 0,1,2)")
+    p.add_argument("--seeds", default=None, help="comma-separated; several seeds write one file per seed "
+                   "(<out>_seed<K>.json, reused when present: --fresh reruns) and a summary with 95%% intervals")
+    p.add_argument("--fresh", action="store_true", help="rerun seeds whose per-seed file exists")
+    p.add_argument("--rl-steps", type=int, default=None, help="PPO steps of each specialist (S; 40, --demo 50)")
+    p.add_argument("--distill-steps", type=int, default=None, help="OPD / offline student updates (Sd; 60, --demo 144)")
+    p.add_argument("--batch", type=int, default=64, help="prompts per step, every arm (B)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--rl-lr", type=float, default=1e-3)
+    p.add_argument("--distill-lr", type=float, default=2e-3)
+    p.add_argument("--lam", type=float, default=1.0, help="GAE lambda (1: A = R − V, robust to a young critic)")
+    p.add_argument("--kl-coef", type=float, default=0.05)
+    p.add_argument("--critic-warmup", type=int, default=3)
+    p.add_argument("--ppo-epochs", type=int, default=4)
+    p.add_argument("--n-prompts", type=int, default=2000, help="train prompts per domain")
+    p.add_argument("--base-steps", type=int, default=None, help="base SFT steps (150, --demo 1000 as the demo)")
+    p.add_argument("--n-train", type=int, default=None, help="base SFT demonstrations per domain (1000, --demo 2000)")
+    p.add_argument("--offline-sampling", choices=("greedy", "sample"), default=None,
+                   help="how teachers write offline_kd's data (sample: temperature 1; --demo greedy)")
+    p.add_argument("--eval-n", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0, help="the seed of a single-seed run (see --seeds)")
+    p.add_argument("--jobs", type=int, default=2, help="workers at once")
+    p.add_argument("--mlflow-root", default=str(REPO / "runs"),
+                   help="runs root of the MLflow store the summary is logged to (MLFLOW_TRACKING_URI wins)")
+    p.add_argument("--no-mlflow", action="store_true")
+    p.add_argument("--keep", default=None, help="keep each seed's base and specialists in KEEP/seed<K> (for "
+                   "merge_levers.py; --demo: runs/merge_baselines_demo)")
+    p.add_argument("--quick", action="store_true", help="2 domains, batch 8, 2 RL and 2 distill steps (a smoke run)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.worker, json.loads(Path(args.spec).read_text()), Path(args.result))
+        return 0
+    demo = {"rl_steps": 50, "distill_steps": 144, "base_steps": 1000, "n_train": 2000, "offline_sampling": "greedy"}
+    plain = {"rl_steps": 40, "distill_steps": 60, "base_steps": 150, "n_train": 1000, "offline_sampling": "sample"}
+    for k, v in (demo if args.demo else plain).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.demo:
+        from april import demo_domains
+
+        args.keep = args.keep or str(REPO / "runs" / "merge_baselines_demo")
+        args.domains = ",".join(f"{n}:{d}" for n, d in demo_domains())
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else ([0, 1, 2] if args.demo else [args.seed])
+    if args.quick:
+        args.domains = ",".join(args.domains.split(",")[:2])
+        args.rl_steps, args.distill_steps, args.batch, args.max_new_tokens = 2, 2, 8, 8
+        args.base_steps, args.n_train, args.eval_n, args.n_prompts, args.critic_warmup = 10, 100, 10, 50, 0
+        args.jobs = 4
+    out = Path(args.out or REPO / f"bench/results/merge_baselines{'_demo' if args.demo else ''}.json")
+    D = len(parse_domains(args.domains))
+    if (D * args.rl_steps + args.distill_steps) % D:
+        raise SystemExit(f"C/B = D·S + Sd = {D * args.rl_steps + args.distill_steps} must be divisible by D = {D} "
+                         "(sequential RL's stages): pick --distill-steps as a multiple of the number of domains")
+    import torch
+
+    torch.set_num_threads(1)  # as every worker: two threads on two shared, busy cores mostly wait for each other
+    exit_on_sigterm()
+    if not args.seeds and not args.demo:  # one seed, one file (the 3-domain results of issue 7)
+        run_seed(args, seeds[0], out, argv)
+        return 0
+    per_seed, plan = [], plan_of(args)
+    for s in seeds:
+        path = seed_path(out, s)
+        if path.exists() and not args.fresh:
+            old = json.loads(path.read_text())
+            if old.get("plan") != plan:
+                diff = sorted(k for k in set(plan) | set(old.get("plan") or {})
+                              if plan.get(k) != (old.get("plan") or {}).get(k))
+                raise SystemExit(f"{path}: an earlier run with other settings ({', '.join(diff)}); pass --fresh to "
+                                 "rerun it, or another --out")
+            print(f"seed {s}: reusing {path}", file=sys.stderr)
+            per_seed.append(old)
+            continue
+        print(f"seed {s}: running -> {path}", file=sys.stderr, flush=True)
+        per_seed.append(run_seed(args, s, path, seed_argv(argv, s)))
+    summarize_seeds(args, out, seeds, per_seed, argv)
     return 0
 
 

@@ -6,6 +6,7 @@ from the recorded scores.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -19,18 +20,43 @@ REPO = Path(__file__).resolve().parents[2]
 ARMS = ("opd", "offline", "mixed_rl", "sequential_rl")
 
 
+BENCH = [sys.executable, str(REPO / "bench/merge_baselines.py")]
+
+
 @pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("merge") / "merge.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench/merge_baselines.py"), "--quick", "--out", str(out)],
-                          cwd=str(REPO), capture_output=True, text=True, timeout=600)
+def runs(tmp_path_factory):
+    """Two seeds of --quick, each in its own process at the same time (its own folder), then a third invocation
+    over both seeds in a third folder: it must reuse the two per-seed files (no training) and write the summary,
+    the chart and the MLflow run."""
+    tmp = tmp_path_factory.mktemp("merge")
+    procs = {s: subprocess.Popen(BENCH + ["--quick", "--seeds", str(s), "--no-mlflow", "--out", str(tmp / f"s{s}" / "m.json"),
+                                          "--keep", str(tmp / "keep")],
+                                 cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for s in (0, 1)}
+    for s, p in procs.items():
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out[-4000:]
+    (tmp / "all").mkdir()
+    for s in (0, 1):
+        shutil.copy(tmp / f"s{s}" / f"m_seed{s}.json", tmp / "all" / f"m_seed{s}.json")
+    proc = subprocess.run(BENCH + ["--quick", "--seeds", "0,1", "--out", str(tmp / "all" / "m.json"),
+                                   "--mlflow-root", str(tmp / "mlruns")],
+                          cwd=str(REPO), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "seed 0: reusing" in proc.stderr and "seed 1: reusing" in proc.stderr and "running" not in proc.stderr
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def result(runs):
+    out = runs / "s0" / "m_seed0.json"
     assert out.with_suffix(".md").read_text().strip() == json.loads(out.read_text())["table_md"].strip()
     return json.loads(out.read_text())
 
 
 def test_shape_and_equal_compute(result):
     assert result["bench"] == "merge_baselines" and result["quick"] is True and "--quick" in result["command"]
+    assert result["command"].endswith("--seeds 0") and result["config"]["seed"] == 0
     assert result["machine"]["cpus"] >= 1 and result["total_s"] > 0
     eq = result["config"]["equal_compute"]
     D, S, Sd, B = eq["D"], eq["S"], eq["Sd"], eq["B"]
@@ -78,3 +104,66 @@ def test_scores_forgetting_and_target_recomputed(result):
     assert f["diff"] == pytest.approx(seq["forgetting_mean"] - agg["opd"]["forgetting_mean"], abs=1e-12)
     assert f["met"] is (f["diff"] > 0)
     assert t["met"] is all(t[k]["met"] for k in t if k != "met")
+
+
+def test_multi_seed_summary_intervals_chart_and_mlflow(runs):
+    """The summary file's contract: n_seeds, n_domains, one summary object per arm with mean and its 95% interval
+    recomputed from the two per-seed files, forgetting, the chart beside it and in the MLflow run."""
+    from mlflow import MlflowClient
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from merge_stats import t975
+
+    res = json.loads((runs / "all" / "m.json").read_text())
+    seeds = [json.loads((runs / "all" / f"m_seed{s}.json").read_text()) for s in (0, 1)]
+    assert res["n_seeds"] == 2 and res["seeds"] == [0, 1] and res["n_domains"] == 2
+    per_seed_name = {"opd": "opd", "offline_kd": "offline", "mixed_rl": "mixed_rl", "sequential_rl": "sequential_rl"}
+    for arm in ("opd", "offline_kd", "mixed_rl", "sequential_rl"):
+        a = res["summary"][arm]
+        xs = [s["aggregate"][per_seed_name[arm]]["mean_score"] for s in seeds]
+        half = t975(1) * statistics.stdev(xs) / 2 ** 0.5
+        assert a["mean"] == pytest.approx(statistics.fmean(xs)) and a["per_seed"] == pytest.approx(xs)
+        assert a["ci95_low"] == pytest.approx(a["mean"] - half) and a["ci95_high"] == pytest.approx(a["mean"] + half)
+        assert a["forgetting"]["mean"] == pytest.approx(
+            statistics.fmean(s["aggregate"][per_seed_name[arm]]["forgetting_mean"] for s in seeds))
+    t = res["target"]
+    assert t["met"] is (t["opd_interval_above_mixed_rl"]["met"] and t["opd_interval_above_offline_kd"]["met"]
+                        and t["opd_forgets_less_than_sequential_rl"]["met"])
+    assert (runs / "all" / "m.md").read_text().strip() == res["table_md"].strip()
+    png = (runs / "all" / "m.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    client = MlflowClient(tracking_uri=f"sqlite:///{runs / 'mlruns' / 'mlflow.db'}")
+    run = client.get_run(res["mlflow_run_id"])
+    assert run.data.metrics["opd.mean"] == pytest.approx(res["summary"]["opd"]["mean"])
+    assert run.data.params["n_seeds"] == "2"
+    assert {"merge_baselines_chart.png", "merge_baselines.md", "merge_baselines.json"} <= {
+        f.path for f in client.list_artifacts(res["mlflow_run_id"])}
+    # a changed setting is refused for a reused seed (naming it) rather than pooled
+    proc = subprocess.run(BENCH + ["--quick", "--seeds", "0,1", "--no-mlflow", "--out", str(runs / "all" / "m.json"),
+                                   "--kl-coef", "0.07"], cwd=str(REPO), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "kl_coef" in proc.stderr and "--fresh" in proc.stderr
+
+
+def test_lever_reruns_opd_from_the_kept_specialists(runs):
+    """merge_levers.py on the models seed 0 kept: OPD again with twice the distill steps; its extra samples beyond the
+    equal budget and its paired differences to the main run's arms follow from the files."""
+    kept = runs / "keep" / "seed0"
+    assert (kept / "base" / "config.json").exists() and json.loads((kept / "runs.json").read_text())["specialists"]
+    out = runs / "lever" / "l.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench/merge_levers.py"), "--tag", "t", "--quick", "--seeds", "0",
+                           "--distill-steps", "4", "--main", str(runs / "s0" / "m.json"), "--models", str(runs / "keep"),
+                           "--out", str(out)], cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    main = json.loads((runs / "s0" / "m_seed0.json").read_text())
+    seed = json.loads(out.with_name("l_seed0.json").read_text())
+    B = main["config"]["equal_compute"]["B"]
+    assert seed["run"]["distill"]["updates"] == 4 and seed["extra_samples_vs_budget"] == (4 - 2) * B
+    assert seed["opd"]["compute"]["rl_samples"] == main["aggregate"]["opd"]["compute"]["rl_samples"]  # same teachers
+    s = json.loads(out.read_text())["summary"]
+    for arm in ("opd", "offline", "mixed_rl", "sequential_rl"):
+        assert s[f"lever_minus_{arm}"]["mean"] == pytest.approx(
+            seed["opd"]["mean_score"] - main["aggregate"][arm]["mean_score"])
+    missing = subprocess.run([sys.executable, str(REPO / "bench/merge_levers.py"), "--tag", "t", "--seeds", "1",
+                              "--main", str(runs / "s0" / "m.json"), "--models", str(runs / "keep"), "--out", str(out)],
+                             cwd=str(REPO), capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "seed1" in missing.stderr and "--demo --seeds 1" in missing.stderr
