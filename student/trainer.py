@@ -425,7 +425,8 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
             continue
         # one micro-batch, forwarded in a few length buckets (each padded to its own longest row), one backward
         total, n_mb = None, 0
-        for bucket in length_buckets([len(mine[i].prompt_ids) + len(mine[i].output_ids) for i in idx], MAX_BUCKETS):
+        for bucket in length_buckets([len(mine[i].prompt_ids) + len(mine[i].output_ids) for i in idx],
+                                     backend.forward_buckets(MAX_BUCKETS)):
             rows = [idx[j] for j in bucket]
             mb = collate([mine[i] for i in rows], pad, version, with_topk=loss.needs_teacher_topk,
                          reward_adv=[adv[i] for i in rows])
