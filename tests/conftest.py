@@ -64,3 +64,12 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def reverse_base(tmp_path_factory):
+    """A tiny base SFT-ed 60 steps on `reverse` (distill_fixtures.build_base, plain torch), built once per session for
+    the rollout tests: its answers vary in length, so a token-count cut leaves partials."""
+    from distill_fixtures import build_base
+
+    return build_base(tmp_path_factory.mktemp("reverse-base"), ["reverse"], steps=60)

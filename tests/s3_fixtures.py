@@ -99,15 +99,20 @@ def moto_server():
 @pytest.fixture
 def s3_env(moto_server, monkeypatch):
     """Dummy credentials + endpoint in the standard AWS variables; returns the endpoint URL."""
-    if not moto_server.running:  # a test stopped it without restarting
-        moto_server.start()
+    return point_env_at(moto_server, monkeypatch)
+
+
+def point_env_at(server: MotoS3, monkeypatch: pytest.MonkeyPatch) -> str:
+    """What `s3_env` does, for a fixture of wider scope (its own `pytest.MonkeyPatch.context()`)."""
+    if not server.running:  # a test stopped it without restarting
+        server.start()
     for var in _UNSET:
         monkeypatch.delenv(var, raising=False)
     for var, value in DUMMY_ENV.items():
         monkeypatch.setenv(var, value)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_server.endpoint_url)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint_url)
-    return moto_server.endpoint_url
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint_url)
+    return server.endpoint_url
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_helpers import FAST, ROOT, api_get, run_cli, user_env
+from e2e_helpers import FAST, FAST_POLL, ROOT, api_get, run_cli, user_env
 
 
 @pytest.fixture(scope="session")
@@ -24,8 +24,9 @@ def stack():
     this machine must not delete a live server's database."""
     base = Path(tempfile.mkdtemp(prefix="alloy-e2e-stack-"))
     home, runs_root = base / "home", base / "runs"
+    # FAST_POLL: the worker asks for scheduled runs every 2 s, not every 10 s
     proc = run_cli("up", "--home", str(home), "--prefect-port", "0", "--mlflow-port", "0", "--runs-root", str(runs_root),
-                   timeout=420)
+                   timeout=420, env={**user_env(), **FAST_POLL})
     assert proc.returncode == 0, f"alloy up failed:\n{proc.stdout}\n{proc.stderr}"
     state = json.loads((home / "stack.json").read_text())
     env = user_env()
@@ -42,7 +43,7 @@ def smoke_run(stack):
     report = Path(stack["runs_root"]) / "smoke-report.json"
     params = {"overrides": FAST + [f"run.root={stack['runs_root']}"], "report_path": str(report)}
     cmd = [str(Path(sys.executable).parent / "prefect"), "deployment", "run", "alloy-pipeline/smoke", "--watch",
-           "--params", json.dumps(params)]
+           "--watch-interval", "1", "--params", json.dumps(params)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=stack["env"])
     m = re.search(r"/runs/flow-run/([0-9a-f-]{36})", proc.stdout)
     assert m, f"no flow run URL in the output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

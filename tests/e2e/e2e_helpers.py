@@ -10,11 +10,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ALLOY = [sys.executable, "-m", "alloy.cli"]
-# Shrinks configs/smoke.yaml to two domains (one round of specialists at max_parallel 2) and a few steps per stage
-# (as tests/integration/test_pipeline.py's FAST): the point here is the deployment path, not model quality.
+# Shrinks configs/smoke.yaml to two domains (one round of specialists at max_parallel 2) and two steps per stage
+# (a checkpoint at the last one): the point here is the deployment path, not model quality.
 DOMAINS = ("reverse", "max_list")
-FAST = ["domains=[" + ", ".join("{name: %s}" % d for d in DOMAINS) + "]", "base.steps=20", "base.n_train_per_domain=200", "eval.n_eval=10", "specialists.steps=3", "specialists.batch_size=8",
-        "specialists.checkpoint_every=2", "distill.steps=3", "distill.batch_size=12", "distill.eval_every=0"]
+FAST = ["domains=[" + ", ".join("{name: %s}" % d for d in DOMAINS) + "]", "base.steps=10",
+        "base.n_train_per_domain=200", "eval.n_eval=10", "specialists.steps=2", "specialists.batch_size=8",
+        "specialists.checkpoint_every=2", "distill.steps=2", "distill.batch_size=12", "distill.eval_every=0"]
+# the e2e stack's worker asks for scheduled flow runs every 2 s (Prefect's default: 10 s): less idle waiting
+FAST_POLL = {"PREFECT_WORKER_QUERY_SECONDS": "2"}
 
 
 def user_env() -> dict[str, str]:

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTIC = str(ROOT / "configs" / "agentic.yaml")
-FAST = ["base.steps=80", "base.n_train_per_domain=300", "eval.n_eval=8", "specialists.steps=2",
+FAST = ["base.steps=40", "base.n_train_per_domain=300", "eval.n_eval=8", "specialists.steps=2",
         "specialists.batch_size=8", "specialists.checkpoint_every=2", "specialists.critic_warmup_steps=1",
         "specialists.val_n=4", "specialists.eval_n=8", "specialists.n_prompts=100", "distill.steps=2",
         "distill.batch_size=9", "distill.n_prompts_per_domain=100", "distill.checkpoint_every=2",

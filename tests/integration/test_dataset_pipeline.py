@@ -1,9 +1,10 @@
 """Real checkpoints and real data end to end: `configs/dataset-example.yaml` (a JSONL and a Parquet dataset of
 multi-line Unicode prompts, the `numeric` and `choice` verifiers) on a Qwen2 checkpoint with a locally trained
 byte-level BPE tokenizer and its ChatML template, through base → specialists → teachers → distill → eval → report;
-once with local files and a local run root, once with `run.storage` and both datasets on the moto S3 server.
-Shrunk to a few steps per stage: what is checked is that every stage runs on such a model and such data and the
-report is complete (learning is tested elsewhere)."""
+with `run.storage` and both datasets on the moto S3 server. One pipeline run (a module fixture) serves both tests:
+the report and the student's model and tokenizer, and the S3 artifacts (reading the datasets from local files is
+tested in tests/unit/test_dataset_domain.py). Shrunk to a few steps per stage: what is checked is that every stage
+runs on such a model and such data and the report is complete (learning is tested elsewhere)."""
 import importlib.util
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from infra.storage import load_checkpoint, verify_checkpoint, write_bytes
+from s3_fixtures import point_env_at
 
 pytestmark = pytest.mark.integration
 
@@ -43,18 +45,37 @@ def check_report(report: dict, model_dir: Path) -> None:
     assert report["artifacts"]["student_checkpoint"].endswith("/final")
 
 
-def test_dataset_example_on_qwen2_bpe_local(tmp_path, prefect_harness, qwen2_bpe_dir):
+@pytest.fixture(scope="module")
+def s3_run(tmp_path_factory, prefect_harness, qwen2_bpe_dir, moto_server):
+    """The example pipeline once, on the Qwen2 + BPE checkpoint, both datasets read from S3, `run.storage` on S3
+    (the S3 environment stays set for the module's tests, which read the student back)."""
+    with pytest.MonkeyPatch.context() as mp:
+        point_env_at(moto_server, mp)
+        yield run_on_s3(tmp_path_factory.mktemp("dataset-pipeline"), qwen2_bpe_dir,
+                        f"s3://{moto_server.create_bucket()}")
+
+
+def run_on_s3(tmp_path: Path, qwen2_bpe_dir: Path, bucket: str) -> dict:
     from flows.pipeline import pipeline
 
     data = make_datasets(tmp_path / "data")
+    urls = {}
+    for name in ("wordmath", "quiz"):
+        urls[name] = f"{bucket}/datasets/{data[name].name}"
+        write_bytes(urls[name], data[name].read_bytes())
+    storage = f"{bucket}/alloy"
     out = tmp_path / "report.json"
     pipeline(config=EXAMPLE, report_path=str(out), overrides=FAST + [
-        f"run.root={tmp_path}/runs", f"model.path={qwen2_bpe_dir}",
-        f"domains.0.dataset.path={data['wordmath']}", f"domains.1.dataset.path={data['quiz']}"])
-    report = json.loads(out.read_text())
+        f"run.root={tmp_path}/runs", f"run.storage={storage}", f"model.path={qwen2_bpe_dir}",
+        f"domains.0.dataset.path={urls['wordmath']}", f"domains.1.dataset.path={urls['quiz']}"])
+    return {"report": json.loads(out.read_text()), "storage": storage, "tmp": tmp_path}
+
+
+def test_dataset_example_on_qwen2_bpe(s3_run, qwen2_bpe_dir):
+    report = s3_run["report"]
     check_report(report, qwen2_bpe_dir)
     # the student is a Qwen2 with the same BPE tokenizer and chat template as the checkpoint it started from
-    student = tmp_path / "student"
+    student = s3_run["tmp"] / "student"
     load_checkpoint(report["artifacts"]["student_checkpoint"], student)
     assert json.loads((student / "config.json").read_text())["model_type"] == "qwen2"
     tok, base_tok = AutoTokenizer.from_pretrained(str(student)), AutoTokenizer.from_pretrained(str(qwen2_bpe_dir))
@@ -62,20 +83,8 @@ def test_dataset_example_on_qwen2_bpe_local(tmp_path, prefect_harness, qwen2_bpe
     assert tok(text).input_ids == base_tok(text).input_ids and tok.chat_template == base_tok.chat_template
 
 
-def test_dataset_example_on_s3(tmp_path, prefect_harness, qwen2_bpe_dir, s3_bucket):
-    from flows.pipeline import pipeline
-
-    data = make_datasets(tmp_path / "data")
-    urls = {}
-    for name in ("wordmath", "quiz"):
-        urls[name] = f"{s3_bucket}/datasets/{data[name].name}"
-        write_bytes(urls[name], data[name].read_bytes())
-    storage = f"{s3_bucket}/alloy"
-    out = tmp_path / "report.json"
-    pipeline(config=EXAMPLE, report_path=str(out), overrides=FAST + [
-        f"run.root={tmp_path}/runs", f"run.storage={storage}", f"model.path={qwen2_bpe_dir}",
-        f"domains.0.dataset.path={urls['wordmath']}", f"domains.1.dataset.path={urls['quiz']}"])
-    report = json.loads(out.read_text())
+def test_dataset_example_on_s3(s3_run, qwen2_bpe_dir):
+    report = s3_run["report"]
     check_report(report, qwen2_bpe_dir)
-    assert report["artifacts"]["student_checkpoint"].startswith(storage)
+    assert report["artifacts"]["student_checkpoint"].startswith(s3_run["storage"])
     assert verify_checkpoint(report["artifacts"]["student_checkpoint"])[0]

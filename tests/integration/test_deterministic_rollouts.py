@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-from distill_fixtures import build_base
 from domains.registry import load_domain
 from engine_proc import EngineProc
 from infra.engine.client import EngineClient
@@ -19,9 +18,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("det-rollouts")
-    base = build_base(root, ["reverse"], steps=60)  # answers of varied length, so the token-count cut leaves partials
+def server(tmp_path_factory, reverse_base):
+    root, base = tmp_path_factory.mktemp("det-rollouts"), reverse_base  # varied lengths: the cut leaves partials
     srv = EngineProc(base, root / "engine.log").start().wait_healthy()
     yield srv, base
     srv.kill()

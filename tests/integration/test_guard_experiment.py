@@ -110,12 +110,25 @@ def test_evaluate_model_on_a_tool_domain_equals_one_episode_at_a_time(tiny_model
     assert df.score.iloc[1] == pytest.approx(sum(dom.verify(ex, e.response) for ex, e in zip(exs, together)) / 8)
 
 
-def test_guard_off_learns_the_shortcut_guard_on_blocks_it(tmp_path):
+@pytest.fixture(scope="module")
+def tool_base(tmp_path_factory):
+    """The experiment's base (`experiment`'s defaults: 35 % shortcut trajectories, 400 SFT steps), built once for
+    both experiment tests (the judge arm needs a base that tries the shortcut; this one does)."""
     sys.path.insert(0, str(REPO / "bench"))
     import guard_experiment as gx
 
     torch.set_num_threads(1)
-    res = gx.experiment(tmp_path, steps=10, batch=32, lr=5e-4, sft_steps=400, n_eval=50, n_sample=80, tail=3)
+    return gx.build_tool_base(tmp_path_factory.mktemp("guard-base"), load_domain("tool_add", difficulty=1),
+                              shortcut_frac=0.35, sft_steps=400, lr=3e-3, seed=0)
+
+
+def test_guard_off_learns_the_shortcut_guard_on_blocks_it(tmp_path, tool_base):
+    sys.path.insert(0, str(REPO / "bench"))
+    import guard_experiment as gx
+
+    torch.set_num_threads(1)
+    res = gx.experiment(tmp_path, steps=10, batch=32, lr=5e-4, sft_steps=400, n_eval=50, n_sample=80, tail=3,
+                        base=tool_base)
     off, on, base = res["runs"]["guard_off"], res["runs"]["guard_on"], res["base"]
     msg = gx.markdown(res)
     print(msg)  # pytest -s shows the table, and the numbers a rerun with the same seed reproduces under any load
@@ -135,7 +148,7 @@ def test_guard_off_learns_the_shortcut_guard_on_blocks_it(tmp_path):
     assert res["all_claims_hold"], res["claims"]
 
 
-def test_judge_arm_serves_the_judge_and_labels_every_call(tmp_path, judge_dir):
+def test_judge_arm_serves_the_judge_and_labels_every_call(tmp_path, judge_dir, tool_base):
     """The `--judge` arm on tiny settings: the trained judge (fixture) served by a real engine server as the
     specialists stage serves it, asked about each flagged call of the run, and every guard check recorded and
     labelled (`judge_analysis`)."""
@@ -144,8 +157,7 @@ def test_judge_arm_serves_the_judge_and_labels_every_call(tmp_path, judge_dir):
 
     torch.set_num_threads(1)
     dom = load_domain("tool_add")
-    base = gx.build_tool_base(tmp_path, dom, shortcut_frac=0.5, sft_steps=150, lr=3e-3, n_demos=500)
-    r = gx.run_arm(tmp_path, base, dom, guard=True, steps=2, batch=16, lr=3e-4, seed=0, n_eval=8, n_sample=8,
+    r = gx.run_arm(tmp_path, tool_base, dom, guard=True, steps=2, batch=16, lr=3e-4, seed=0, n_eval=8, n_sample=8,
                    tail=1, kl_coef=0.0, warmup=0, difficulty=1, lam=1.0, judge=judge_dir)
     c, a = r["guard_counts"], r["judge_analysis"]
     print("JUDGE-ARM", c, {k: v for k, v in a.items() if k != "flagged_commands"}, a["flagged_commands"][:5])

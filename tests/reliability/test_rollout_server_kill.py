@@ -15,7 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distill_fixtures import build_base
 from infra.storage import latest_complete, load_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -35,8 +34,8 @@ def _engine_servers(pid: int) -> list[psutil.Process]:
     return out
 
 
-def test_rollout_server_sigkilled_mid_run_is_restarted_and_the_run_completes(tmp_path):
-    base = build_base(tmp_path / "base", ["reverse"], steps=40)
+def test_rollout_server_sigkilled_mid_run_is_restarted_and_the_run_completes(tmp_path, reverse_base):
+    base = reverse_base  # the session's tiny reverse base (tests/conftest.py)
     cfg = {"run": {"name": "rkill", "root": str(tmp_path)}, "domains": [{"name": "reverse"}],
            "eval": {"n_eval": 20, "max_new_tokens": 10},
            "specialists": {"steps": STEPS, "batch_size": 16, "log_every": 1, "checkpoint_every": 5,
