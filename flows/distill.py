@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.handoff import dispatch_overrides, fetch_checkpoint, warn_unshared_storage, where_am_i
+from flows.handoff import (DEPLOYMENT_POLL_S, dispatch_overrides, fetch_checkpoint, warn_unshared_storage,
+                           where_am_i)
 from infra.config import refuse_secret_overrides
 from infra.storage import join, read_json, write_json
 from tasks.context import RunContext, open_context, stage_timer
@@ -49,7 +50,7 @@ def run_distill(ctx: RunContext, student_init: str, teachers: dict[str, str], ba
         raise ValueError("distill.mode=deployment needs storage URLs of the base checkpoint and the teachers")
     warn_unshared_storage(ctx, "distill.mode")
     with stage_timer(ctx, "distill"):
-        fr = run_deployment(ctx.cfg.distill.deployment, timeout=None, as_subflow=True,
+        fr = run_deployment(ctx.cfg.distill.deployment, timeout=None, as_subflow=True, poll_interval=DEPLOYMENT_POLL_S,
                             parameters={"config": ctx.config_path, "student_init": base_url, "teachers": teacher_urls,
                                         "overrides": dispatch_overrides(ctx), "parent_run_id": ctx.parent_run_id})
         if not fr.state or not fr.state.is_completed():

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.handoff import dispatch_overrides, fetch_checkpoint, warn_unshared_storage, where_am_i
+from flows.handoff import (DEPLOYMENT_POLL_S, dispatch_overrides, fetch_checkpoint, warn_unshared_storage,
+                           where_am_i)
 from infra.config import refuse_secret_overrides
 from infra.procs import stop_requested
 from tasks.context import RunContext, open_context, stage_timer
@@ -65,6 +66,7 @@ def _deployments(ctx: RunContext, base_url: str) -> dict[str, dict]:
         attempts = 1 + ctx.cfg.specialists.retries
         for attempt in range(1, attempts + 1):
             fr = run_deployment(ctx.cfg.specialists.deployment, timeout=None, as_subflow=True,
+                                poll_interval=DEPLOYMENT_POLL_S,
                                 parameters={"config": ctx.config_path, "domain": domain, "base_url": base_url,
                                             "overrides": overrides, "parent_run_id": ctx.parent_run_id})
             if fr.state and fr.state.is_completed():

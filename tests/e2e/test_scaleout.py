@@ -153,9 +153,11 @@ def cluster(moto_server):
                              timeout=300, cwd=copies["a"])
         assert dep.returncode == 0, dep.stdout[-3000:] + dep.stderr[-3000:]
         for w in ("a", "b"):
+            # each worker asks for scheduled flow runs every 5 s (Prefect's default: 10 s; at 1 s, two workers kept
+            # the server's SQLite busy enough for create_flow_run to get HTTP 503)
             entries.append(spawn(f"worker-{w}", [PREFECT, "worker", "start", "--pool", f"pool-{w}", "--type",
-                                                 "process", "--name", f"worker-{w}"],
-                                 base / "logs" / f"worker-{w}.log", env_for(w, copies[w]), copies[w]))
+                                                 "process", "--name", f"worker-{w}"], base / "logs" / f"worker-{w}.log",
+                                 {**env_for(w, copies[w]), "PREFECT_WORKER_QUERY_SECONDS": "5"}, copies[w]))
         for w in ("a", "b"):
             _wait(lambda: any(x["name"] == f"worker-{w}" and x["status"] == "ONLINE"
                               for x in _post(f"{api}/work_pools/pool-{w}/workers/filter", {})),

@@ -141,16 +141,24 @@ def check_checkpoints(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
+def run_root(tmp_path_factory) -> Path:
+    """One run root for the two stage tests (same base config): the later one finds the MLflow store and the base
+    checkpoint in place and reaches its stage sooner. Each test checks only the runs it started (`started`), and
+    every checkpoint under the root."""
+    return tmp_path_factory.mktemp("interrupt")
+
+
+@pytest.fixture(scope="module")
 def api_url(prefect_harness):
     from prefect.settings import PREFECT_API_URL
 
     return PREFECT_API_URL.value()
 
 
-def test_ctrl_c_in_the_specialists_stage_stops_everything_then_twice_kills_at_once(tmp_path_factory):
+def test_ctrl_c_in_the_specialists_stage_stops_everything_then_twice_kills_at_once(run_root):
     """Ctrl-C as a terminal sends it: to the process group, which Prefect's temporary API server shares (it stops at
     once, so the flow's last state updates never arrive; the stop must not wait for them)."""
-    root = tmp_path_factory.mktemp("interrupt")
+    root = run_root
     log = root / "smoke" / "work" / "logs" / "specialist-reverse.log"
     started = time.time()
     proc, tag, out = start_run(root, [], None)
@@ -171,10 +179,10 @@ def test_ctrl_c_in_the_specialists_stage_stops_everything_then_twice_kills_at_on
     assert took <= 10, took
 
 
-def test_sigterm_in_the_distill_stage_stops_everything_cleanly(tmp_path_factory, api_url):
+def test_sigterm_in_the_distill_stage_stops_everything_cleanly(run_root, api_url):
     """The distill stage (specialists off: the base model serves as the teacher); SIGTERM to `alloy run` alone, with
     a Prefect API server that stays up (the session's)."""
-    root = tmp_path_factory.mktemp("interrupt-distill")
+    root = run_root
     started = time.time()
     proc, tag, out = start_run(root, ["specialists.enabled=false"], api_url)
     wait_for(proc, out, root / "smoke" / "work" / "logs" / "distill.log", "student.distill_main",
