@@ -13,12 +13,12 @@ setup: $(STAMP)
 
 # torch goes in first, from the CPU wheel on local disk: anything that depends on torch would
 # otherwise pull a multi-GB CUDA build. constraints.txt pins the set that is known to resolve here.
-# --no-compile: no .pyc for the many files never imported (the ones used compile on first import); measured
-# 2026-11-26, loaded machine: torch 31 -> 10 s, the rest 164 -> 95 s.
+# Not --no-compile: where PYTHONDONTWRITEBYTECODE is set (it is on the CI machine) no .pyc would ever be written
+# and every process would compile its imports from source (a fresh-clone suite ran 2.5x slower that way).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile --disable-pip-version-check "torch==2.13.0"
-	$(BIN)/pip install -q --no-compile --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
 	  (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
 	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1)) || \
