@@ -58,6 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from teacher_scaling import REPO, exit_on_sigterm, machine_info, make_cfg, write_outputs  # noqa: E402
+from merge_stats import ARMS as SUMMARY_ARMS  # noqa: E402  (the summary's arm names: offline is offline_kd)
 from trl_compare import accuracy  # noqa: E402
 
 FINAL_ARMS = ("opd", "offline", "mixed_rl", "sequential_rl")
@@ -453,10 +454,9 @@ def chart(summary: dict, names: list[str]):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from merge_stats import ARMS as S_ARMS
 
     rows = [("base", summary["base"]["per_domain"]), ("specialists", summary["specialists"]["per_domain"])]
-    rows += [(arm, summary[arm]["per_domain"]) for arm in S_ARMS]
+    rows += [(arm, summary[arm]["per_domain"]) for arm in SUMMARY_ARMS]
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(names)), 4.5))
     width = 0.8 / len(rows)
     for i, (label, per) in enumerate(rows):
@@ -482,7 +482,7 @@ def log_to_mlflow(result: dict, fig, runs_root: Path) -> str:
                              tags={"bench": "merge_baselines", "n_seeds": result["n_seeds"]})
     tr.log_params({"n_seeds": result["n_seeds"], "n_domains": result["n_domains"], "seeds": result["seeds"],
                    **{f"equal_compute.{k}": v for k, v in result["config"]["equal_compute"].items()}})
-    tr.log_metrics({f"{arm}.{k}": result["summary"][arm][k] for arm in FINAL_SUMMARY_ARMS
+    tr.log_metrics({f"{arm}.{k}": result["summary"][arm][k] for arm in SUMMARY_ARMS
                     for k in ("mean", "ci95_low", "ci95_high")})
     tr.log_figure(fig, "merge_baselines_chart.png")
     tr.log_text(result["table_md"], "merge_baselines.md")
@@ -490,8 +490,6 @@ def log_to_mlflow(result: dict, fig, runs_root: Path) -> str:
     tr.end()
     return run_id
 
-
-FINAL_SUMMARY_ARMS = ("opd", "offline_kd", "mixed_rl", "sequential_rl")
 
 
 def summarize_seeds(args, out: Path, seeds: list[int], per_seed: list[dict], argv: list[str]) -> dict:
@@ -514,7 +512,7 @@ def summarize_seeds(args, out: Path, seeds: list[int], per_seed: list[dict], arg
               "summary": summary, "target": summary_target(summary),
               "per_seed_target": [r["target"] for r in per_seed],
               "total_s": sum(r["total_s"] for r in per_seed)}
-    write_outputs(out, result, summary_table(summary, names, len(seeds)))
+    write_outputs(out, result, summary_table(summary, names, len(seeds)))  # first: an MLflow failure loses nothing
     fig = chart(summary, names)
     fig.savefig(out.with_suffix(".png"), dpi=110)
     if not args.no_mlflow:

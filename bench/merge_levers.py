@@ -28,7 +28,8 @@ from teacher_scaling import REPO, exit_on_sigterm, write_outputs  # noqa: E402
 MAIN_ARMS = ("opd", "offline", "mixed_rl", "sequential_rl")
 
 
-def run_seed(args, seed: int, models: Path, main: dict, out: Path) -> dict:
+def run_seed(args, seed: int, models: Path, main_path: Path, out: Path) -> dict:
+    main = json.loads(main_path.read_text())
     spec = json.loads((models / "spec.json").read_text())
     names = [d["name"] for d in spec["domains"]]
     kept = json.loads((models / "runs.json").read_text())
@@ -45,7 +46,7 @@ def run_seed(args, seed: int, models: Path, main: dict, out: Path) -> dict:
     opd = aggregate_opd_only(names, kept["base_scores"], kept["specialists"], run)
     budget = main["config"]["equal_compute"]["budget_C"]
     result = {"bench": "merge_levers", "tag": args.tag, "seed": seed, "plan": plan_of(args), "models": str(models),
-              "distill": spec["distill"], "opd": opd, "main_file": main.get("_path"),
+              "distill": spec["distill"], "opd": opd, "main_file": str(main_path),
               "main": {a: main["aggregate"][a]["mean_score"] for a in MAIN_ARMS},
               "extra_samples_vs_budget": opd["compute"]["total_samples"] - budget, "run": run}
     write_outputs(out, result, f"lever {args.tag}, seed {seed}: OPD mean {opd['mean_score']:.3f} (main run: "
@@ -115,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             if not need.exists():
                 raise SystemExit(f"{need}: missing; run `python bench/merge_baselines.py --demo --seeds {seed}` "
                                  "first (it keeps the models and writes the per-seed file)")
-        main = json.loads(main_seed.read_text()) | {"_path": str(main_seed)}
-        results.append(run_seed(args, seed, models, main, path))
+        results.append(run_seed(args, seed, models, main_seed, path))
     s = summary(results)
     write_outputs(out, {"bench": "merge_levers", "tag": args.tag, "command": " ".join(
         ["python bench/merge_levers.py"] + argv), "n_seeds": len(results), "summary": s,
