@@ -13,15 +13,12 @@ setup: $(STAMP)
 
 # torch goes in first, from the CPU wheel on local disk: anything that depends on torch would
 # otherwise pull a multi-GB CUDA build. constraints.txt pins the set that is known to resolve here.
-# --no-compile: no .pyc for the many installed files never imported (pip's compile step is mostly disk writes);
-# the ones used compile on first import, which is why PYTHONDONTWRITEBYTECODE is unexported below: where it is set
-# (it is on the CI machine) no .pyc would ever be written and every process would compile its imports from source
-# (a fresh-clone suite ran 2.5x slower that way, 2026-11-26).
-unexport PYTHONDONTWRITEBYTECODE
+# Not --no-compile: where PYTHONDONTWRITEBYTECODE is set (it is on the CI machine) no .pyc would ever be written
+# and every process would compile its imports from source (a fresh-clone suite ran 2.5x slower that way).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile --disable-pip-version-check "torch==2.13.0"
-	$(BIN)/pip install -q --no-compile --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
 	  (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
 	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1)) || \
