@@ -48,44 +48,6 @@ def check_report(report: dict, n_domains: int, specialists: bool = True) -> None
                                                                      or art["registered_model"].startswith("alloy-student/"))
 
 
-def test_smoke_pipeline_local(tmp_path, prefect_harness):
-    from flows.pipeline import pipeline
-
-    out = tmp_path / "out.json"
-    report = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}"], report_path=str(out))
-    check_report(json.loads(out.read_text()), 3)
-    assert report["run_id"] == report["mlflow"]["parent_run_id"]
-
-    # MLflow: the parent run and its nested base run exist in the SQLite store
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    parent = client.get_run(report["mlflow"]["parent_run_id"])
-    assert parent.info.status == "FINISHED"
-    assert parent.data.params["domains.0.name"] == "reverse"
-    children = {c.info.run_name: c for c in client.search_runs(
-        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
-    assert set(children) == {"base", "student", "specialist/reverse", "specialist/max_list", "specialist/case_swap"}
-    assert "sft/loss" in children["base"].data.metrics
-    # (policy metrics are absent on steps that train only the critic; test_specialist.py checks them per step)
-    assert {"reward", "value_loss", "rollout_s", "eval/score"} <= set(children["specialist/reverse"].data.metrics)
-    mv = client.get_model_version_by_alias("alloy-student", "candidate")
-    assert mv.run_id == children["student"].info.run_id
-    # the dashboard: charts on the parent run, the run's results on the registered version
-    charts = {a.path for a in client.list_artifacts(parent.info.run_id, "charts")}
-    assert {"charts/scores_by_domain.png", "charts/specialist_reward.png", "charts/student_loss.png"} <= charts
-    assert mv.tags["alloy.student_mean"] == str(report["summary"]["student_mean"])
-    assert f"student mean {report['summary']['student_mean']}" in mv.description
-
-    # storage: the base checkpoint is committed by a valid COMPLETE manifest, the report sits beside it
-    ckpt = latest_complete(f"file://{tmp_path}/smoke/{_base_dir(tmp_path)}")
-    assert ckpt and verify_checkpoint(ckpt, deep=True)[0]
-    assert read_json(f"file://{tmp_path}/smoke/report.json")["run_id"] == report["run_id"]
-
-    # a second run with the same config reuses the committed base, specialists and student (no retraining)
-    again = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}"])
-    assert again["timings_s"]["base"] < 5.0 and again["timings_s"]["specialists"] < 10.0
-    assert again["domains"] == report["domains"]
-
-
 def _base_dir(tmp_path: Path) -> str:
     dirs = [p.name for p in (tmp_path / "smoke").iterdir() if p.name.startswith("base-")]
     assert len(dirs) == 1, dirs
@@ -98,7 +60,7 @@ def clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-# two domains: one round of specialists at max_parallel 2 (the three-domain smoke run is test_smoke_pipeline_local)
+# two domains: one round of specialists at max_parallel 2 (two rounds, three domains: tests/integration/test_agentic.py)
 TWO_RANKS = ["domains=[{name: reverse}, {name: max_list}]", "base.train.world_size=2", "base.train.zero_stage=2",
              "base.train.micro_batch_size=32", "specialists.policy_train.world_size=2",
              "specialists.critic_train.world_size=2", "distill.train.world_size=2", "specialists.steps=2",
@@ -110,7 +72,9 @@ def test_cli_run_every_trainer_on_two_ranks_and_exit_codes(tmp_path, prefect_har
     (on two of its domains) with every trainer on 2 ranks under torchrun (gloo) — the base SFT (ZeRO-2), the
     specialists (policy + critic in one process group; rank 0 drives rollouts; its checkpoint holds both ranks'
     states) and the student — exits 0 and writes the report, whose `resources` is what the trainers' process groups
-    were. Then a bad override and a bad plugin exit 2 naming the field."""
+    were; MLflow holds the parent run, its nested stage runs, the dashboard's charts and the registered student;
+    storage the committed checkpoints. The same config run again in-process (the flow function) reuses every stage.
+    Then a bad override and a bad plugin exit 2 naming the field."""
     out = tmp_path / "report.json"
     sets = sum((["--set", s] for s in FAST + [f"run.root={tmp_path}"] + TWO_RANKS), [])
     proc = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, *sets, "--report", str(out)],
@@ -124,12 +88,26 @@ def test_cli_run_every_trainer_on_two_ranks_and_exit_codes(tmp_path, prefect_har
                                    "student": {"world_size": 2}}
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     parent = client.get_run(report["mlflow"]["parent_run_id"])
-    assert parent.info.status == "FINISHED"
+    assert parent.info.status == "FINISHED" and report["run_id"] == report["mlflow"]["parent_run_id"]
+    assert parent.data.params["domains.0.name"] == "reverse"
     children = {c.info.run_name: c for c in client.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
+    assert set(children) == {"base", "student", "specialist/reverse", "specialist/max_list"}
     assert "sft/loss" in children["base"].data.metrics
-    assert "value_loss" in children["specialist/reverse"].data.metrics
+    # (policy metrics are absent on steps that train only the critic; test_specialist.py checks them per step)
+    assert {"reward", "value_loss", "rollout_s", "eval/score"} <= set(children["specialist/reverse"].data.metrics)
     assert "train/loss" in children["student"].data.metrics
+    mv = client.get_model_version_by_alias("alloy-student", "candidate")
+    assert mv.run_id == children["student"].info.run_id
+    # the dashboard: charts on the parent run, the run's results on the registered version
+    charts = {a.path for a in client.list_artifacts(parent.info.run_id, "charts")}
+    assert {"charts/scores_by_domain.png", "charts/specialist_reward.png", "charts/student_loss.png"} <= charts
+    assert mv.tags["alloy.student_mean"] == str(report["summary"]["student_mean"])
+    assert f"student mean {report['summary']['student_mean']}" in mv.description
+    # storage: the base checkpoint is committed by a valid COMPLETE manifest, the report sits beside it
+    base_ckpt = latest_complete(f"file://{tmp_path}/smoke/{_base_dir(tmp_path)}")
+    assert base_ckpt and verify_checkpoint(base_ckpt, deep=True)[0]
+    assert read_json(f"file://{tmp_path}/smoke/report.json")["run_id"] == report["run_id"]
     logs = tmp_path / "smoke" / "work" / "logs"
     assert "2 rank(s)" in (logs / "base.log").read_text()
     # a specialist's resumable checkpoint holds both ranks' DeepSpeed states and says which world size wrote it
@@ -138,6 +116,14 @@ def test_cli_run_every_trainer_on_two_ranks_and_exit_codes(tmp_path, prefect_har
     assert (ckpt / "policy-state" / "state" / "rng_rank1.pt").is_file()
     assert (ckpt / "critic-state" / "state" / "rng_rank1.pt").is_file()
     assert json.loads((ckpt / "trainer.json").read_text())["world_size"] == 2
+
+    # a second run with the same config, through the flow function in this process, reuses the committed base,
+    # specialists and student (no retraining)
+    from flows.pipeline import pipeline
+
+    again = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}"] + TWO_RANKS)
+    assert again["timings_s"]["base"] < 5.0 and again["timings_s"]["specialists"] < 10.0
+    assert again["domains"] == report["domains"]
 
     bad = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "base.steps=-3"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
