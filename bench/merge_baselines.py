@@ -491,7 +491,6 @@ def log_to_mlflow(result: dict, fig, runs_root: Path) -> str:
     return run_id
 
 
-
 def summarize_seeds(args, out: Path, seeds: list[int], per_seed: list[dict], argv: list[str]) -> dict:
     """The multi-seed file: n_seeds, n_domains, the summary with 95% intervals, the chart, the MLflow run."""
     from merge_stats import summarize, summary_table

@@ -21,11 +21,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge_baselines import aggregate_opd_only, run_worker  # noqa: E402
+from merge_baselines import FINAL_ARMS as MAIN_ARMS, aggregate_opd_only, run_worker  # noqa: E402
 from merge_stats import ci95  # noqa: E402
 from teacher_scaling import REPO, exit_on_sigterm, write_outputs  # noqa: E402
-
-MAIN_ARMS = ("opd", "offline", "mixed_rl", "sequential_rl")
 
 
 def run_seed(args, seed: int, models: Path, main_path: Path, out: Path) -> dict:
