@@ -11,14 +11,12 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-# torch goes in first, from the CPU wheel on local disk: anything that depends on torch would
-# otherwise pull a multi-GB CUDA build. constraints.txt pins the set that is known to resolve here.
-# Not --no-compile: where PYTHONDONTWRITEBYTECODE is set (it is on the CI machine) no .pyc would ever be written
-# and every process would compile its imports from source (a fresh-clone suite ran 2.5x slower that way).
-$(STAMP): pyproject.toml constraints.txt
+# scripts/install.py: torch's CPU wheel first (anything that depends on torch would otherwise pull a multi-GB CUDA
+# build), then the package; constraints.txt pins the set known to resolve here; every module byte-compiled. With uv
+# when it can be had (from the index pip uses, with pip's settings), else pip.
+$(STAMP): pyproject.toml constraints.txt scripts/install.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check "torch==2.13.0"
-	$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	$(BIN)/python scripts/install.py $(VENV)
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
 	  (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
 	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1)) || \
