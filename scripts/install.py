@@ -29,8 +29,12 @@ SECTIONS = ("global", "install", ":env:")  # `pip config list`'s sections, lowes
 
 
 def pip_settings(pip: Path) -> dict[str, list[str]]:
-    """pip's effective install settings: {option: [values]} from `pip config list` (a later scope wins)."""
-    out = subprocess.run([str(pip), "config", "list"], capture_output=True, text=True).stdout
+    """pip's effective install settings: {option: [values]}."""
+    return parse_pip_config(subprocess.run([str(pip), "config", "list"], capture_output=True, text=True).stdout)
+
+
+def parse_pip_config(out: str) -> dict[str, list[str]]:
+    """`pip config list`'s lines (`section.option='v1 v2'`) as {option: [values]}; a later section wins."""
     found: dict[tuple[int, str], list[str]] = {}
     for line in out.splitlines():
         key, sep, value = line.partition("=")
