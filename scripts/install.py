@@ -23,7 +23,8 @@ TORCH = "torch==2.13.0"
 UV = "uv==0.13.9"
 # pip's option → (uv's variable, separator of several values)
 PIP_TO_UV = {"index-url": ("UV_DEFAULT_INDEX", None), "extra-index-url": ("UV_EXTRA_INDEX_URL", " "),
-             "find-links": ("UV_FIND_LINKS", ","), "trusted-host": ("UV_INSECURE_HOST", " "), "cert": ("SSL_CERT_FILE", None),
+             "find-links": ("UV_FIND_LINKS", ","), "trusted-host": ("UV_INSECURE_HOST", " "),
+             "cert": ("SSL_CERT_FILE", None),
              "timeout": ("UV_HTTP_TIMEOUT", None), "default-timeout": ("UV_HTTP_TIMEOUT", None)}
 SECTIONS = ("global", "install", ":env:")  # `pip config list`'s sections, lowest precedence first (files merged)
 
@@ -73,9 +74,8 @@ def with_uv(venv: Path) -> bool:
 
 
 def with_pip(venv: Path) -> bool:
-    pip = str(venv / "bin" / "pip")
-    return (run([pip, "install", "-q", "--disable-pip-version-check", TORCH]) == 0
-            and run([pip, "install", "-q", "--disable-pip-version-check", "-c", "constraints.txt", "-e", ".[dev]"]) == 0)
+    pip = [str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check"]
+    return run(pip + [TORCH]) == 0 and run(pip + ["-c", "constraints.txt", "-e", ".[dev]"]) == 0
 
 
 def main(argv: list[str]) -> int:
