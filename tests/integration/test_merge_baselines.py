@@ -1,7 +1,7 @@
 """`bench/merge_baselines.py --quick` end to end, one seed (real specialist PPO, real OPD with teacher servers, real
-offline SFT, mixed and sequential RL): the numbers of a smoke run mean nothing, the bookkeeping does — every arm consumed
-the same number of sampled completions, per-domain scores are in [0, 1], forgetting and the target flags follow
-from the recorded scores.
+offline SFT, mixed and sequential RL): the numbers of a smoke run mean nothing, the bookkeeping does — every arm
+consumed the same number of sampled completions, per-domain scores are in [0, 1], forgetting and the target flags
+follow from the recorded scores.
 """
 from __future__ import annotations
 
