@@ -261,6 +261,16 @@ def _forget_inherited_gloo_interface() -> None:
         del os.environ["GLOO_SOCKET_IFNAME"]
 
 
+def _skip_cpu_shm_op() -> None:
+    """On the CPU accelerator DeepSpeed's comm backend JIT-compiles its shared-memory all-reduce op
+    (`deepspeed_shm_comm`) at every init unless built: ~35-100 s of C++ compile once per environment on 2 cores, and
+    a compiler on the machine. Only `inference_all_reduce` (DeepSpeed's tensor-parallel inference engine) uses it;
+    training's collectives go through torch.distributed (gloo here). So it is marked unavailable, as DeepSpeed marks
+    an op it cannot build; its backend then leaves it out (`shm_comm_op` None)."""
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def init_distributed(backend: str | None = None) -> tuple[int, int]:
     """Join (or create) the process group; idempotent. Returns (rank, world_size).
 
@@ -269,9 +279,10 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     also set for a world of one (DeepSpeed reads RANK, LOCAL_RANK & co. from os.environ; MASTER_PORT is a free
     port number that only marks the env as ours, nothing listens on it). Launched by torchrun / the deepspeed
     launcher with more processes: their env:// rendezvous, with MASTER_ADDR defaulting to 127.0.0.1 (one machine);
-    by mpirun: DeepSpeed's MPI discovery. The first call on a machine JIT-compiles DeepSpeed's small shm op (~35 s
-    on 2 cores; cached per environment in TORCH_EXTENSIONS_DIR, set by `infra` to <venv>/torch_extensions).
+    by mpirun: DeepSpeed's MPI discovery. On the CPU, DeepSpeed's shared-memory all-reduce op is not built (see
+    `_skip_cpu_shm_op`).
     """
+    _skip_cpu_shm_op()
     if not dist.is_initialized():
         backend = backend or default_dist_backend()
         if not _launched_by_a_launcher():

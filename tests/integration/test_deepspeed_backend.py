@@ -4,7 +4,7 @@ HF export (also from ZeRO-3), and the pure config arithmetic.
 The key claim: with losses normalised by the GLOBAL token count (`backend.loss_normalizer`), 1 rank and 2 ranks
 on the same global batch apply the same update. A negative control shows the batch tells the normalisations apart.
 The 2-rank run is a subprocess (tests/integration/ds_rank_worker.py); everything else runs in this process as a
-world of one. On a fresh machine the first `init_distributed` JIT-compiles DeepSpeed's shm op (~35 s, cached).
+world of one. DeepSpeed's CPU shm all-reduce op (inference only) is never compiled (checked below).
 """
 from __future__ import annotations
 
@@ -160,6 +160,15 @@ def test_init_distributed_is_idempotent_and_single_process():
     assert init_distributed() == (0, 1)
     assert os.environ["WORLD_SIZE"] == "1" and os.environ["MASTER_ADDR"] == "127.0.0.1"
     assert torch.distributed.get_backend() == "gloo"
+
+
+def test_the_cpu_shm_op_is_not_compiled():
+    """DeepSpeed's CPU comm backend builds its shm all-reduce op (inference-only, ~35-100 s of C++ on 2 cores) unless
+    it is marked unavailable: after init the backend holds none (none was built, nor loaded from an earlier build)."""
+    import deepspeed.comm.comm as ds_comm
+
+    init_distributed()
+    assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None
 
 
 def test_child_process_does_not_join_the_parents_world_of_one():
