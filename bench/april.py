@@ -362,7 +362,8 @@ def run_demo(url: str, tok, args, quick: bool = False) -> dict:
                 r = asyncio.run(run_arm(url, tok, name=name, batch=B, over_sampling=os_, max_staleness=ms,
                                         min_extra=MIN_EXTRA, steps=args.demo_steps, warmup=args.demo_warmup,
                                         max_new_tokens=L, domain=d,
-                                        make_cursor=lambda d=d, diff=diff: DemoCursor(d, diff, tok, L)))
+                                        make_cursor=lambda d=d, diff=diff: DemoCursor(d, diff, tok, L,
+                                                                                       n=args.demo_prompts)))
                 r.pop("steps")  # per-step records of 12 domains x arms: the summaries keep what matters
                 runs.append({"repeat": rep, "batch": B, "domain": d, **r})
         print(f"demo repeat {rep}: " + ", ".join(f"{a} {pooled([r for r in runs if r['arm'] == a]):.0f}/s"
@@ -440,12 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo-over-sampling", default="1.1,1.5", help="demo arms april_os<x> beside sync and april")
     p.add_argument("--demo-steps", type=int, default=10, help="measured steps per demo domain, arm and repeat")
     p.add_argument("--demo-warmup", type=int, default=3)
+    p.add_argument("--demo-prompts", type=int, default=2000, help="train prompts a demo domain's cursor cycles")
     p.add_argument("--quick", action="store_true", help="smoke size (the integration test); numbers mean little")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.steps, args.warmup, args.repeats, args.tail = "8", 6, 3, 1, "48,128"
         args.over_sampling = "2.0"
         args.demo_batch, args.demo_over_sampling, args.demo_steps, args.demo_warmup = 16, "", 3, 2
+        args.demo_prompts = 200  # ≥ the ~100 prompts an arm takes in 5 steps of ≤ 20 requests: none repeats
     workloads = (args.workload or ("longtail" if args.quick else "longtail,demo")).split(",")
     if set(workloads) - {"longtail", "demo"} or not workloads:
         p.error(f"--workload: longtail and/or demo, got {args.workload!r}")

@@ -182,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-steps", type=int, default=60)
     p.add_argument("--teacher-steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="batch 8, 4 steps, untrained models (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="first domain only (one teacher server), batch 8, 3 steps, "
+                   "untrained models (a smoke run)")
     args = p.parse_args(argv)
     if args.quick:
-        args.batch, args.steps, args.warmup, args.max_new_tokens = 8, 4, 1, 4
+        args.batch, args.steps, args.warmup, args.max_new_tokens = 8, 3, 1, 4
+        args.domains = args.domains.split(",")[0]  # one teacher server per domain: each costs a process start-up
         args.base_steps, args.teacher_steps = 2, 2
     import torch
 

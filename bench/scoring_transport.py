@@ -50,7 +50,7 @@ VARIANTS = ("json_items", "json_vectorised", "binary")
 POINTS = {"tiny": dict(samples=96, prompt_len=16, response_len=16, top_k=16),
           "realistic": dict(samples=64, prompt_len=32, response_len=1024, top_k=20)}
 QUICK = {"tiny": dict(samples=24, prompt_len=16, response_len=16, top_k=16),
-         "realistic": dict(samples=8, prompt_len=32, response_len=128, top_k=20)}
+         "realistic": dict(samples=4, prompt_len=32, response_len=128, top_k=20)}
 SCORE_BATCH = 32
 BEFORE_REF = "d0da0ed"  # the last commit before the binary transport, vectorised JSON parse and GC pauses
 
@@ -272,10 +272,10 @@ def main(argv=None) -> int:
     ap.add_argument("--before-ref", default=None, help="git ref whose engine server answers the json_items "
                     f"(before) variant; default {BEFORE_REF}, the commit before this transport ('' or --quick: this "
                     "checkout's server, i.e. only the client side is the old one)")
-    ap.add_argument("--quick", action="store_true", help="smoke-sized points, 2 repeats (numbers mean nothing)")
+    ap.add_argument("--quick", action="store_true", help="smoke-sized points, 1 repeat (numbers mean nothing)")
     args = ap.parse_args(argv)
     exit_on_sigterm()
-    repeats = 2 if args.quick else args.repeats
+    repeats = 1 if args.quick else args.repeats
     if args.before_ref is None:
         args.before_ref = "" if args.quick else BEFORE_REF
     t_start, load0 = time.perf_counter(), list(os.getloadavg())

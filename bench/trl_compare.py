@@ -239,8 +239,9 @@ def worker(system: str, seed: int, threads: int, spec: dict, result_path: Path) 
 
 
 # -- the parent -----------------------------------------------------------------------------------------------------
-def run_worker(system: str, seed: int, threads: int, spec_path: Path, out_dir: Path) -> dict:
-    """Run one (system, seed) in a fresh process; add the peak memory of its process tree and the load average."""
+def run_worker(system: str, seed: int, threads: int, spec_path: Path, out_dir: Path, poll_s: float = 0.2) -> dict:
+    """Run one (system, seed) in a fresh process; add the peak memory of its process tree (sampled every `poll_s`
+    seconds) and the load average."""
     import psutil
 
     tag = f"{spec_path.stem}-{system}-{seed}-t{threads}"
@@ -265,7 +266,7 @@ def run_worker(system: str, seed: int, threads: int, spec_path: Path, out_dir: P
                 except psutil.Error:
                     pass
             peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
-            time.sleep(0.2)
+            time.sleep(poll_s)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {system} seed {seed} failed (exit {proc.returncode}); log tail:\n"
                            + log_path.read_text()[-3000:])
@@ -341,7 +342,8 @@ def run_point(spec: dict, root: Path, name: str, systems: list[str], seeds: list
         spec_path = root / f"{tag}.json"
         spec_path.write_text(json.dumps(spec_))
         with ThreadPoolExecutor(max_workers=jobs) as pool:  # each worker is measured as its own process tree
-            out = list(pool.map(lambda j: run_worker(j[0], j[1], j[2], spec_path, root), jobs_))
+            out = list(pool.map(lambda j: run_worker(j[0], j[1], j[2], spec_path, root,
+                                                     spec_.get("mem_poll_s", 0.2)), jobs_))
         for r in out:
             print(f"{tag} {r['system']} seed {r['seed']} threads {r['threads']}: "
                   f"{r['completion_tokens_per_s']:.0f} tok/s, {r['s_per_step']:.3f} s/step, "
@@ -451,9 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-presets", default="nano,tiny,small,base")
     p.add_argument("--sweep-lengths", default="8,32,128")
     p.add_argument("--sweep-steps", type=int, default=15)
-    p.add_argument("--quick", action="store_true", help="first 2 domains, 1 seed, 4 steps, batch 6, tiny preset, "
-                   "2 TRL threads, barely trained models (a smoke run; with --sweep: nano, lengths 4 and 8)")
+    p.add_argument("--quick", action="store_true", help="first 2 domains, 1 seed, 2 steps, batch 6, tiny preset, "
+                   "2 TRL threads, barely trained models, memory sampled every 1 s, OpenMP threads wait passively "
+                   "(a smoke run; with --sweep: nano, lengths 4 and 8)")
     p.add_argument("--jobs", type=int, default=1, help="workers at once (1 for timing; --quick runs all at once)")
+    p.add_argument("--mem-poll-s", type=float, default=0.2,
+                   help="interval of the parent's memory sampling of each worker's process tree (--quick: 1.0)")
     p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -464,11 +469,16 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.seed, args.threads, json.loads(Path(args.spec).read_text()), Path(args.result))
         return 0
     if args.quick:
-        args.seeds, args.steps, args.batch, args.max_new_tokens, args.eval_n, args.kl_n = "0", 4, 6, 4, 6, 4
+        args.seeds, args.steps, args.batch, args.max_new_tokens, args.eval_n, args.kl_n = "0", 2, 6, 4, 6, 4
         args.domains, args.preset, args.trl_threads = ",".join(args.domains.split(",")[:2]), "tiny", "2"
         args.jobs = len(args.systems.split(","))  # a smoke run: its timings mean nothing, so overlap the start-ups
         args.base_steps, args.teacher_steps = 2, 2
         args.sweep_presets, args.sweep_lengths, args.sweep_steps = "nano", "4,8", 3
+        args.mem_poll_s = 1.0  # each psutil sample reads every tree process's smaps: ~2 ms of CPU per process
+        # The 2-thread TRL workers (and every worker's evaluation) run beside ~8 other processes on 2 cores: OpenMP's
+        # default spin-wait between parallel regions burns CPU the others need. Timings mean nothing here; set before
+        # torch is imported, inherited by the workers and their servers.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     out = Path(args.out or REPO / f"bench/results/trl_compare{'_sweep' if args.sweep else ''}.json")
     t0 = time.perf_counter()
     names = args.domains.split(",")
@@ -478,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     top_k = args.top_k if args.top_k == "vocab" else int(args.top_k)
     machine = machine_info()
     common = {"domains": names, "batch": args.batch, "lr": args.lr, "n_prompts_per_domain": 200, "force": args.force,
-              "top_k": top_k, "max_staleness": args.max_staleness, "eval_n": args.eval_n, "kl_n": args.kl_n}
+              "top_k": top_k, "max_staleness": args.max_staleness, "eval_n": args.eval_n, "kl_n": args.kl_n,
+              "mem_poll_s": args.mem_poll_s}
     result = {"bench": "trl_compare", "command": " ".join(["python bench/trl_compare.py"] + (argv or sys.argv[1:])),
               "quick": args.quick, "machine": machine,
               "shared_machine_note": "2 cores, possibly shared with other jobs; per-run load averages in runs[]"}
