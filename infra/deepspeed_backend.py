@@ -39,10 +39,29 @@ from typing import Any, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
+
+def _import_deepspeed():
+    """`import deepspeed` without the MLflow import its autotuner does at import time to see whether it could log
+    there (~1 s of CPU in every trainer process; Alloy never runs DeepSpeed's autotuner, and logs to MLflow itself,
+    importing it lazily where tracking is on). MLflow is hidden for the import only (an import of it raises, so the
+    autotuner records it absent, as on a machine without it); later imports load it as usual."""
+    import sys
+
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None
+    try:
+        import deepspeed
+    finally:
+        if hide and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 # DeepSpeed picks its accelerator at import time: `import infra` (the parent package, imported first) sets
 # DS_ACCELERATOR=cpu when no CUDA device is visible and leaves it unset otherwise, so DeepSpeed detects CUDA. (A
 # blanket default to cpu here trained on the CPU of a GPU machine: bench/gpu_check.py found it on an H100.)
-import deepspeed  # noqa: E402
+deepspeed = _import_deepspeed()
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from infra.safe_load import deepspeed_allowed, safe_torch_load  # noqa: E402

@@ -183,6 +183,16 @@ def test_child_process_does_not_join_the_parents_world_of_one():
     assert rank_world == "(0, 1)" and port != os.environ["MASTER_PORT"]
 
 
+def test_importing_the_backend_does_not_import_mlflow_and_mlflow_still_imports_after():
+    """DeepSpeed's autotuner probes MLflow at import (~1 s per trainer process); the backend hides it for that
+    import only: a fresh process has no mlflow loaded after importing the backend, and can import it after."""
+    code = ("import sys; import infra.deepspeed_backend; from deepspeed.autotuning import autotuner; "
+            "print('mlflow' in sys.modules, autotuner.has_mlflow); import mlflow; print(mlflow.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "False", "mlflow"], out.stdout
+
+
 def test_step_reduces_loss_on_a_repeated_batch(backends):
     b = backends(worker.build_model(), TrainSettings(lr=1e-2, micro_batch_size=4))
     assert (b.rank, b.world_size, b.is_main, b.device.type) == (0, 1, True, "cpu")
