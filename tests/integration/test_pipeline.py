@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "configs" / "smoke.yaml")
-FAST = ["base.steps=20", "base.n_train_per_domain=200", "eval.n_eval=10", "specialists.steps=3", "specialists.batch_size=8",
+FAST = ["base.steps=8", "base.n_train_per_domain=200", "eval.n_eval=10", "specialists.steps=3", "specialists.batch_size=8",
         "specialists.checkpoint_every=2", "specialists.critic_warmup_steps=1", "distill.steps=3", "distill.batch_size=12", "distill.eval_every=0"]
 
 REPORT_KEYS = {"config", "run_id", "mlflow", "domains", "summary", "timings_s", "throughput", "guard", "artifacts",
