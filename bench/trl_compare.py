@@ -239,7 +239,7 @@ def worker(system: str, seed: int, threads: int, spec: dict, result_path: Path) 
 
 
 # -- the parent -----------------------------------------------------------------------------------------------------
-def run_worker(system: str, seed: int, threads: int, spec_path: Path, out_dir: Path, poll_s: float = 0.2) -> dict:
+def run_worker(system: str, seed: int, threads: int, spec_path: Path, out_dir: Path, poll_s: float) -> dict:
     """Run one (system, seed) in a fresh process; add the peak memory of its process tree (sampled every `poll_s`
     seconds) and the load average."""
     import psutil
@@ -343,7 +343,7 @@ def run_point(spec: dict, root: Path, name: str, systems: list[str], seeds: list
         spec_path.write_text(json.dumps(spec_))
         with ThreadPoolExecutor(max_workers=jobs) as pool:  # each worker is measured as its own process tree
             out = list(pool.map(lambda j: run_worker(j[0], j[1], j[2], spec_path, root,
-                                                     spec_.get("mem_poll_s", 0.2)), jobs_))
+                                                     spec_["mem_poll_s"]), jobs_))
         for r in out:
             print(f"{tag} {r['system']} seed {r['seed']} threads {r['threads']}: "
                   f"{r['completion_tokens_per_s']:.0f} tok/s, {r['s_per_step']:.3f} s/step, "

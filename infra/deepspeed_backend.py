@@ -32,6 +32,7 @@ import math
 import os
 import random
 import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
@@ -45,15 +46,13 @@ def _import_deepspeed():
     there (~1 s of CPU in every trainer process; Alloy never runs DeepSpeed's autotuner, and logs to MLflow itself,
     importing it lazily where tracking is on). MLflow is hidden for the import only (an import of it raises, so the
     autotuner records it absent, as on a machine without it); later imports load it as usual."""
-    import sys
-
     hide = "mlflow" not in sys.modules
     if hide:
         sys.modules["mlflow"] = None
     try:
         import deepspeed
     finally:
-        if hide and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+        if hide and sys.modules.get("mlflow", 0) is None:
             del sys.modules["mlflow"]
     return deepspeed
 

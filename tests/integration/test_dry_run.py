@@ -30,11 +30,13 @@ SCHEDULING = ["specialists.max_parallel=4", "specialists.retries=0", "distill.lo
               "eval.batch_size=7", "specialists.per_domain.reverse.log_every=1", "tracking.enabled=false"]
 
 
+def dry_run_argv(sets: tuple[str, ...]) -> list[str]:
+    return ["run", SMOKE, "--dry-run", *[a for s in sets for a in ("--set", s)]]
+
+
 def dry_run_process(*sets: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`alloy run SMOKE --dry-run --set …` as a user types it: the console script, in its own process."""
-    args = [a for s in sets for a in ("--set", s)]
-    return subprocess.run([ALLOY, "run", SMOKE, "--dry-run", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run([ALLOY, *dry_run_argv(sets)], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def dry_run(*sets: str) -> subprocess.CompletedProcess:
@@ -42,7 +44,7 @@ def dry_run(*sets: str) -> subprocess.CompletedProcess:
     of imports, is paid once by the test above, not by every case); stdout and stderr captured as the process's."""
     from alloy.cli import build_parser
 
-    argv = ["run", SMOKE, "--dry-run", *[a for s in sets for a in ("--set", s)]]
+    argv = dry_run_argv(sets)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         args = build_parser().parse_args(argv)
