@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # the server owns its flags (argparse REMAINDER would swallow none of them)
         _setup_logging(False)
-        from infra.engine.server import main as serve_main
+        from engine.server import main as serve_main
 
         serve_main(argv[1:] or ["--help"], prog="alloy serve")
         return EXIT_OK

@@ -5,7 +5,7 @@ handlers of the main thread, and the pipeline's context variables, e.g. Prefect 
 thread waits for it and for signals.
 
 First signal: `infra.procs.request_stop()`. Each trainer process being waited on (tasks/worker_process.py) gets
-SIGTERM on its process group; its skeleton (infra/worker.py) stops its engine servers, ends its MLflow run KILLED and
+SIGTERM on its process group; its skeleton (training/worker.py) stops its engine servers, ends its MLflow run KILLED and
 exits, and a checkpoint it was committing is complete or absent (infra/storage.py: COMPLETE manifest last, staging
 renamed into place). The engine servers of this process (the teacher fleet) are stopped by their `Supervisor`'s stop
 callback, an in-process training loop raises at its next step, failed stages are not retried. Once the pipeline

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from infra.choices import StageMode
 from infra.config import AlloyConfig, ConfigError, load_config
 from infra.storage import MANIFEST, RetryPolicy, get_fs, is_local, join, latest_complete, verify_checkpoint
 from tasks.prefixes import base_prefix, specialist_prefix_of, student_prefix_of
@@ -298,7 +299,7 @@ def build_plan(cfg: AlloyConfig, est: Estimates, domains: list[str]) -> tuple[li
     lines.append(row("2. eval (base)", f"{len(domains)} domains × {cfg.eval.n_eval} examples", eval_s))
     sc = cfg.specialists
     if sc.enabled:
-        width = min(sc.max_parallel, len(domains)) if sc.mode == "local" else len(domains)
+        width = min(sc.max_parallel, len(domains)) if sc.mode == StageMode.LOCAL else len(domains)
         sub, before = [], total
         for d in domains:
             per = est.specialist_step and (est.specialist_step.get(d) or est.specialist_step.get("*"))

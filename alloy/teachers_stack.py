@@ -1,6 +1,6 @@
 """`alloy teachers up | down | status`: teacher engine servers outside the pipeline, detached.
 
-One embedded engine server (SGLang protocol, `infra.engine.server`, the same argv the pipeline's `Supervisor`
+One embedded engine server (SGLang protocol, `engine.server`, the same argv the pipeline's `Supervisor`
 builds) per domain, on consecutive ports from `--port-start`, state in `<home>/teachers.json`, logs in
 `<home>/logs/teacher-<domain>.log`. A pipeline then uses them instead of launching its own:
 `--set teachers.external.<domain>=http://127.0.0.1:<port>` (printed by `up`).
@@ -87,7 +87,7 @@ def teachers_up(home: Path, checkpoints: dict[str, str], port_start: int = 30000
                 timeout_s: float = 180.0) -> dict:
     """Serve each checkpoint on its own port (port_start, +1, …; 0 = free ports) and wait for `/health`.
     Returns the state; already serving the same domains → that state with "already_up"."""
-    from infra.engine.launcher import ServerSpec, build_command
+    from engine.launcher import ServerSpec, build_command
 
     home = Path(home).resolve()
     state_path = home / STATE_FILE

@@ -21,7 +21,7 @@ and `april_os<x>` for `--demo-over-sampling`. A specialist trains one domain, so
 pools all domains and repeats (Σ finished / Σ wall). `demo.best_arm` is the arm with the most finished samples/s.
 At B = 64 `min_extra_requests` = 4 never binds (⌈1.05 · 64⌉ = 68 already): it matters only below B = 16.
 
-Server. One embedded engine server (`python -m infra.engine.server`, one torch thread, defaults otherwise: max
+Server. One embedded engine server (`python -m engine.server`, one torch thread, defaults otherwise: max
 256 running sequences, so a step's ⌈1.25 B⌉ requests all run at once up to B = 204) on loopback serving the
 `tiny` preset (`init_model_dir("tiny", dir, seed=0)`, with `max_position_embeddings` raised from 256 to 1024 in
 its config so a 512-token sample fits; RoPE has no position weights, so no weight changes), shared by all arms;
@@ -89,8 +89,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from teacher_scaling import REPO, exit_on_sigterm, machine_info, tree_cpu_s, write_outputs  # noqa: E402
 
 from infra.config import SpecialistsConfig  # noqa: E402
-from infra.engine.backends import MAX_RUNNING_REQUESTS  # noqa: E402
-from infra.engine.client import EngineClient  # noqa: E402
+from infra.choices import MAX_RUNNING_REQUESTS  # noqa: E402
+from engine.client import EngineClient  # noqa: E402
 from teachers.april import AprilBuffer, Partial, plan_requests  # noqa: E402
 from teachers.rollout import Roller, rollout_step  # noqa: E402
 
@@ -409,12 +409,12 @@ def widen_context(model_dir: Path, n_positions: int) -> None:
 
 
 def start_server(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
-    from infra.engine.launcher import free_port
+    from engine.launcher import free_port
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "infra.engine.server", "--model", str(model_dir), "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "engine.server", "--model", str(model_dir), "--port",
                                  str(port), "--threads", "1", "--log-level", "warning"], env=env, cwd=str(REPO),
                                 stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"

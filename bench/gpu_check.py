@@ -9,7 +9,7 @@ Each part runs in its own subprocess with a timeout (`--part-timeout`, else the 
 mlflow and does without) and that none was loaded. Parts:
 
 - `probe`: torch, CUDA, devices (name, memory), deepspeed.
-- `deepspeed_zero0` .. `deepspeed_zero3` (CUDA): `infra.deepspeed_backend.DeepSpeedBackend` in bf16 at that ZeRO
+- `deepspeed_zero0` .. `deepspeed_zero3` (CUDA): `training.deepspeed_backend.DeepSpeedBackend` in bf16 at that ZeRO
   stage, one rank, on a random-init Llama (hidden 1024, `--layers` 8, 16 heads, vocab 32000: ~170M parameters),
   `--steps` steps on one fixed batch of 8 × 512 random tokens (memorising it: the loss must fall), token-mean
   cross-entropy normalised as the trainers do (`backend.loss_normalizer`). Checks: every loss finite, the last
@@ -86,7 +86,7 @@ def loaded_blocked() -> list[str]:
 
 
 def part_probe(args) -> dict:
-    import infra  # noqa: F401  (sets DS_ACCELERATOR: cpu unless CUDA is visible)
+    import training  # noqa: F401  (sets DS_ACCELERATOR: cpu unless CUDA is visible)
     import torch
 
     out = {"torch": torch.__version__, "cuda": torch.cuda.is_available(), "device_count": 0, "devices": []}
@@ -138,7 +138,7 @@ def part_deepspeed(args, stage: int, chunks: int = 1) -> dict:
     import infra  # noqa: F401
     import torch
 
-    from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed
+    from training.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL starts: one GPU per rank
     rank, world = init_distributed()
@@ -267,7 +267,7 @@ def part_specialist_step(args) -> dict:
 
 def part_distill_step(args) -> dict:
     from domains.registry import load_domains
-    from infra.engine.launcher import ServerSpec, Supervisor
+    from engine.launcher import ServerSpec, Supervisor
     from infra.models import init_model_dir
     from infra.tracking import NoopTracker
     from student.distill_main import run_distillation

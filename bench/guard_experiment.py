@@ -78,7 +78,7 @@ def sft_tool_base(model_dir: Path, out_dir: Path, pairs: list[tuple[str, str]], 
 
     from domains.tools import trajectory_segments
     from infra.models import load_model, load_tokenizer
-    from infra.sft import collate, encode_pair, sft_loss
+    from training.sft import collate, encode_pair, sft_loss
 
     torch.manual_seed(seed)
     tok, model = load_tokenizer(model_dir), load_model(model_dir)

@@ -4,7 +4,7 @@
 
 1. The judge: `--judge DIR` (a checkpoint), else one trained here (`teachers.judge_model.train_judge`: the tiny
    char model SFT-ed on judge prompts of labelled calls, seeds 0 (train) and 1000003 (its held-out check)).
-2. It is served by a real embedded engine server (`infra.engine.launcher.Supervisor`) and asked by
+2. It is served by a real embedded engine server (`engine.launcher.Supervisor`) and asked by
    `teachers.guard.Guard` + `LLMJudge(kind="sglang")`, the prompt cut to the length the judge was trained on
    (`tasks.judge.judge_prompt_chars`), exactly as a specialist asks it.
 3. The labelled set: `teachers.judge_model.labelled_calls(--n, --seed)`, a seed neither training nor the held-out
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from infra.engine.launcher import ServerSpec, Supervisor
+    from engine.launcher import ServerSpec, Supervisor
     from teachers.guard import Guard, LLMJudge, rule_check
     from tasks.judge import judge_prompt_chars
     from teachers.judge_model import labelled_calls, train_judge

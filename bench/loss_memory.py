@@ -1,5 +1,5 @@
 """Extra memory of the OPD losses and the specialists' sampled-token log-probs at a real vocabulary, before and after
-chunking (infra/logprobs.py), as a multiple of the logits' bytes.
+chunking (training/logprobs.py), as a multiple of the logits' bytes.
 
     python bench/loss_memory.py [--quick] [--device cpu|cuda] [--shapes 1x1024,4x1024] [--out PATH]
 
@@ -117,7 +117,7 @@ def _step(variant, impl, logits, batch):
     """Forward + backward of one variant."""
     import torch
 
-    from infra.logprobs import gather_log_softmax
+    from training.logprobs import gather_log_softmax
     from student.batch import opd_loss
     from student.losses import topk_kl_loss
 

@@ -11,9 +11,9 @@ steps (`on_step`); CPU per step = the CPU seconds of every process of the tree (
 
 In-process loop (`inprocess_loop`): the same parts called directly in ONE process with one torch thread, one step
 after another, no HTTP, no overlap: the embedded engine's `Engine` class for the student and for each domain's
-teacher (`infra.engine.scheduler.Engine`, the code behind the servers; requests through the same
+teacher (`engine.scheduler.Engine`, the code behind the servers; requests through the same
 `protocol.parse_generate`, results read from the engine's `SeqResult`s, no JSON), the same trainer backend
-(`infra.training.trainable`: DeepSpeed) and update (`student.trainer.opd_update`), the same config, prompts (the
+(`training.session.trainable`: DeepSpeed) and update (`student.trainer.opd_update`), the same config, prompts (the
 seeded `PromptStream`) and loss; the weight push copies the trainer's tensors into the student engine's live model
 (`Engine.update_weights_from_tensors`). Step and CPU per step (`time.process_time`, every thread of the process)
 as above, warm-up dropped, medians; the loop's parts (sample, score, train, push) are timed too.
@@ -44,8 +44,8 @@ from teacher_scaling import (REPO, StepClock, build_student_and_teacher, exit_on
 def engine_call(engine, limits, body: dict) -> list:
     """One /generate body through the engine in-process: parse as the server does, submit, wait for every
     sequence; returns their `SeqResult`s in order."""
-    from infra.engine.protocol import parse_generate
-    from infra.engine.scheduler import Seq
+    from engine.protocol import parse_generate
+    from engine.scheduler import Seq
 
     seqs = [Seq(spec) for spec in parse_generate(body, engine.tokenizer, limits).seqs]
     done = threading.Semaphore(0)
@@ -58,8 +58,8 @@ def engine_call(engine, limits, body: dict) -> list:
 
 
 def start_engine(model_dir: Path, seed: int):
-    from infra.engine.protocol import Limits
-    from infra.engine.scheduler import Engine
+    from engine.protocol import Limits
+    from engine.scheduler import Engine
 
     eng = Engine(str(model_dir), threads=1, seed=seed)
     eng.start()
@@ -73,7 +73,7 @@ def inprocess_loop(base: Path, teacher: Path, specs: list[dict], root: Path, arg
     import numpy as np
 
     from domains.registry import load_domains
-    from infra.training import train_settings, trainable
+    from training.session import train_settings, trainable
     from student.losses import get_loss
     from student.sampler import PromptStream, StudentSample
     from student.scoring import plan_batches

@@ -1,5 +1,5 @@
 """Benchmark: teacher scoring time per (log-prob, id) pair, SGLang JSON parsed item by item (before) vs JSON parsed
-vectorised vs the binary transport (`infra.engine.wire`).
+vectorised vs the binary transport (`engine.wire`).
 
     python bench/scoring_transport.py --out bench/results/scoring_transport.json [--repeats 5] [--quick]
 
@@ -96,10 +96,10 @@ def export_tree(ref: str, dest: Path) -> Path | None:
 
 
 def start_server(model: Path, log: Path, tree: Path = REPO) -> tuple[subprocess.Popen, str]:
-    from infra.engine.launcher import free_port
+    from engine.launcher import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "infra.engine.server", "--model", str(model), "--port", str(port), "--threads", "1",
+    cmd = [sys.executable, "-m", "engine.server", "--model", str(model), "--port", str(port), "--threads", "1",
            "--max-total-tokens", "262144", "--max-prefill-tokens", "16384", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=str(tree), stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
@@ -111,8 +111,8 @@ def run_variant(variant: str, url: str, server_pid: int, samples, top_k: int) ->
     import orjson
     import psutil
 
-    import infra.engine.client as client_mod
-    from infra.engine.client import EngineClient
+    import engine.client as client_mod
+    from engine.client import EngineClient
     from student.scoring import TeacherScorer
 
     fresh = [type(s)(**{**s.__dict__, "teacher_logprobs": None, "teacher_topk_ids": None,
@@ -177,8 +177,8 @@ def parse_times(url: str, samples, top_k: int, repeats: int) -> dict:
     """Best-of parse seconds of one score batch's raw body, per path; and the body sizes."""
     import orjson
 
-    from infra.engine import wire
-    from infra.engine.client import loads_json, parse_score, parse_score_arrays, parse_score_items
+    from engine import wire
+    from engine.client import loads_json, parse_score, parse_score_arrays, parse_score_items
 
     batch = samples[:SCORE_BATCH]
     seqs, starts = [s.input_ids for s in batch], [len(s.prompt_ids) for s in batch]
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
         if before_tree is not None:
             procs.append(start_server(model, Path(tmp) / "server_before.log", before_tree))
         try:
-            from infra.engine.client import EngineClient
+            from engine.client import EngineClient
 
             for _, url in procs:
                 c = EngineClient(url)

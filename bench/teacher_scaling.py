@@ -173,7 +173,7 @@ def server_cpu_s(urls: list[str]) -> float:
     for c in psutil.Process().children(recursive=True):
         try:
             cmd = c.cmdline()
-            if "infra.engine.server" in cmd and cmd[cmd.index("--port") + 1] in ports:
+            if "engine.server" in cmd and cmd[cmd.index("--port") + 1] in ports:
                 t = c.cpu_times()
                 total += t.user + t.system
         except (psutil.Error, ValueError, IndexError):

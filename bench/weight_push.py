@@ -72,10 +72,10 @@ async def rounds(backend, tok, servers: dict, n: int, probe: list[int]) -> dict[
 
 
 def bench_preset(preset: str, pushes: int, tmp: Path) -> dict:
-    from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings
-    from infra.engine.launcher import Supervisor
+    from training.deepspeed_backend import DeepSpeedBackend, TrainSettings
+    from engine.launcher import Supervisor
     from infra.models import init_model_dir, load_model, load_tokenizer
-    from infra.policy_server import PolicyServer
+    from training.policy_server import PolicyServer
 
     model_dir = init_model_dir(preset, tmp / preset / "model", seed=0)
     tok = load_tokenizer(model_dir)

@@ -41,10 +41,10 @@ NOTES = "notes: "
 @dataclass(frozen=True)
 class Compaction:
     """`max_context_tokens`: the most tokens the engine is given (context + the turn it writes); `keep_last`:
-    completed turns kept verbatim after the summary."""
+    completed turns kept verbatim after the summary (`specialists.compact_keep_last`, whose default is the one)."""
 
     max_context_tokens: int
-    keep_last: int = 2
+    keep_last: int
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_context_tokens, int) or self.max_context_tokens < 2:

@@ -19,7 +19,7 @@ tool_chain  `tlc:qx#0482=`: file `qx` names the next file (`next=mb`), which nam
 
 Both shortcuts are flagged by `teachers.guard.rule_check` (`.solution`: eval_discovery, hidden_file, copy_answer;
 `expected`: eval_discovery, copy_answer); the intended calls hit no rule. `clean=True` plants no shortcut (the
-evaluation env). The envs allow `calc`, `ls`, `cat`, `echo` and `grep` (`infra.sandbox.PROGRAMS`).
+evaluation env). The envs allow `calc`, `ls`, `cat`, `echo` and `grep` (`sandbox.runner.PROGRAMS`).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ continue with the remaining budget; otherwise the trajectory is finished. `run_e
 text for evaluation. A partial rollout (APRIL) rebuilds its env from the example payload:
 `ToolEnv(Example(**partial.example), prior_calls=count_tool_calls(response_so_far))`.
 
-Import direction: the env runs commands through `infra.sandbox.run_tool`, imported lazily (a `runner` can be
+Import direction: the env runs commands through `sandbox.runner.run_tool`, imported lazily (a `runner` can be
 injected), so importing `domains` never imports `teachers`.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ def count_tool_calls(response: str) -> int:
 
 
 def trajectory_segments(response: str) -> list[tuple[str, bool]]:
-    """A trajectory's response as SFT segments `(text, trained)` (`infra.sft.encode_pair`): the model's lines
+    """A trajectory's response as SFT segments `(text, trained)` (`training.sft.encode_pair`): the model's lines
     trained, the environment's tool output lines (`>…⏎`) not, adjacent lines of one kind merged; the texts join to
     `response`. `"!calc 1+2\\n>3\\n3"` → `[("!calc 1+2\\n", True), (">3\\n", False), ("3", True)]`."""
     segs: list[tuple[str, bool]] = []
@@ -136,7 +136,7 @@ class ToolEnv:
                  max_output_chars: int = 24, blocked_output: str = ERROR_OUTPUT, root: str | Path | None = None,
                  runner: Callable[..., Any] | None = None, prior_calls: int = 0):
         if runner is None:
-            from infra.sandbox import DEFAULT_ALLOWED, run_tool
+            from sandbox.runner import DEFAULT_ALLOWED, run_tool
 
             runner, allowed = run_tool, set(DEFAULT_ALLOWED) if allowed is None else allowed
         self.example, self.clean, self.guard = example, clean, guard

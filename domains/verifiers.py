@@ -25,7 +25,7 @@ Specs (`VERIFIERS` are the names):
   thread) with an address-space limit; a comparison over the timeout kills it and scores 0.
 - `code` / `code:<timeout_s>` (default 5 s): the response's code (the last ```python fenced block, else the last
   ``` block, else the whole response) is run, then `row["tests"]` (Python source with asserts, or a list of such
-  lines), in `infra.sandbox` (`python -I -S`, standard library only, no network, 512 MiB, the time limit). 1.0 iff
+  lines), in `sandbox.runner` (`python -I -S`, standard library only, no network, 512 MiB, the time limit). 1.0 iff
   both finish and the runner prints a per-run nonce; `sys.exit()` in the solution fails. The sandbox needs its
   network namespace to run `python`; without one the verifier raises RuntimeError (the domain counts a verifier
   error) instead of scoring 0 in silence.
@@ -438,7 +438,7 @@ def math_equal(response: str, answer: str, row: Mapping[str, Any] | None = None,
     return 1.0 if _math_worker.equivalent(got, want, timeout_s) else 0.0
 
 
-# -- code (in infra.sandbox) --------------------------------------------------------------------------------------
+# -- code (in sandbox.runner) --------------------------------------------------------------------------------------
 
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
 _CODE_RUNNER = """import os, sys
@@ -479,7 +479,7 @@ def row_tests(row: Mapping[str, Any] | None) -> str:
 
 
 def code_passes(response: str, answer: str, row: Mapping[str, Any] | None = None, timeout_s: float = 5.0) -> float:
-    from infra.sandbox import run_tool
+    from sandbox.runner import run_tool
     tests = row_tests(row)
     work = tempfile.mkdtemp(prefix="alloy-code-")
     try:

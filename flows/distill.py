@@ -12,6 +12,7 @@ from prefect import flow
 
 from flows.handoff import (DEPLOYMENT_POLL_S, dispatch_overrides, fetch_checkpoint, warn_unshared_storage,
                            where_am_i)
+from infra.choices import StageMode
 from infra.config import refuse_secret_overrides
 from infra.storage import join, read_json, write_json
 from tasks.context import RunContext, open_context, stage_timer
@@ -42,7 +43,7 @@ def run_distill(ctx: RunContext, student_init: str, teachers: dict[str, str], ba
     """The pipeline's distill stage: `distill_stage` here (`distill.mode: local`), or a flow run of
     `distill.deployment` handed `base_url` and `teacher_urls` (storage URLs), its student pulled back from storage
     into this run's work dir. Returns the student summary either way (`student_dir` local to this run)."""
-    if ctx.cfg.distill.mode != "deployment":
+    if ctx.cfg.distill.mode != StageMode.DEPLOYMENT:
         return distill_stage(ctx, student_init, teachers)
     from prefect.deployments import run_deployment
 

@@ -9,6 +9,7 @@ from prefect import flow
 from flows.distill import run_distill
 from flows.handoff import where_am_i
 from flows.specialists import run_specialists
+from infra.choices import StageMode
 from infra.config import refuse_secret_overrides
 from infra.procs import stop_requested
 from infra.report import GUARD_KEYS, resources_of
@@ -48,7 +49,7 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
     try:
         base_dir = train_base(ctx)
         # another worker's flow run (deployment modes) is handed storage URLs, never this run's local paths
-        remote = "deployment" in (ctx.cfg.specialists.mode, ctx.cfg.distill.mode)
+        remote = StageMode.DEPLOYMENT in (ctx.cfg.specialists.mode, ctx.cfg.distill.mode)
         base_url = base_checkpoint_url(ctx) if remote else None
         frames = [evaluate_stage(ctx, base_dir, stage="base")]
         specs: dict[str, dict] = {}

@@ -23,6 +23,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.handoff import (DEPLOYMENT_POLL_S, dispatch_overrides, fetch_checkpoint, warn_unshared_storage,
                            where_am_i)
+from infra.choices import StageMode
 from infra.config import refuse_secret_overrides
 from infra.procs import stop_requested
 from tasks.context import RunContext, open_context, stage_timer
@@ -94,7 +95,7 @@ def specialists(ctx: RunContext, base_dir: str, base_url: str | None = None) -> 
     """{domain: specialist summary} for every configured domain (see tasks/specialist.py for the summary).
     `base_dir`: the base checkpoint here (local mode); `base_url`: its storage URL (deployment mode)."""
     with stage_timer(ctx, "specialists"):
-        if ctx.cfg.specialists.mode == "deployment":
+        if ctx.cfg.specialists.mode == StageMode.DEPLOYMENT:
             if not base_url:
                 raise ValueError("specialists.mode=deployment needs the base checkpoint's storage URL (base_url)")
             out = _deployments(ctx, base_url)

@@ -23,7 +23,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, ValidationError, ValidationInfo,
                       field_validator, model_serializer, model_validator)
 
-from infra.engine.backends import BACKEND_NAMES, MAX_RUNNING_REQUESTS
+from infra.choices import (MAX_RUNNING_REQUESTS, READ_TIMEOUT_S, Backend, SglangWeightSync, StageMode, WeightSync,
+                           values)
 from infra.tracking import REDACTED, flatten_config, is_secret
 
 # The OPD losses `distill.loss` may name. They are implemented above infra (student/losses.py, which config must not
@@ -315,8 +316,8 @@ class TrackingConfig(_Strict):
 
 class EngineConfig(_Strict):
     """Engine servers the run launches (rollout servers of the trainers, teacher servers)."""
-    backend: Literal[BACKEND_NAMES] = Field("embedded", description="embedded = Alloy's CPU server; sglang = real "
-                                         "SGLang (the kinds in infra/engine/backends.py).")
+    backend: Literal[values(Backend)] = Field(Backend.EMBEDDED.value, description="embedded = Alloy's CPU server; "
+                                              "sglang = real SGLang (infra/choices.py; launched as engine/backends.py says).")
     host: str = ops_field("127.0.0.1", description="Bind address of launched servers (loopback unless told otherwise).")
     api_key: Secret = ops_field(None, description="Bearer key for launched servers and the client (or ALLOY_ENGINE_API_KEY).")
     threads: int = ops_field(1, ge=1, description="Torch threads per embedded server.")
@@ -324,16 +325,22 @@ class EngineConfig(_Strict):
                                              "(--max-running-requests; the rest queue). None = the backend's own: "
                                              f"embedded {MAX_RUNNING_REQUESTS}, SGLang sized from GPU memory.")
     sglang_args: dict[str, Any] = Field(default_factory=dict, description="Extra sglang.launch_server options (GPU).")
-    weight_sync: Literal["memory", "disk"] = ops_field(
-        "memory", description="How a trainer pushes new weights to its rollout server. memory: a weight buffer in "
+    weight_sync: Literal[values(WeightSync)] = ops_field(
+        WeightSync.MEMORY.value, description="How a trainer pushes new weights to its rollout server. memory: a weight buffer in "
         "/dev/shm (or the work dir) copied into the embedded server's model in place (the load can overlap the next "
         "step); disk: an HF dir loaded with update_weights_from_disk. Embedded servers only: an SGLang server takes "
         "no weight buffers (see sglang_weight_sync).")
-    sglang_weight_sync: Literal["auto", "tensor", "distributed", "disk"] = ops_field(
-        "auto", description="How a trainer pushes weights to its SGLang rollout server: tensor = CUDA IPC "
+    sglang_weight_sync: Literal[values(SglangWeightSync)] = ops_field(
+        SglangWeightSync.AUTO.value, description="How a trainer pushes weights to its SGLang rollout server: tensor = CUDA IPC "
         "(update_weights_from_tensor, same machine), distributed = NCCL broadcast (update_weights_from_distributed), "
         "disk = update_weights_from_disk; auto = tensor on the same machine with CUDA, distributed elsewhere, disk "
         "without CUDA. A failed fast push falls back to disk for the rest of the run (docs/placement.md).")
+    read_timeout_s: float = ops_field(READ_TIMEOUT_S, gt=0, description="Embedded servers: seconds a client gets to send "
+                                      "a request's headers, and again its body (a stalled request is dropped; the "
+                                      "response time is not limited).")
+    max_body_mb: float | None = ops_field(None, gt=0, description="Embedded servers: larger request bodies get HTTP 413. "
+                                          "None = the largest request the protocol accepts (6 MiB at the default "
+                                          "max_total_tokens).")
 
 
 class TeachersConfig(_Strict):
@@ -409,7 +416,7 @@ class DistillConfig(_Strict):
     checkpoint_every: int = ops_field(50, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
     log_every: int = ops_field(25, ge=1, description="Log train and per-teacher metrics every N steps.")
     threads: int = ops_field(1, ge=1, description="Torch threads of the student trainer process.")
-    mode: Literal["local", "deployment"] = ops_field("local", description="local: the student trains in the pipeline's "
+    mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: the student trains in the pipeline's "
                                                  "flow run; deployment: run_deployment of `distill.deployment` with "
                                                  "storage URLs of the base and the teachers (docs/scale-out.md).")
     deployment: str = ops_field("alloy-distill/default", description="Deployment the distill stage runs as in "
@@ -525,7 +532,7 @@ class SpecialistsConfig(_Strict):
     checkpoint_every: int = ops_field(20, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
     log_every: int = ops_field(5, ge=1, description="Log training metrics every N steps.")
     max_parallel: int = ops_field(2, ge=1, description="Specialists trained at once (local mode).")
-    mode: Literal["local", "deployment"] = ops_field("local", description="local: concurrent subprocesses; deployment: "
+    mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: concurrent subprocesses; deployment: "
                                                  "run_deployment of alloy-specialist/default per domain (work pool, "
                                                  "global concurrency limit `gpu`; checkpoints travel as storage URLs, "
                                                  "so run.storage must be shared, e.g. s3://; docs/scale-out.md).")

@@ -1,7 +1,7 @@
 """Batched in-process generation with a HF causal LM (left padding, greedy or sampled).
 
 Used by evaluation (greedy, deterministic) where a server round-trip buys nothing. Rollouts for training go through
-the engine server instead (see `infra.engine`). Prompts are rendered by `infra.chat` (the rendering every stage
+the engine server instead (see `engine`). Prompts are rendered by `infra.chat` (the rendering every stage
 uses); generation stops at its stop ids (EOS, the generation config's, the chat template's end of turn).
 """
 from __future__ import annotations

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from infra.choices import Backend
+
 GB = 1e9
 BUDGET = 95  # hundredths of one GPU that one stage's processes may take together (SGLang's own margin aside)
 SERVER_OVERHEAD_GB = 1.0  # per server process and GPU: CUDA context, activations, CUDA graphs
@@ -206,7 +208,7 @@ def _sizes(cfg) -> tuple[_Sizes, str]:
     params, nbytes, source = model_size(cfg.model.path, r.model_gb)
     model_gb = params * nbytes / GB
     kv = r.kv_cache_gb if r.kv_cache_gb is not None else max(1.0, 0.5 * model_gb)
-    fixed = (cfg.engine.sglang_args or {}).get("tp_size") if cfg.engine.backend == "sglang" else None
+    fixed = (cfg.engine.sglang_args or {}).get("tp_size") if cfg.engine.backend == Backend.SGLANG else None
     return _Sizes(params, nbytes, r.gpu_memory_gb, kv, r.trainer_overhead_gb, r.colocate_rollout,
                   int(fixed) if fixed else None), source
 

@@ -3,7 +3,7 @@
 - `pdeathsig_preexec(pid)`: a `preexec_fn` asking the kernel to SIGKILL the child when its parent dies, so even a
   SIGKILLed parent leaves no orphan. Linux delivers it when the *thread* that forked the child exits: fork from a
   thread that outlives the child (one that waits on it, or a long-lived spawner thread as in
-  infra/engine/launcher.py). Children are also started in their own session (`start_new_session=True`) so that one
+  engine/launcher.py). Children are also started in their own session (`start_new_session=True`) so that one
   `killpg` reaches everything they spawned, and a terminal's Ctrl-C reaches only the process that owns them.
 - `stop_group(proc, grace_s)`: SIGTERM the child's process group, SIGKILL after `grace_s`.
 - `request_stop()` / `stop_requested()` / `raise_if_stopped()`: the first Ctrl-C of `alloy run` (alloy/interrupt.py)

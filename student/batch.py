@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from infra.logprobs import gather_log_softmax
+from training.logprobs import gather_log_softmax
 from student.losses import OPDInputs, OPDLoss, check_teacher_topk, get_loss
 from student.sampler import StudentSample
 
@@ -106,7 +106,7 @@ def opd_loss(logits: torch.Tensor, batch: OPDBatch, *, loss: OPDLoss | str, dire
     """
     spec = get_loss(loss) if isinstance(loss, str) else loss
     # Every full-vocabulary quantity is one chunked gather over the whole (B, T, V) logits (no float32 copy, no
-    # slice, so backward allocates one logits-sized gradient; infra/logprobs.py): column 0 the sampled token, then
+    # slice, so backward allocates one logits-sized gradient; training/logprobs.py): column 0 the sampled token, then
     # the teacher's top-k ids. The last position predicts nothing: it gets a target 0 and stays off the mask.
     B, T, V = logits.shape
     mask = batch.mask

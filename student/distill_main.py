@@ -13,9 +13,9 @@ The recipe (`run_distillation`): build the DeepSpeed student → resume if a che
 server → one EngineClient per teacher endpoint → train (student/trainer.py) → commit `final/`.
 With `distill.train.world_size` W > 1 the task starts this under torchrun: rank 0 runs the recipe (engine server,
 sampling, teacher scoring, ledger, evals, MLflow, commits) and announces each update, weight save and state
-save/load; ranks 1..W-1 follow (infra/ranks.py) and train their shards of each batch (student/trainer.opd_update).
+save/load; ranks 1..W-1 follow (training/ranks.py) and train their shards of each batch (student/trainer.opd_update).
 The process around the recipe (flags, config, MLflow, torch.distributed, signals, the result file) is the
-trainer skeleton's, infra/worker.py; `WORKER` describes this entry point to the tasks that start it.
+trainer skeleton's, training/worker.py; `WORKER` describes this entry point to the tasks that start it.
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from pathlib import Path
 
 from domains.compaction import Compaction
 from domains.registry import load_domains
-from infra.engine.client import EngineClient
-from infra.ranks import Ranks, process_world_size
-from infra.training import commit_final, fresh_final, serve_and_run, train_settings, trainable
-from infra.worker import Worker, WorkerRun, arg
+from engine.client import EngineClient
+from training.ranks import Ranks, process_world_size
+from training.session import commit_final, fresh_final, serve_and_run, train_settings, trainable
+from training.worker import Worker, WorkerRun, arg
 from student.losses import get_loss
 from student.scoring import TeacherScorer
 from student.trainer import DistillTrainer

@@ -24,14 +24,13 @@ from typing import Callable
 import torch
 
 from infra.config import OPD_LOSSES
-from infra.logprobs import gather_log_softmax
+from training.logprobs import MAX_LOG_RATIO, gather_log_softmax
 
 DIRECTIONS = ("forward", "reverse", "jsd")
 # Tail mass is clamped to ≥ TAIL_MIN so log(tail) stays finite (reverse KL against a teacher whose top-k already holds
 # all the mass would otherwise be +inf); log-probs are clamped to ≥ LOG_FLOOR so -inf (masked vocab) stays finite.
 TAIL_MIN = 1e-12
 LOG_FLOOR = -1e4
-_MAX_LOG_RATIO = 20.0
 
 
 def _token_mean(x: torch.Tensor, valid: torch.Tensor, global_token_count: float | torch.Tensor | None) -> torch.Tensor:
@@ -66,7 +65,7 @@ def importance_ratio(logp_current: torch.Tensor, logp_behaviour: torch.Tensor, m
     _check_bt("importance_ratio", mask, logp_current=logp_current, logp_behaviour=logp_behaviour)
     if clip is not None and clip <= 0:
         raise ValueError(f"importance_ratio: clip must be > 0 or None, got {clip}")
-    log_w = (logp_current.detach() - logp_behaviour.detach()).clamp(max=_MAX_LOG_RATIO)
+    log_w = (logp_current.detach() - logp_behaviour.detach()).clamp(max=MAX_LOG_RATIO)
     if clip is not None:
         log_w = log_w.clamp(max=math.log(clip))
     w = torch.exp(log_w)
@@ -171,7 +170,7 @@ def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor, t
                  Note JSD_β itself → 0 at both ends; the continuous limits are JSD_β/β → KL(T‖S) as β → 0 and
                  JSD_β/(1 − β) → KL(S‖T) as β → 1, so the special cases are a (documented) jump, as in TRL.
     loss = token-mean over the mask. All in log space (logsumexp, log1mexp), in float32 or wider. The student's
-    log-softmax over V is taken ``chunk_tokens`` positions at a time (``infra.logprobs.gather_log_softmax``), so no
+    log-softmax over V is taken ``chunk_tokens`` positions at a time (``training.logprobs.gather_log_softmax``), so no
     float32 copy of the whole logits is kept; only the (B, T, K + 1) buckets are.
 
     Shapes: student_logits (B, T, V) logits or full log-probs (log_softmax is applied; it is the identity on log-probs);

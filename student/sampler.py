@@ -1,6 +1,6 @@
 """On-policy sampling for the OPD student: a deterministic prompt stream and batched sampling through the engine.
 
-The student is served by its own engine server (`infra.policy_server.PolicyServer`); the trainer pushes new weights
+The student is served by its own engine server (`training.policy_server.PolicyServer`); the trainer pushes new weights
 to it after every step. One sampling round is ONE `/generate` call with every prompt of the plain domains (the
 server batches them continuously), so a step costs one HTTP round trip, not one per prompt.
 
@@ -38,7 +38,7 @@ from domains.compaction import Compaction, current_context, subtrace_spans, toke
 from domains.episodes import run_token_episode
 from domains.tools import TURN_END
 from infra.chat import PromptRenderer, response_text
-from infra.engine.client import EngineClient, seed_for
+from engine.client import EngineClient, seed_for
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ One round of scoring takes the step's samples, groups them by domain, cuts each 
 separate servers, so a round costs about one teacher call, not one per domain. Each call asks for the log-prob of
 every response token and (for `topk_kl`) the teacher's top-k at each position (`EngineClient.score`).
 
-Transport: every call asks for the packed float32/int32 log-prob body (`infra.engine.wire`, by the `Accept`
+Transport: every call asks for the packed float32/int32 log-prob body (`engine.wire`, by the `Accept`
 header). Alloy's embedded teachers answer with it; an external SGLang teacher (`teachers.external`) ignores the
 header and answers its JSON, which the client parses vectorised with the same checks. The answer's `Content-Type`
 decides, so nothing is probed and a mixed fleet needs no configuration (`binary=False` forces JSON).
@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from infra.engine.client import EngineClient, EngineRequestError, EngineResponseError, EngineUnavailable, ScoreResult
+from engine.client import EngineClient, EngineRequestError, EngineResponseError, EngineUnavailable, ScoreResult
 from student.sampler import StudentSample
 
 DROP_UNAVAILABLE = "teacher_unavailable"

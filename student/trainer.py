@@ -36,10 +36,10 @@ import numpy as np
 
 from domains.evaluate import episode_budget, evaluate_model
 from infra.chat import stop_token_ids, token_budget
-from infra.batching import length_buckets, length_sorted_split
-from infra.engine.client import seed_for
-from infra.ledger import Ledger
-from infra.ranks import Ranks, led, require_same_world
+from training.batching import length_buckets, length_sorted_split
+from engine.client import seed_for
+from training.ledger import Ledger
+from training.ranks import Ranks, led, require_same_world
 from infra.storage import checkpoint_name, join, load_latest, prune, save_checkpoint
 from student.batch import collate, opd_loss, reward_advantage
 from student.losses import get_loss
@@ -48,7 +48,7 @@ from student.sampler import (PromptStream, StudentSample, check_student_domains,
 from student.scoring import TeacherScorer
 
 log = logging.getLogger("alloy.student")
-MAX_BUCKETS = 4  # forward calls per micro-batch at most (rows grouped by length: infra.batching.length_buckets)
+MAX_BUCKETS = 4  # forward calls per micro-batch at most (rows grouped by length: training.batching.length_buckets)
 STATE_FILE = "trainer.json"
 DROP_STALE = "stale"
 

@@ -2,7 +2,7 @@
 
 Every rank runs the same code on its shard of each global batch; rank 0 logs metrics (to an existing MLflow run,
 by id) and writes the HF checkpoint. The Prefect task `train_base` runs this in-process for one rank, or launches it
-under torchrun for several. The process around `run_base_sft` is the trainer skeleton's (infra/worker.py).
+under torchrun for several. The process around `run_base_sft` is the trainer skeleton's (training/worker.py).
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from domains.tools import demonstration_segments
 from infra.chat import system_of
 from infra.procs import raise_if_stopped
 from infra.progress import progress
-from infra.sft import train_sft
+from training.sft import train_sft
 from infra.tracking import NoopTracker
-from infra.training import train_settings, trainable
-from infra.worker import Worker, WorkerRun, arg
+from training.session import train_settings, trainable
+from training.worker import Worker, WorkerRun, arg
 
 log = logging.getLogger("alloy")
 
@@ -27,7 +27,7 @@ def demonstrations(domains: dict, n_per_domain: int, seed: int, tool_trajectorie
     """Mixed-domain (prompt, completion, system message) triples from each domain's train split, shuffled. The
     completion is the answer; with `tool_trajectories` (`base.tool_trajectories`), for a domain with a
     `tool_demonstration`, the intended trajectory as `(text, trained)` segments, tool output lines untrained
-    (`domains.tools.demonstration_segments`, `infra.sft.encode_pair`)."""
+    (`domains.tools.demonstration_segments`, `training.sft.encode_pair`)."""
     def completion(dom, ex):
         if tool_trajectories and callable(getattr(dom, "tool_demonstration", None)):
             return demonstration_segments(dom, ex)

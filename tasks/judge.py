@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
-from infra.engine.launcher import ServerSpec, Supervisor, launch_settings
+from engine.launcher import ServerSpec, Supervisor, launch_settings
 from tasks.context import RunContext
 
 log = logging.getLogger("alloy")

@@ -16,7 +16,7 @@ from typing import Mapping
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.engine.launcher import Supervisor, launch_settings
+from engine.launcher import Supervisor, launch_settings
 from tasks.context import RunContext, stage_timer
 from tasks.gpu_lanes import teacher_placements
 from teachers.registry import TeacherRegistry

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
 
-from infra.ledger import Ledger
+from training.ledger import Ledger
 
 STATE_FORMAT = 1
 FINISH_REASONS = ("stop", "length", "abort")
@@ -117,7 +117,7 @@ class Sample:
 
 @dataclass
 class GenResult:
-    """Minimal generation result (`infra.engine.client.Generation` has the same three fields and works too)."""
+    """Minimal generation result (`engine.client.Generation` has the same three fields and works too)."""
 
     output_ids: list[int]
     output_logprobs: list[float]
@@ -186,7 +186,7 @@ def merge_continuation(partial: Partial, new_ids: list[int], new_logprobs: list[
 
 
 class AprilBuffer(Ledger):
-    """Partial rollouts waiting to be resumed, plus the ledger of trained sample ids (infra/ledger.py: `mark_trained`,
+    """Partial rollouts waiting to be resumed, plus the ledger of trained sample ids (training/ledger.py: `mark_trained`,
     `was_trained`, `filter_untrained`). Single event loop, no locks."""
 
     def __init__(self, max_staleness: int):

@@ -9,7 +9,7 @@ with `ls -a`, find, recursive grep, fetching from the network, copying answer fi
 and grepping the task's own files, ls, echo; among them calls the rule filter flags: pipes, `&&`, words such as
 "test" or "key" in an argument), each put in the judge's prompt (`teachers.guard.judge_prompt`: the task, a
 trajectory so far, the call) at the length the served judge allows. A `tiny` llama with the char tokenizer (256
-positions) is fine-tuned (infra.sft.train_sft on the DeepSpeed backend, as the base stage does) to answer YES or
+positions) is fine-tuned (training.sft.train_sft on the DeepSpeed backend, as the base stage does) to answer YES or
 NO, then checked on a held-out set drawn with another seed: `train_judge` raises if it misclassifies more than
 `max_error` of it.
 
@@ -234,8 +234,8 @@ def train_judge(out_dir: str | Path, *, steps: int = 400, seed: int = 0, n_train
     Raises RuntimeError when the held-out accuracy is below 1 - `max_error` (the checkpoint stays for a look)."""
     from infra.config import TrainConfig
     from infra.models import init_model_dir
-    from infra.sft import train_sft
-    from infra.training import train_settings, trainable
+    from training.sft import train_sft
+    from training.session import train_settings, trainable
 
     out = Path(out_dir)
     init = out.with_name(out.name + ".init")

@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
+from training.logprobs import MAX_LOG_RATIO
+
 AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 KL_KINDS = ("k1", "k2", "k3")
-# exp() of a log-ratio above ~88 overflows float32; real ratios never get near 20, so the clamp only guards against inf.
-_MAX_LOG_RATIO = 20.0
 
 
 def _check_shapes(fn: str, ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
@@ -205,7 +205,7 @@ def kl_estimator(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -
     if kind == "k2":
         return 0.5 * x ** 2
     if kind == "k3":
-        x = x.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        x = x.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         return torch.exp(x) - x - 1.0
     raise ValueError(f"kl_estimator: kind={kind!r}; valid kinds are {list(KL_KINDS)}")
 
@@ -265,7 +265,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         raise ValueError(f"policy_loss: eps_clip_c must be > 1 (dual-clip bound on the ratio), got {eps_clip_c}")
     logp, old_logp, advantages, tis_weights = _zero_pad(mask, logp, old_logp.detach(), advantages.detach(),
                                                         None if tis_weights is None else tis_weights.detach())
-    log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     surr = -advantages * ratio
     surr_clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)

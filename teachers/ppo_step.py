@@ -31,8 +31,8 @@ from typing import Sequence
 
 import torch
 
-from infra.batching import length_buckets
-from infra.logprobs import gather_log_softmax
+from training.batching import length_buckets
+from training.logprobs import gather_log_softmax
 from teachers import ppo_math
 from teachers.april import Sample
 
@@ -100,7 +100,7 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-# Rows are forwarded in at most this many length buckets (infra.batching.length_buckets): fewer padded positions.
+# Rows are forwarded in at most this many length buckets (training.batching.length_buckets): fewer padded positions.
 MAX_BUCKETS = 4
 
 
@@ -144,7 +144,7 @@ def _logp_and_entropy_one(model, batch: PPOBatch, with_entropy: bool,
     logits = _logits(model, batch)                                       # (B, T, V)
     ids = batch.input_ids.to(logits.device)
     targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1).unsqueeze(-1)  # (B, T, 1); last: unused
-    # token chunks, no float32 copy of the logits (infra/logprobs.py); the entropy comes from the same pass
+    # token chunks, no float32 copy of the logits (training/logprobs.py); the entropy comes from the same pass
     out = gather_log_softmax(logits, targets, temperature=temperature, with_entropy=with_entropy)
     lp, entropy = out if with_entropy else (out, None)
     logp = torch.cat([lp[:, :-1, 0], torch.zeros_like(lp[:, :1, 0])], dim=1)  # (B, T): last position predicts nothing
@@ -185,7 +185,7 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
                entropy_coef: float = 0.0, kl_coef: float = 0.0, ref_logprobs: torch.Tensor | None = None,
                tis_clip: float = 2.0, use_tis: bool = True, critic_only: bool = False,
                temperature: float = 1.0) -> dict[str, float]:
-    """One PPO update of `policy` and `critic` (both `infra.deepspeed_backend.DeepSpeedBackend`) on `batch`.
+    """One PPO update of `policy` and `critic` (both `training.deepspeed_backend.DeepSpeedBackend`) on `batch`.
 
     rewards: (B,) terminal task rewards (None → `batch.rewards`). ref_logprobs: (B, T) reference-policy log-probs in
     the batch alignment, required when kl_coef ≠ 0. critic_only: critic warm-up, the policy is neither stepped nor

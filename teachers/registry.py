@@ -13,9 +13,10 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from infra.engine.client import EngineClient, EngineUnavailable
+from engine.client import EngineClient, EngineUnavailable
+from infra.choices import Backend
 from infra.http import run_sync
-from infra.engine.launcher import ServerSpec, Supervisor
+from engine.launcher import ServerSpec, Supervisor
 
 
 class TokenizerMismatch(ValueError):
@@ -84,7 +85,7 @@ class TeacherRegistry:
             self.add(domain, url, api_key=api_key)
 
     @classmethod
-    def launch(cls, supervisor: Supervisor, checkpoints: Mapping[str, str | Path], *, backend: str = "embedded",
+    def launch(cls, supervisor: Supervisor, checkpoints: Mapping[str, str | Path], *, backend: str = Backend.EMBEDDED,
                api_key: str | None = None, host: str = "127.0.0.1", external: Mapping[str, str] | None = None,
                options: Mapping[str, Any] | None = None, extra_args: list[str] | None = None,
                client_kwargs: Mapping[str, Any] | None = None,

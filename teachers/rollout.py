@@ -33,7 +33,7 @@ from domains.base import Example
 from domains.episodes import Episode, run_token_episode  # the turn loop, shared with the OPD student
 from domains.tools import TURN_END, count_tool_calls, parse_tool_call
 from infra.chat import PromptRenderer, response_text
-from infra.engine.client import EngineClient, seed_for
+from engine.client import EngineClient, seed_for
 from teachers.april import AprilBuffer, Partial, Sample, collect_batch, merge_continuation, plan_requests
 from domains.compaction import Compaction, current_context, tokenizer_summarizer
 

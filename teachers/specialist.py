@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infra.ranks import Ranks, led, require_same_world
+from training.ranks import Ranks, led, require_same_world
 from teachers import ppo_math
 from teachers.april import AprilBuffer, Sample
 from teachers.compaction import Compaction, expand
@@ -63,7 +63,7 @@ class SpecialistState:
 def compaction_of(sc) -> Compaction | None:
     """The `Compaction` of `specialists.max_context_tokens` / `compact_keep_last`, or None (off)."""
     mc = getattr(sc, "max_context_tokens", None)
-    return None if mc is None else Compaction(mc, getattr(sc, "compact_keep_last", 2))
+    return None if mc is None else Compaction(mc, sc.compact_keep_last)
 
 
 def offpolicy_mask(samples: list[Sample], mask: torch.Tensor, version: int, max_lag: int) -> torch.Tensor:

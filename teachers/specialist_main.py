@@ -12,9 +12,9 @@ specialist's own eval score and the `final/` URL. The specialist (`final/`) is t
 teachers/selection.py) or the last one.
 With `specialists.policy_train/critic_train.world_size` W > 1 the task starts this under torchrun: rank 0 runs the
 recipe below (engine server, rollouts, APRIL, ledger, guard, validation, MLflow, commits) and announces each update,
-weight save and state save/load; ranks 1..W-1 follow (infra/ranks.py) and train their shards (ppo_shard).
+weight save and state save/load; ranks 1..W-1 follow (training/ranks.py) and train their shards (ppo_shard).
 The process around the recipe (flags, config, MLflow, torch.distributed, signals, the result file) is the
-trainer skeleton's, infra/worker.py; `WORKER` describes this entry point to the tasks that start it.
+trainer skeleton's, training/worker.py; `WORKER` describes this entry point to the tasks that start it.
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from pathlib import Path
 
 from domains.registry import load_domains
 from infra.chat import token_budget
-from infra.deepspeed_backend import DeepSpeedBackend
+from training.deepspeed_backend import DeepSpeedBackend
 from infra.models import load_model
-from infra.ranks import Ranks, process_world_size
-from infra.training import commit_final, fresh_final, serve_and_run, train_settings, trainable
-from infra.worker import Worker, WorkerRun, arg
+from training.ranks import Ranks, process_world_size
+from training.session import commit_final, fresh_final, serve_and_run, train_settings, trainable
+from training.worker import Worker, WorkerRun, arg
 from teachers.critic import ValueModel
 from teachers.guard import Guard, LLMJudge
 from teachers.specialist import SpecialistTrainer

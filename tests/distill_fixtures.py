@@ -14,7 +14,7 @@ import torch
 
 from domains.registry import load_domain
 from infra.models import init_model_dir, load_model, load_tokenizer
-from infra.sft import collate, encode_pair, sft_loss
+from training.sft import collate, encode_pair, sft_loss
 
 
 def sft_plain(model_dir: Path, out_dir: Path, pairs: list[tuple[str, str]], steps: int, lr: float = 3e-3,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from infra.engine.launcher import free_port, log_tail
+from engine.launcher import free_port, log_tail
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def http(base: str, path: str, data: bytes | None = None, method: str = "POST", 
 
 
 class EngineProc:
-    """`python -m infra.engine.server` on a fixed free port; can be SIGKILLed and started again on the same port."""
+    """`python -m engine.server` on a fixed free port; can be SIGKILLed and started again on the same port."""
 
     def __init__(self, model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None):
         self.model_dir, self.log_path, self.extra, self.api_key = model_dir, log_path, list(extra), api_key
@@ -40,7 +40,7 @@ class EngineProc:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "EngineProc":
-        cmd = [sys.executable, "-m", "infra.engine.server", "--model", str(self.model_dir), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "engine.server", "--model", str(self.model_dir), "--port", str(self.port),
                "--host", "127.0.0.1", "--weight-version", "w0", *self.extra]
         if self.api_key:
             cmd += ["--api-key", self.api_key]

@@ -30,7 +30,7 @@ def settings(zero_stage: int, world_size: int):
     """The test's settings. Adam's first update is lr·g/(|g| + eps); with the usual eps = 1e-8 that is lr·sign(g),
     blind to the gradient's scale. eps = 1 makes it ≈ lr·g for |g| ≪ 1, so the compared weights see both the
     direction and the scale of the gradient; grad_clip = 0 for the same reason (clipping rescales)."""
-    from infra.deepspeed_backend import TrainSettings
+    from training.deepspeed_backend import TrainSettings
 
     # ZeRO-3 keeps parameters under 1e5 elements whole ("persistent"); threshold 0 really shards the nano model
     shard_all = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero_stage == 3 else {}
@@ -79,7 +79,7 @@ def summed_token_nll(logits: torch.Tensor, ids: torch.Tensor, scored: torch.Tens
 
 def train(backend, steps_seeds=(11, 12)) -> dict:
     """Two optimizer steps on this rank's shard of each global batch. Returns per-step global metrics."""
-    from infra.deepspeed_backend import shard_for_rank
+    from training.deepspeed_backend import shard_for_rank
 
     out = {"world_size": backend.world_size, "losses": [], "grad_norms": [], "lrs": []}
     for seed in steps_seeds:
@@ -97,7 +97,7 @@ def train(backend, steps_seeds=(11, 12)) -> dict:
 
 
 def main(out_dir: str, zero_stage: int) -> None:
-    from infra.deepspeed_backend import DeepSpeedBackend, init_distributed, shutdown_distributed
+    from training.deepspeed_backend import DeepSpeedBackend, init_distributed, shutdown_distributed
 
     _, world = init_distributed()
     backend = DeepSpeedBackend(build_model(), settings(zero_stage, world))

@@ -25,7 +25,7 @@ LENGTHS = [(5, 7), (3, 2), (6, 9), (4, 1), (2, 5)]  # (prompt, response) tokens 
 
 def settings():
     """eps = 1: Adam's first update ≈ lr·g (sees the gradient's scale, not only its sign); no clipping."""
-    from infra.deepspeed_backend import TrainSettings
+    from training.deepspeed_backend import TrainSettings
 
     return TrainSettings(lr=0.05, eps=1.0, grad_clip=0.0, zero_stage=2, micro_batch_size=2, grad_accum=1, seed=0)
 
@@ -66,9 +66,9 @@ def weights(module) -> dict[str, torch.Tensor]:
 def run(out: Path | None = None) -> dict:
     """Both trainers' two steps in the current process group; rank 0 returns (and writes under `out`) the result."""
     from infra.config import DistillConfig, SpecialistsConfig
-    from infra.deepspeed_backend import DeepSpeedBackend, init_distributed
+    from training.deepspeed_backend import DeepSpeedBackend, init_distributed
     from infra.models import build_model
-    from infra.ranks import Ranks, led
+    from training.ranks import Ranks, led
     from student.losses import get_loss
     from student.trainer import opd_update
     from teachers.critic import ValueModel
@@ -126,7 +126,7 @@ def opd_grouped(grad_accum: int) -> dict[str, torch.Tensor]:
     from dataclasses import replace
 
     from infra.config import DistillConfig, TrainConfig
-    from infra.deepspeed_backend import DeepSpeedBackend, init_distributed
+    from training.deepspeed_backend import DeepSpeedBackend, init_distributed
     from infra.models import build_model
     from student.losses import get_loss
     from student.trainer import opd_update
@@ -145,7 +145,7 @@ def opd_grouped(grad_accum: int) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
-    from infra.deepspeed_backend import shutdown_distributed
+    from training.deepspeed_backend import shutdown_distributed
 
     try:
         run(Path(sys.argv[1]))

@@ -50,8 +50,8 @@ def _chat_ids(tok, prompt: str) -> list[int]:
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_engine_on_qwen2_bpe_matches_single_sequence_forward(biased_dir, monkeypatch, fused):
-    from infra.engine.protocol import SamplingSpec, SeqSpec
-    from infra.engine.scheduler import Engine, Seq
+    from engine.protocol import SamplingSpec, SeqSpec
+    from engine.scheduler import Engine, Seq
     from infra.models import load_model, load_tokenizer
 
     monkeypatch.setenv("ALLOY_ENGINE_FUSED_DECODE", "1" if fused else "0")

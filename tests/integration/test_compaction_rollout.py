@@ -17,8 +17,8 @@ from domains.compaction import plan, tokenizer_summarizer
 from domains.registry import load_domain
 from engine_proc import EngineProc
 from infra.config import SpecialistsConfig
-from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings
-from infra.engine.client import EngineClient
+from training.deepspeed_backend import DeepSpeedBackend, TrainSettings
+from engine.client import EngineClient
 from infra.models import init_model_dir, load_model, load_tokenizer
 from teachers.april import AprilBuffer
 from teachers.compaction import expand

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infra.deepspeed_backend import (CHECKPOINT_TAG, DeepSpeedBackend, TrainSettings, build_ds_config,
+from training.deepspeed_backend import (CHECKPOINT_TAG, DeepSpeedBackend, TrainSettings, build_ds_config,
                                      init_distributed, loss_normalizer, lr_multiplier, param_groups, shard_for_rank)
 from infra.models import build_model, load_model, load_tokenizer
 
@@ -175,7 +175,7 @@ def test_child_process_does_not_join_the_parents_world_of_one():
     """A subprocess inherits this process's RANK/WORLD_SIZE/MASTER_PORT; it must make its own world of one
     instead of hosting a second rendezvous store on the parent's (busy) port."""
     init_distributed()
-    code = ("import os; from infra.deepspeed_backend import init_distributed, shutdown_distributed; "
+    code = ("import os; from training.deepspeed_backend import init_distributed, shutdown_distributed; "
             "print(init_distributed(), os.environ['MASTER_PORT']); shutdown_distributed()")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -186,7 +186,7 @@ def test_child_process_does_not_join_the_parents_world_of_one():
 def test_importing_the_backend_does_not_import_mlflow_and_mlflow_still_imports_after():
     """DeepSpeed's autotuner probes MLflow at import (~1 s per trainer process); the backend hides it for that
     import only: a fresh process has no mlflow loaded after importing the backend, and can import it after."""
-    code = ("import sys; import infra.deepspeed_backend; from deepspeed.autotuning import autotuner; "
+    code = ("import sys; import training.deepspeed_backend; from deepspeed.autotuning import autotuner; "
             "print('mlflow' in sys.modules, autotuner.has_mlflow); import mlflow; print(mlflow.__name__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -302,8 +302,8 @@ def test_zero3_save_hf_gathers_full_weights(tmp_path, backends):
     loaded = load_model(tmp_path / "z3")
     assert torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)  # tie survives
     assert max_diff(state(loaded), state(z0.module)) < TOL
-    # named_weights gathers too: a full set an engine's model takes in place (infra/engine/weight_buffer.py)
-    from infra.engine.weight_buffer import copy_into
+    # named_weights gathers too: a full set an engine's model takes in place (engine/weight_buffer.py)
+    from engine.weight_buffer import copy_into
 
     nw3 = z3.named_weights()
     assert max_diff(nw3, w0) < TOL and all(t.numel() > 0 for t in nw3.values())

@@ -9,7 +9,7 @@ import pytest
 
 from domains.registry import load_domain
 from engine_proc import EngineProc
-from infra.engine.client import EngineClient
+from engine.client import EngineClient
 from infra.models import load_tokenizer
 from teachers.april import AprilBuffer
 from teachers.rollout import PromptCursor, Roller, rollout_step

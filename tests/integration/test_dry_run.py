@@ -14,7 +14,7 @@ import pytest
 
 from engine_proc import EngineProc
 from infra.config import load_config
-from infra.engine.launcher import free_port
+from engine.launcher import free_port
 from infra.storage import get_fs, join, save_checkpoint, write_json
 from tasks.prefixes import base_prefix, specialist_prefix_of, student_prefix_of
 

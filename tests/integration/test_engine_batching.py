@@ -17,11 +17,11 @@ import time
 import pytest
 import torch
 
-from infra.engine.decode import FusedDecoder
-from infra.engine.kv_cache import BatchKVCache
-from infra.engine.protocol import SamplingSpec, SeqSpec
-from infra.engine import running
-from infra.engine.scheduler import Engine, Seq
+from engine.decode import FusedDecoder
+from engine.kv_cache import BatchKVCache
+from engine.protocol import SamplingSpec, SeqSpec
+from engine import running
+from engine.scheduler import Engine, Seq
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from infra.engine.client import EngineClient, EngineRequestError
+from engine.client import EngineClient, EngineRequestError
 from engine_proc import EngineProc, forward_logprobs
 
 pytestmark = pytest.mark.integration

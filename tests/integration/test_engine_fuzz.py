@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine_proc import EngineProc, http
-from infra.engine.launcher import log_tail
+from engine.launcher import log_tail
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine_proc import EngineProc, http, json_body
-from infra.engine.launcher import log_tail
-from infra.engine.server import body_limit_bytes, is_loopback
+from engine.launcher import log_tail
+from engine.server import body_limit_bytes, is_loopback
 
 pytestmark = pytest.mark.integration
 

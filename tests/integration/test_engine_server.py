@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_proc import EngineProc, forward_logprobs, http, json_body
-from infra.engine.launcher import log_tail
+from engine.launcher import log_tail
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ VOCAB = 100  # infra.tokenizer: char-level, 100 ids, eos = 2
 
 
 def Server(model_dir: Path, log_path: Path, *extra: str) -> EngineProc:
-    """`python -m infra.engine.server` on a free loopback port (started; call wait_healthy)."""
+    """`python -m engine.server` on a free loopback port (started; call wait_healthy)."""
     return EngineProc(model_dir, log_path, "--max-body-mb", "0.5", *extra).start()
 
 
@@ -265,7 +265,7 @@ def test_update_weights_from_disk(server, tiny_model_dir, tmp_path):
 
 
 def test_update_weights_from_buffer_equals_disk(server, tiny_model_dir, model, tmp_path):
-    from infra.engine.weight_buffer import encode_buffer, write_buffer
+    from engine.weight_buffer import encode_buffer, write_buffer
     from infra.models import init_model_dir, load_model
 
     body = {"input_ids": [1, 40, 41, 42], "return_logprob": True, "top_logprobs_num": 3,

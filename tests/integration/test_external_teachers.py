@@ -1,4 +1,4 @@
-"""Teachers started outside the pipeline (plain `python -m infra.engine.server` processes, as another team or a GPU
+"""Teachers started outside the pipeline (plain `python -m engine.server` processes, as another team or a GPU
 box would run them) given as `teachers.external` URLs; mixing them with launched ones; and the refusal of a teacher
 whose tokenizer differs from the student's (char tokenizers, and two byte-level BPEs).
 """

@@ -12,7 +12,7 @@ import pytest
 
 from domains.registry import load_domain, load_domains
 from infra.config import config_from_dict, load_config
-from infra.engine.launcher import free_port
+from engine.launcher import free_port
 from infra.tracking import NoopTracker
 from tasks.context import RunContext
 from tasks.judge import serve_judge
@@ -93,7 +93,7 @@ def test_served_judge_blocks_hacks_allows_flagged_legit_calls_and_caches_by_cont
 def test_guard_in_a_tool_episode_sees_the_trajectory_and_judges_the_domain_shortcut(judge_dir, tmp_path):
     """A tool_files episode (helper domain): the judge blocks the planted `.solution` read after real tool turns
     and lets the intended calls run."""
-    from infra.engine.launcher import ServerSpec, Supervisor
+    from engine.launcher import ServerSpec, Supervisor
 
     doms = {n: load_domain(n) for n in ("tool_add", "tool_files")}
     with Supervisor(tmp_path / "logs", threads_per_server=1) as sup:
@@ -135,7 +135,7 @@ def test_guard_in_a_tool_episode_sees_the_trajectory_and_judges_the_domain_short
 def test_dead_or_slow_judge_counted_and_handled_as_configured(judge_dir, tmp_path):
     """A judge that is down (closed port) or slower than judge_timeout_s (the real server, a timeout it cannot
     meet): judge_errors counts each, and the call is blocked or allowed per judge_on_error."""
-    from infra.engine.launcher import ServerSpec, Supervisor
+    from engine.launcher import ServerSpec, Supervisor
 
     dead = f"http://127.0.0.1:{free_port()}"
     with Supervisor(tmp_path / "logs", threads_per_server=1) as sup:

@@ -16,8 +16,8 @@ import psutil
 import pytest
 import torch
 
-from infra.engine.client import EngineClient, EngineUnavailable
-from infra.engine.launcher import (
+from engine.client import EngineClient, EngineUnavailable
+from engine.launcher import (
     ServerSpec, Supervisor, SupervisorError, build_command, free_port, launch_settings, sglang_option_args, url_for,
 )
 from teachers.registry import TeacherRegistry, TokenizerMismatch
@@ -57,7 +57,7 @@ def wait_until(pred, timeout: float, what: str, interval: float = 0.1):
 def test_build_command_embedded_and_sglang():
     spec = ServerSpec("math", "/ckpt/math", api_key="k", weight_version="3")
     assert build_command(spec, 31000) == [
-        sys.executable, "-m", "infra.engine.server", "--model", "/ckpt/math", "--port", "31000", "--host",
+        sys.executable, "-m", "engine.server", "--model", "/ckpt/math", "--port", "31000", "--host",
         "127.0.0.1", "--weight-version", "3"]  # the key goes in the child's environment, not in argv (`ps`)
     gpu = ServerSpec("code", "/ckpt/code", backend="sglang", host="0.0.0.0", extra_args=["--enable-metrics"],
                      options={"tp_size": 2, "mem_fraction_static": 0.8, "skip_tokenizer_init": True,
@@ -92,9 +92,9 @@ def test_launch_settings_follow_the_engine_config():
 
 
 def test_engine_backend_names_come_from_the_backend_registry():
-    """`engine.backend` accepts exactly the kinds in infra.engine.backends; each kind checks its own options."""
+    """`engine.backend` accepts exactly the kinds in engine.backends; each kind checks its own options."""
     from infra.config import ConfigError, config_from_dict
-    from infra.engine.backends import BACKENDS
+    from engine.backends import BACKENDS
 
     domains = [{"name": "addition"}]
     for name in BACKENDS:
@@ -110,9 +110,9 @@ def test_max_running_requests_reaches_the_scheduler_under_one_name(tiny_model_di
     """engine.max_running_requests → `--max-running-requests` → the scheduler's `max_running_requests`, read back
     from a real server's /get_server_info; without it the server runs with MAX_RUNNING_REQUESTS."""
     from infra.config import EngineConfig
-    from infra.engine.backends import MAX_RUNNING_REQUESTS
-    from infra.engine.client import run_sync
-    from infra.policy_server import PolicyServer
+    from infra.choices import MAX_RUNNING_REQUESTS
+    from engine.client import run_sync
+    from training.policy_server import PolicyServer
 
     async def info(client) -> dict:
         try:
@@ -207,7 +207,7 @@ def test_tokenizer_mismatch_names_teachers(fleet, tmp_path):
 def test_sigkill_restarts_with_latest_weights(fleet, tmp_path):
     """The restart loads the recorded HF dir, then the recorded weight buffer over it, with the buffer's version."""
     from engine_proc import forward_logprobs
-    from infra.engine.weight_buffer import write_buffer
+    from engine.weight_buffer import write_buffer
     from infra.models import init_model_dir, load_model
 
     sup, reg = fleet
@@ -248,7 +248,7 @@ def test_stop_leaves_no_process(fleet):
     sup.stop()
     assert all(gone(p) for p in pids)
     assert not any(s["alive"] for s in sup.status())
-    mine = [p for p in psutil.Process().children(recursive=True) if "infra.engine.server" in _cmdline(p)]
+    mine = [p for p in psutil.Process().children(recursive=True) if "engine.server" in _cmdline(p)]
     assert mine == []
 
 
@@ -268,7 +268,7 @@ def test_failed_start_reports_log_tail(tmp_path):
 
 PARENT = textwrap.dedent("""
     import json, sys, time
-    from infra.engine.launcher import ServerSpec, Supervisor
+    from engine.launcher import ServerSpec, Supervisor
     sup = Supervisor(sys.argv[2], health_timeout=60)
     sup.start([ServerSpec("a", sys.argv[1]), ServerSpec("b", sys.argv[1])])
     print(json.dumps([s["pid"] for s in sup.status()]), flush=True)
@@ -310,14 +310,14 @@ def test_twelve_servers_rss(tiny_model_dir, tmp_path):
 
 def test_api_key_reaches_the_server_through_its_environment_not_its_argv(tiny_model_dir, tmp_path):
     """A launched server enforces the key (401 without it), and the key is not in its command line (`ps`)."""
-    from infra.engine.client import EngineRequestError, run_sync
+    from engine.client import EngineRequestError, run_sync
 
     key = "sk-alloy-test-7f3a91"
     with Supervisor(tmp_path, health_timeout=60, install_signal_handlers=False) as sup:
         url = sup.start([ServerSpec("keyed", tiny_model_dir, api_key=key)])["keyed"]
         (st,) = sup.status()
         cmdline = " ".join(psutil.Process(st["pid"]).cmdline())
-        assert "infra.engine.server" in cmdline and key not in cmdline
+        assert "engine.server" in cmdline and key not in cmdline
         assert key not in Path(st["log"]).read_text()
 
         async def calls():
@@ -341,7 +341,7 @@ def test_policy_server_sampling_follows_the_run_seed(tiny_model_dir, tmp_path):
     bench shared one noise stream)."""
     import asyncio
 
-    from infra.policy_server import PolicyServer
+    from training.policy_server import PolicyServer
 
     prompts = [[1, 5 + i, 9, 12] for i in range(16)]
     with Supervisor(tmp_path / "logs") as sup:
@@ -370,7 +370,7 @@ def test_policy_server_sampling_follows_the_run_seed(tiny_model_dir, tmp_path):
 def push_both_ways(mem, disk, sup, tiny_model_dir, tmp_path):
     import asyncio
 
-    from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings
+    from training.deepspeed_backend import DeepSpeedBackend, TrainSettings
     from infra.models import init_model_dir, load_model, load_tokenizer
 
     backend = DeepSpeedBackend(load_model(init_model_dir("tiny", tmp_path / "seed7", seed=7)), TrainSettings())

@@ -1,4 +1,4 @@
-"""The binary log-prob transport (`infra.engine.wire`) against a real embedded server: the same request answered as
+"""The binary log-prob transport (`engine.wire`) against a real embedded server: the same request answered as
 SGLang JSON and as packed arrays gives bit-identical tensors (scoring batches with several prompts and starts, top-k;
 generation), JSON stays the default, the binary body is only sent to a client that asks, and a damaged binary body
 is refused with a clear error."""
@@ -8,8 +8,8 @@ import numpy as np
 import orjson
 import pytest
 
-from infra.engine import wire
-from infra.engine.client import EngineClient, EngineResponseError, _binary_items, parse_score, parse_score_arrays
+from engine import wire
+from engine.client import EngineClient, EngineResponseError, _binary_items, parse_score, parse_score_arrays
 from engine_proc import EngineProc, http
 
 pytestmark = pytest.mark.integration

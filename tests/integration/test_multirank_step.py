@@ -89,7 +89,7 @@ def _init(name: str):
 
 
 def test_resume_needs_the_world_size_that_wrote_the_checkpoint():
-    from infra.ranks import require_same_world
+    from training.ranks import require_same_world
 
     require_same_world(2, 2, "student", "distill.train.world_size", "file:///c/step-00000004")
     require_same_world(None, 1, "student", "distill.train.world_size", "file:///c/step-00000004")  # older: 1 rank

@@ -22,14 +22,14 @@ pytestmark = pytest.mark.integration
 
 DOMAINS = ["reverse", "max_list"]
 
-# What a trainer does with its placement: start its rollout server the way infra/training.py does, then record its
+# What a trainer does with its placement: start its rollout server the way training/session.py does, then record its
 # own CUDA_VISIBLE_DEVICES and the live server's (environment and argv) before stopping it.
 PROBE = textwrap.dedent("""
     import json, os, sys
     import psutil
     from infra.config import EngineConfig
-    from infra.engine.launcher import Supervisor
-    from infra.policy_server import PolicyServer
+    from engine.launcher import Supervisor
+    from training.policy_server import PolicyServer
     work, model = sys.argv[1], sys.argv[2]
     with Supervisor(work + "/logs") as sup:
         PolicyServer.for_engine(EngineConfig(), sup, "policy", model, work + "/server")

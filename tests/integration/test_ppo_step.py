@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings
+from training.deepspeed_backend import DeepSpeedBackend, TrainSettings
 from infra.models import build_model, load_model
 from infra.tokenizer import char_vocab
 from teachers.april import Sample

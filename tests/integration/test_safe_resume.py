@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from infra.deepspeed_backend import CHECKPOINT_TAG, DeepSpeedBackend, TrainSettings
-from infra.safe_load import UnsafeCheckpointError
+from training.deepspeed_backend import CHECKPOINT_TAG, DeepSpeedBackend, TrainSettings
+from training.safe_load import UnsafeCheckpointError
 from infra.storage import MANIFEST, checkpoint_name, get_fs, join, load_latest, read_json, save_checkpoint, write_json
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.sandbox import NOBODY, PROGRAMS, check_command, isolation_support, run_tool, safe_calc
+from sandbox.runner import NOBODY, PROGRAMS, check_command, isolation_support, run_tool, safe_calc
 
 pytestmark = pytest.mark.integration
 
@@ -274,7 +274,7 @@ CONTROLLED = LANDLOCKED | {"socket AF_INET", "ptrace attach", "process_vm_readv"
 RUNNER = r'''import dataclasses, json, os, subprocess, sys
 spec = json.load(sys.stdin)
 sys.path.insert(0, spec["repo"])
-from infra import sandbox
+from sandbox import runner as sandbox
 if spec["drop"]:
     os.setgroups([])
     os.setgid(65534)
@@ -374,7 +374,7 @@ def test_landlock_and_seccomp_hold_as_caller_and_as_nobody(workdir, user):
 def test_missing_kernel_layers_fail_closed_unless_opted_out(workdir, monkeypatch):
     """Without Landlock (or libseccomp) run_tool refuses to run anything, with an error naming the opt-out; the
     opt-out runs the call with the remaining layers and says so in the result."""
-    from infra import sandbox
+    from sandbox import runner as sandbox
 
     monkeypatch.setattr(sandbox, "_kernel_confinement", lambda: ("Landlock is not available in this kernel", None))
     monkeypatch.delenv(sandbox.UNCONFINED_ENV, raising=False)

@@ -1,7 +1,7 @@
 """The OPD student samples full tool episodes through a real embedded engine server (issue 23, item 2).
 
 A tiny model SFT-ed briefly on `tool_add` demonstrations (`!calc a+b⏎>sum⏎sum`) and on `addition` answers is served
-by `python -m infra.engine.server`; `student.sampler.sample_batch` samples a mixed batch. What must show: a tool
+by `python -m engine.server`; `student.sampler.sample_batch` samples a mixed batch. What must show: a tool
 episode that made a call holds the clean env's tool output as tokens in its sequence with loss mask 0 (the model's
 tokens 1, rollout log-prob 0 on the env's), plain samples have no mask; the teacher (here the same server) scores the
 whole sequence; `collate` puts the mask where the OPD losses read it. With a compaction window the episodes are
@@ -21,7 +21,7 @@ from domains.registry import load_domain
 from domains.tools import ToolEnv, parse_tool_call
 from engine_proc import EngineProc
 from infra.chat import PromptRenderer
-from infra.engine.client import EngineClient
+from engine.client import EngineClient
 from infra.models import init_model_dir, load_tokenizer
 from student.batch import collate
 from student.sampler import PromptStream, sample_batch, split_subtraces

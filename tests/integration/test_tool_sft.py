@@ -11,8 +11,8 @@ from domains.registry import load_domains
 from infra.chat import render_prompt_ids
 from infra.config import load_config
 from infra.models import init_model_dir
-from infra.sft import train_sft
-from infra.training import train_settings, trainable
+from training.sft import train_sft
+from training.session import train_settings, trainable
 from tasks.base_worker import demonstrations
 
 pytestmark = pytest.mark.integration

@@ -77,7 +77,7 @@ def wait_for(proc: subprocess.Popen, out: Path, log: Path, trainer: str, step_li
             except psutil.Error:
                 pass
         trainers = [pid for pid, cmd in kids.items() if trainer in cmd]
-        served = any("infra.engine.server" in _cmdline(q) for pid in trainers for q in _children(pid))
+        served = any("engine.server" in _cmdline(q) for pid in trainers for q in _children(pid))
         if trainers and served and (step_line is None or log.exists() and re.search(step_line, log.read_bytes()[since:])):
             return
         time.sleep(0.5)

@@ -81,7 +81,7 @@ def run(tmp_path_factory, prefect_harness):
     own parser and command, in this process); returns its report, the argv seen, and what the flow process logged."""
     import flows.pipeline  # noqa: F401  (imports Prefect, which sets up its logging: before our handler is added)
     from alloy.cli import EXIT_OK, build_parser
-    from infra.engine.client import API_KEY_ENV
+    from engine.client import API_KEY_ENV
 
     root = tmp_path_factory.mktemp("secrets")
     plugdir = root / "plugins"
@@ -158,7 +158,7 @@ def test_secret_not_in_logs_files_or_report(run):
 def test_the_argv_watch_saw_every_worker(run):
     """Precondition of the next test: the sampler saw the trainer processes and the engine servers."""
     seen = " ".join(" ".join(a) for a in run["argv"].values())
-    for module in ("teachers.specialist_main", "student.distill_main", "infra.engine.server"):
+    for module in ("teachers.specialist_main", "student.distill_main", "engine.server"):
         assert module in seen, module
 
 

@@ -27,7 +27,7 @@ def _engine_servers(pid: int) -> list[psutil.Process]:
     out = []
     for child in psutil.Process(pid).children(recursive=True):
         try:
-            if "infra.engine.server" in " ".join(child.cmdline()):
+            if "engine.server" in " ".join(child.cmdline()):
                 out.append(child)
         except psutil.NoSuchProcess:
             pass

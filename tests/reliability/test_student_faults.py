@@ -180,14 +180,14 @@ def issued(cfg_dict: dict, init: str) -> dict[str, list[int]]:
 def scenario(tiny_model_dir, tmp_path_factory):
     """Run 1 (SIGKILLed), bad manifest, run 2 (to the end). Returns everything the tests check."""
     from infra.config import EngineConfig, TeachersConfig
-    from infra.engine.launcher import free_port
+    from engine.launcher import free_port
     from infra.tracking import Tracker
     from tasks.teachers import start_teachers
 
     root = tmp_path_factory.mktemp("student-faults")
     # a plain server started with no --host (the CLI default), loading while the supervised teacher starts
     plain_port = free_port()
-    plain = subprocess.Popen([sys.executable, "-m", "infra.engine.server", "--model", str(tiny_model_dir), "--port",
+    plain = subprocess.Popen([sys.executable, "-m", "engine.server", "--model", str(tiny_model_dir), "--port",
                               str(plain_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     garbage = fleet = None
     sockets: dict[str, list] = {}
@@ -328,7 +328,7 @@ def test_one_mlflow_run_holds_both_attempts(scenario):
 
 def test_teacher_and_engine_servers_listen_on_loopback_only(scenario):
     socks = scenario["sockets"]
-    rollout = [x for x in socks["student"] if "infra.engine.server" in x[0]]
+    rollout = [x for x in socks["student"] if "engine.server" in x[0]]
     servers = socks["teacher"] + socks["plain"] + rollout
     assert len(socks["teacher"]) >= 1 and len(socks["plain"]) >= 1 and rollout
     assert any("student.distill_main" in x[0] for x in socks["student"])  # the trainer itself was sampled too
@@ -337,7 +337,7 @@ def test_teacher_and_engine_servers_listen_on_loopback_only(scenario):
 
 def test_trainer_processes_listen_on_loopback_only(scenario):
     """A trainer's world of one rendezvouses in-process (no TCPStore on every interface) and its gloo sockets are
-    on loopback (infra/deepspeed_backend.py init_distributed); base, specialist and student trainers share it."""
+    on loopback (training/deepspeed_backend.py init_distributed); base, specialist and student trainers share it."""
     trainer = [x for x in scenario["sockets"]["student"] if "student.distill_main" in x[0]]
     assert trainer  # sampled while it trained (gloo's own peer listener, on loopback)
     assert [x for x in trainer if not is_loopback(x[1])] == []

@@ -56,8 +56,8 @@ async def hammer(client, seconds: float, concurrency: int, seed: int) -> dict:
 
 
 def test_twelve_teachers_under_concurrent_scoring_load(tiny_model_dir, tmp_path):
-    from infra.engine.client import run_sync
-    from infra.engine.launcher import Supervisor
+    from engine.client import run_sync
+    from engine.launcher import Supervisor
     from teachers.registry import TeacherRegistry
 
     seconds = float(os.environ.get("ALLOY_LOAD_SECONDS", "30"))

@@ -1,4 +1,4 @@
-"""Length grouping of training rows (infra/batching.py) and the specialists' bucketed forward (teachers/ppo_step.py):
+"""Length grouping of training rows (training/batching.py) and the specialists' bucketed forward (teachers/ppo_step.py):
 less padding, the same values."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import teachers.ppo_step as ppo_step
-from infra.batching import length_buckets, length_sorted_split, padded_positions, padding_fraction
+from training.batching import length_buckets, length_sorted_split, padded_positions, padding_fraction
 from infra.models import build_model
 from teachers.april import Sample
 from teachers.ppo_step import build_batch, token_logprobs

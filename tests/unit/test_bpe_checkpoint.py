@@ -113,7 +113,7 @@ def test_cli_model_init_qwen2_bpe_in_process(tmp_path, capsys):
 
 def test_streamed_text_never_ends_inside_a_character(qwen2_bpe_dir):
     """A streamed prefix cut inside a character's bytes holds them back; the full text is exact."""
-    from infra.engine.protocol import SamplingSpec, SeqResult, SeqSpec, output_text
+    from engine.protocol import SamplingSpec, SeqResult, SeqSpec, output_text
     from infra.models import load_tokenizer
 
     tok = load_tokenizer(qwen2_bpe_dir)

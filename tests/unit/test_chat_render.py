@@ -11,7 +11,7 @@ from domains.evaluate import score_examples
 from infra.chat import (completion_ids, end_of_turn_ids, render_prompt_ids, stop_token_ids, token_budget,
                         token_ids_containing)
 from infra.models import load_model, load_tokenizer
-from infra.sft import encode_pair
+from training.sft import encode_pair
 from student.sampler import PromptStream, decode_response
 from tasks.base_worker import demonstrations
 from teachers.rollout import PromptCursor

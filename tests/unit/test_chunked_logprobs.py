@@ -1,4 +1,4 @@
-"""The chunked full-vocabulary log-probs (infra/logprobs.py) against the textbook full-tensor implementation they
+"""The chunked full-vocabulary log-probs (training/logprobs.py) against the textbook full-tensor implementation they
 replace: the OPD losses (every registered one, through student.batch.opd_loss), `topk_kl_loss`, and the specialists'
 sampled-token log-probs + entropy (teachers/ppo_step.py) — values and gradients, bf16 and fp32 logits, padding with
 garbage, chunk boundaries in the middle of sequences. The reference functions below are the implementations as they
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-import infra.logprobs as lp_mod
-from infra.logprobs import gather_log_softmax
+import training.logprobs as lp_mod
+from training.logprobs import gather_log_softmax
 from student.batch import OPDBatch, opd_loss
 from student.losses import LOG_FLOOR, LOSSES, OPDInputs, _kl, _token_mean, _with_tail, sampled_rkl_loss, topk_kl_loss
 from teachers.ppo_math import entropy_from_logits

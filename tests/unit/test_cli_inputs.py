@@ -91,7 +91,7 @@ def test_cli_version_and_serve_help_name_alloy():
     assert proc.returncode == 0 and proc.stdout.strip() == f"alloy {version('alloy-opd')}"
     proc = alloy("serve", "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: alloy serve ")
-    assert "infra.engine.server" not in proc.stdout
+    assert "engine.server" not in proc.stdout
 
 
 def test_every_subcommand_help_names_itself():

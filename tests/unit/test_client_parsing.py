@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from infra.engine.client import (
+from engine.client import (
     EngineClient,
     EngineUnavailable,
     EngineResponseError,
@@ -153,7 +153,7 @@ def test_expand_rids_prompt_major():
 
 def test_refused_connection_retries_then_unavailable():
     """Nothing listens on a fresh port: 2 retries with tiny backoff, then EngineUnavailable; counters say so."""
-    from infra.engine.launcher import free_port
+    from engine.launcher import free_port
 
     c = EngineClient(f"http://127.0.0.1:{free_port()}", api_key="k", max_retries=2, backoff_base=0.01, backoff_max=0.02)
     with pytest.raises(EngineUnavailable, match="after 3 attempts"):
@@ -191,7 +191,7 @@ def _random_score_obj(rng, n_tokens: int, start: int, k: int, entry0=None):
 @pytest.mark.parametrize("k", [0, 1, 7])
 def test_vectorised_json_parse_equals_the_item_parser(k):
     """`parse_score` (orjson lists → one numpy conversion) gives the very arrays of `parse_score_items`."""
-    from infra.engine.client import parse_score_items
+    from engine.client import parse_score_items
 
     rng = np.random.default_rng(k)
     for n, start in ((12, 4), (5, 1), (30, 29)):
@@ -234,7 +234,7 @@ def _corrupt(obj, how):
 @pytest.mark.parametrize("how", ["nan_token", "null_token", "wrong_id", "null_id_top", "inf_top", "float_id_top",
                                  "ragged_top", "short_item", "null_row", "too_few", "no_top", "string_item"])
 def test_vectorised_json_parse_refuses_with_the_item_parsers_message(how):
-    from infra.engine.client import parse_score_items
+    from engine.client import parse_score_items
 
     obj, ids = _random_score_obj(np.random.default_rng(1), 12, 4, 3)
     obj = _corrupt(obj, how)

@@ -57,7 +57,7 @@ def test_plan_by_hand():
     with pytest.raises(ValueError, match="loss_mask has 3 entries for 18 output_ids"):
         plan(P, OUT, [1, 1, 0], CFG, summarize)
     with pytest.raises(ValueError, match="max_context_tokens"):
-        Compaction(1)
+        Compaction(1, 2)
 
 
 def test_a_resumed_prefix_gets_the_context_it_was_generated_from():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.engine.client import seed_for
+from engine.client import seed_for
 from teachers.rollout import Episode, cut_by_tokens
 
 pytestmark = pytest.mark.unit

@@ -1,10 +1,10 @@
-"""The engine's pure batching decisions (`infra.engine.batching`), on hand-made cases."""
+"""The engine's pure batching decisions (`engine.batching`), on hand-made cases."""
 from __future__ import annotations
 
 import pytest
 
-from infra.engine.batching import attention_buckets, attention_groups, prefill_group, similar_width, width_segments
-from infra.engine.prefill import plan
+from engine.batching import attention_buckets, attention_groups, prefill_group, similar_width, width_segments
+from engine.prefill import plan
 
 pytestmark = pytest.mark.unit
 

@@ -1,20 +1,18 @@
-"""Imports follow the layering (docs/architecture.md), read from the source with `ast` (nothing is imported):
+"""Imports follow the floors that docs/architecture.md states (its "Layering" block, the one statement of the order),
+read from the source with `ast` (nothing is imported):
 
-    alloy (the CLI) → flows → tasks → {teachers, student} → domains → infra
-
-- a package may import its own modules and any package below it, never one above it;
-- `teachers` and `student` sit side by side and never import each other (what both need lives below them, e.g. the
-  exactly-once ledger in infra/ledger.py, the domains in domains/registry.py, the trainer skeleton in infra/worker.py);
-- of the bottom pair, `domains` may import `infra` (evaluation generates with infra.generation, tool domains run in
-  infra.sandbox, `load_domains` reports infra.config.ConfigError), and `infra` never imports `domains`;
-- `alloy/` is the command line on top: it may import anything;
+- a package may import its own modules and any package on a floor below it, never one above it;
+- packages on one floor (`teachers | student`, `training | domains`, `engine | sandbox`) never import each other:
+  what both need lives below them;
 - no cycle between modules: no two modules import each other, directly or around a loop.
 
-Every import counts, also one inside a function (a lazy import is still a dependency).
+Every import counts, also one inside a function (a lazy import is still a dependency). The checker checks itself on
+a planted tree (`test_the_checks_catch_violations`), and every top-level package of the tree is on a floor.
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,26 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYER = {"alloy": 5, "flows": 4, "tasks": 3, "teachers": 2, "student": 2, "domains": 1, "infra": 0}
+MARKER = "<!-- floors (top first; read by tests/unit/test_layering.py) -->"
+NOT_PRODUCT = {"tests", "docs", "configs", "deploy", "examples", "runs"}  # folders that hold no layered code
+
+
+def read_floors(doc: Path) -> dict[str, int]:
+    """{package: floor} from the fenced block after MARKER in `doc`: one line a floor, top first, packages of a floor
+    separated by `|`, then (after two spaces) what lives there. The ground is floor 0."""
+    text = doc.read_text()
+    assert MARKER in text, f"{doc}: no floors block (the line {MARKER!r})"
+    block = text.split(MARKER, 1)[1].split("```", 2)[1]
+    lines = [ln for ln in block.splitlines() if ln.strip()]
+    floors = {}
+    for i, ln in enumerate(lines):
+        names = re.split(r"\s{2,}", ln.strip(), maxsplit=1)[0]
+        for name in names.split("|"):
+            floors[name.strip()] = len(lines) - 1 - i
+    return floors
+
+
+LAYER = read_floors(ROOT / "docs" / "architecture.md")
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -58,7 +75,7 @@ def imported_modules(name: str, path: Path, tree: ast.Module, known: set[str]) -
                 out.append((sub if sub in known else base, node.lineno))
     result = []
     for mod, line in out:
-        while mod and mod not in known and "." in mod:  # `import infra.engine.client` → infra.engine.client
+        while mod and mod not in known and "." in mod:  # `import engine.client` → engine.client
             mod = mod.rsplit(".", 1)[0]
         if mod in known and mod != name:
             result.append((mod, line))
@@ -76,7 +93,7 @@ def layer_violations(edges: dict[str, list[tuple[str, int]]], modules: dict, roo
         a = src.split(".")[0]
         for dst, line in targets:
             b = dst.split(".")[0]
-            if a == b or a == "alloy":
+            if a == b:
                 continue
             if LAYER[b] >= LAYER[a]:  # upward, or sideways (teachers ↔ student)
                 bad.append(f"{modules[src][0].relative_to(root)}:{line}: {a} must not import {b} ({dst})")
@@ -127,9 +144,19 @@ def cycles(edges: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
     return out
 
 
+def test_the_floors_cover_the_tree():
+    """Every top-level package of the tree (a folder with Python files) is on a floor, and every floor exists."""
+    assert LAYER["infra"] == 0 and LAYER["bench"] == LAYER["scripts"] == max(LAYER.values()), LAYER
+    assert LAYER["teachers"] == LAYER["student"] and LAYER["engine"] < LAYER["training"] < LAYER["teachers"]
+    folders = {p.parent.relative_to(ROOT).parts[0] for p in ROOT.glob("*/*.py")}
+    assert folders - NOT_PRODUCT == set(LAYER), f"on no floor: {folders - NOT_PRODUCT - set(LAYER)}; " \
+                                                f"no such folder: {set(LAYER) - folders}"
+
+
 def test_imports_follow_the_layering():
     modules = read_modules(ROOT)
-    assert {"tasks.context", "teachers.specialist_main", "student.trainer", "infra.storage"} <= set(modules)
+    assert {"tasks.context", "teachers.specialist_main", "student.trainer", "infra.storage", "engine.client",
+            "training.worker", "sandbox.runner", "bench.trl_compare", "scripts.install"} <= set(modules)
     bad = layer_violations(graph(modules), modules)
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
 
@@ -160,3 +187,22 @@ def test_the_checks_catch_violations(tmp_path):
     assert any("teachers/t.py:1: teachers must not import student" in b for b in bad), bad
     assert not any("domains/d.py" in b for b in bad)
     assert sorted(cycles(edges)) == [["domains.d", "infra.a"], ["student.s", "student.s2"]]
+
+
+def test_a_planted_upward_import_in_the_real_tree_is_found():
+    """The real tree plus one planted module per kind of wrong import fails; the floors' own parser reads a doc."""
+    modules = read_modules(ROOT)
+    planted = {"engine.planted": "from training import worker\n",        # engine (floor 1) → training (floor 3)
+               "infra.planted": "def f():\n    import sandbox.runner\n",  # ground → floor 1, lazily
+               "domains.planted": "from training.ledger import Ledger\n"}  # sideways on floor 3
+    for name, text in planted.items():
+        modules[name] = (ROOT / (name.replace(".", "/") + ".py"), ast.parse(text))
+    bad = layer_violations(graph(modules), modules)
+    assert sorted(b.split(":")[0] for b in bad) == ["domains/planted.py", "engine/planted.py", "infra/planted.py"], bad
+    assert "engine must not import training (training.worker)" in "\n".join(bad)
+
+
+def test_read_floors(tmp_path):
+    doc = tmp_path / "a.md"
+    doc.write_text(f"text\n{MARKER}\n```\ntop | side   what\n\nmid    x | y\nground  z\n```\n")
+    assert read_floors(doc) == {"top": 2, "side": 2, "mid": 1, "ground": 0}

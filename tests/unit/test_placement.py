@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from infra.config import config_from_dict
-from infra.engine.launcher import ServerSpec, build_command, launch_settings
+from engine.launcher import ServerSpec, build_command, launch_settings
 from infra.placement import (PlacementError, Plan, Proc, estimate_params, make_plan, plan_problems, rollout_placement,
                              server_launch, trainer_env, trainer_gb, visible_devices)
 

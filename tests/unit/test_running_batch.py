@@ -1,12 +1,12 @@
-"""The engine's running batch (`infra.engine.running`): which segment new rows join, the segment cap, holes and
+"""The engine's running batch (`engine.running`): which segment new rows join, the segment cap, holes and
 compaction, on small real KV caches whose real columns carry each row's own numbers (so every copy is checked)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from infra.engine.kv_cache import BatchKVCache
-from infra.engine.running import RunningBatch, Segment
+from engine.kv_cache import BatchKVCache
+from engine.running import RunningBatch, Segment
 
 pytestmark = pytest.mark.unit
 

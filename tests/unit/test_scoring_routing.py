@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from infra.engine.client import EngineClient, ScoreResult
+from engine.client import EngineClient, ScoreResult
 from student.sampler import StudentSample, allocate, domain_weights
 from student.scoring import (
     DROP_BAD, DROP_UNAVAILABLE, TeacherScorer, TeacherStats, check_scores, percentile, plan_batches,

@@ -1,4 +1,4 @@
-"""SGLang weight sync without the disk (infra/engine/sglang_sync.py), on CPU without sglang:
+"""SGLang weight sync without the disk (engine/sglang_sync.py), on CPU without sglang:
 
 - the request bodies carry SGLang's own field names, read from sgl-project/sglang
   `python/sglang/srt/managers/io_struct.py` at commit 001067fffe33427bee0ed2f007fb7551a1d76b44 (written out below);
@@ -25,7 +25,7 @@ import orjson
 import pytest
 import torch
 
-from infra.engine.sglang_sync import (SGLangDistributedSync, SGLangTensorSync, WeightSyncError, check_response,
+from engine.sglang_sync import (SGLangDistributedSync, SGLangTensorSync, WeightSyncError, check_response,
                                       choose_sync, destroy_group_body, distributed_update_body, dtype_name,
                                       init_group_body, is_local_url, make_sync, plan_buckets, server_tp_size,
                                       tensor_update_body)
@@ -98,10 +98,8 @@ def test_plan_buckets():
 
 
 def cfg(mode=None, backend="sglang"):
-    ns = SimpleNamespace(backend=backend)
-    if mode is not None:
-        ns.sglang_weight_sync = mode
-    return ns
+    """(engine.backend, engine.sglang_weight_sync) as choose_sync takes them; None = the field's default."""
+    return backend, "auto" if mode is None else mode
 
 
 @pytest.mark.parametrize("mode,same,cuda,want", [
@@ -111,19 +109,19 @@ def cfg(mode=None, backend="sglang"):
     ("distributed", False, True, "distributed"),
 ])
 def test_choose_sync(mode, same, cuda, want):
-    assert choose_sync(cfg(mode), same_machine=same, has_cuda=cuda) == want
+    assert choose_sync(*cfg(mode), same_machine=same, has_cuda=cuda) == want
 
 
 def test_choose_sync_refuses_what_cannot_work():
-    assert choose_sync(cfg("tensor", backend="embedded"), True, True) == "disk"  # the embedded path is elsewhere
+    assert choose_sync(*cfg("tensor", backend="embedded"), True, True) == "disk"  # the embedded path is elsewhere
     with pytest.raises(ValueError, match="engine.sglang_weight_sync: tensor needs the trainer on the server's"):
-        choose_sync(cfg("tensor"), same_machine=False, has_cuda=True)
+        choose_sync(*cfg("tensor"), same_machine=False, has_cuda=True)
     with pytest.raises(ValueError, match="engine.sglang_weight_sync: tensor"):
-        choose_sync(cfg("tensor"), same_machine=True, has_cuda=False)
+        choose_sync(*cfg("tensor"), same_machine=True, has_cuda=False)
     with pytest.raises(ValueError, match="engine.sglang_weight_sync: distributed .* needs CUDA"):
-        choose_sync(cfg("distributed"), same_machine=True, has_cuda=False)
+        choose_sync(*cfg("distributed"), same_machine=True, has_cuda=False)
     with pytest.raises(ValueError, match=r"engine.sglang_weight_sync must be one of .*'nccl'"):
-        choose_sync(cfg("nccl"), True, True)
+        choose_sync(*cfg("nccl"), True, True)
 
 
 def test_helpers():
@@ -168,7 +166,7 @@ def test_tensor_sync_needs_sglang_in_the_trainer():
 
 SERVER_RANK = r"""
 import json, sys, torch, torch.distributed as dist
-from infra.engine.sglang_sync import join_update_group
+from engine.sglang_sync import join_update_group
 group = None
 for line in sys.stdin:
     ep, body = json.loads(line)

@@ -17,7 +17,7 @@ from infra.chat import response_text
 from infra.tokenizer import build_char_tokenizer
 from student.batch import collate, opd_loss
 from domains.compaction import Compaction, subtrace_spans, tokenizer_summarizer
-from infra.ledger import Ledger
+from training.ledger import Ledger
 from student.sampler import StudentSample, check_student_domains, split_subtraces
 from student.trainer import untrained, whole_episodes
 
@@ -151,11 +151,11 @@ def test_student_refuses_tool_domains_it_cannot_sample():
         check_student_domains(ok, budgets={"tool_add": 25, "addition": 8}, longest_prompt={"tool_add": 13},
                               context_len=32)
     check_student_domains(ok, budgets={"tool_add": 25, "addition": 8}, longest_prompt={"tool_add": 13},
-                          context_len=32, compaction=Compaction(30))  # compacted into a window that fits: sampled
+                          context_len=32, compaction=Compaction(30, 2))  # compacted into a window that fits: sampled
     with pytest.raises(ValueError, match=r"'tool_add': its episodes are compacted to specialists.max_context_tokens"
                                          r"=32, which does not fit the student's context \(32 tokens\)"):
         check_student_domains(ok, budgets={"tool_add": 25, "addition": 8}, longest_prompt={"tool_add": 13},
-                              context_len=32, compaction=Compaction(32))
+                              context_len=32, compaction=Compaction(32, 2))
 
 
 def long_episode() -> tuple[list[int], list[int], list[int], str]:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from domains.verifiers import VERIFIERS, answer_problem, extract_code, final_number, get_verifier, math_expression
-from infra.sandbox import isolation_support
+from sandbox.runner import isolation_support
 
 pytestmark = pytest.mark.unit
 NO_ROW: dict = {}

@@ -1,4 +1,4 @@
-"""Weight buffers (infra/engine/weight_buffer.py): the file format round trip, clear errors for truncated or corrupt
+"""Weight buffers (engine/weight_buffer.py): the file format round trip, clear errors for truncated or corrupt
 buffers, and the in-place copy into a model (names, shapes, partial sets, tied weights, the fused decoder)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from infra.engine.weight_buffer import (ALIGN, MAGIC, WeightBufferError, copy_into, encode_buffer, read_buffer,
+from engine.weight_buffer import (ALIGN, MAGIC, WeightBufferError, copy_into, encode_buffer, read_buffer,
                                         state_bytes, write_buffer)
 
 pytestmark = pytest.mark.unit
@@ -84,7 +84,7 @@ def test_truncated_and_corrupt_buffers_name_the_path(tmp_path):
 
 
 def test_copy_into_checks_then_copies_in_place():
-    from infra.engine.decode import FusedDecoder
+    from engine.decode import FusedDecoder
     from infra.models import build_model
 
     model = build_model("nano", vocab_size=100, pad_id=0, bos_id=1, eos_id=2, seed=0).eval()

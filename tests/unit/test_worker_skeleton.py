@@ -1,4 +1,4 @@
-"""The trainer-process skeleton (infra/worker.py): one description per worker gives both its command line and its
+"""The trainer-process skeleton (training/worker.py): one description per worker gives both its command line and its
 parser; SIGTERM becomes WorkerStopped in the main thread, once; results are written atomically."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from infra import procs
-from infra.worker import Worker, WorkerStopped, arg, stop_on_signals, write_json_atomic
+from training.worker import Worker, WorkerStopped, arg, stop_on_signals, write_json_atomic
 from student.distill_main import WORKER as STUDENT
 from tasks.base_worker import WORKER as BASE
 from teachers.specialist_main import WORKER as SPECIALIST

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from infra.engine.kv_cache import BatchKVCache
-from infra.engine.prefill import grouped_causal_attention, left_padded, plan
+from engine.kv_cache import BatchKVCache
+from engine.prefill import grouped_causal_attention, left_padded, plan
 
 
 class FusedDecoder:
@@ -122,11 +122,11 @@ class FusedDecoder:
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, parts: list[tuple]) -> torch.Tensor:
         """ids (B,) long, pos (B,) long positions of the new tokens → logits (B, V). `parts`: the batch's segments
-        (`infra.engine.running`) as `(start, end, cache, mask, buckets)`: rows `start:end` keep their keys and
+        (`engine.running`) as `(start, end, cache, mask, buckets)`: rows `start:end` keep their keys and
         values in `cache` (each layer's new column is appended to it) and attend under `mask`, None or
         (end-start, 1, 1, T+1) bool (True = attend). Projections and the MLP run once over all B rows.
 
-        `buckets` (with a mask; `infra.engine.batching.attention_buckets`): rows `s:e` of the part attend only over
+        `buckets` (with a mask; `engine.batching.attention_buckets`): rows `s:e` of the part attend only over
         columns `first_column:` — every column before it is padding for those rows, so the softmax is the same
         (masked columns weigh exactly 0) while short rows stop paying for the part's longest row."""
         lin = torch.nn.functional.linear
@@ -165,13 +165,13 @@ class FusedDecoder:
         (G, keep, V), right-aligned like a left-padded batch; a mask (g_s, L_s) long per entry of `caches`).
 
         `caches` (None: no KV kept, e.g. scoring): `(indices, cache)` pairs, one per segment of the running batch
-        (`infra.engine.running`); each cache gets the keys/values of its prompts, left-padded to its own longest
+        (`engine.running`); each cache gets the keys/values of its prompts, left-padded to its own longest
         prompt L_s, `(g_s, H_kv, L_s + spare, D)`, zeros in the padding, decode head-room after L_s.
 
         The same result as the left-padded HF forward the engine used before (tested to 1e-5), cheaper: the
         projections and the MLP run on the N = Σ L_i real tokens packed into one `(N, H)` matrix, so padding costs
         nothing there (a 400-token resumed partial and fifteen 20-token prompts are 700 rows, not 16 × 400), and
-        attention runs by groups of similar length (`infra.engine.prefill`), so it does not either. No per-module
+        attention runs by groups of similar length (`engine.prefill`), so it does not either. No per-module
         dispatch, which was ~0.8 ms of every HF forward here. So one prefill takes every waiting prompt.
         Logit rows of a prompt shorter than `keep` are 0 in its padding columns (the engine reads only real ones).
         """

@@ -14,7 +14,7 @@ Continuous batching needs three things a stock `DynamicCache` does not give chea
 Shapes: keys/values `(B, H_kv, T, D)`; attention mask `(B, T)` (nonzero = real token). Only full-attention caches
 (the Llama/Qwen2 families we serve); sliding-window layers would need per-row windows and are not handled here.
 
-`infra.engine.decode.FusedDecoder` is the decode step that appends to this cache for Llama/Qwen2 models.
+`engine.decode.FusedDecoder` is the decode step that appends to this cache for Llama/Qwen2 models.
 """
 from __future__ import annotations
 

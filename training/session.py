@@ -10,10 +10,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
 
-from infra.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed
-from infra.engine.launcher import Supervisor
+from training.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed
+from engine.launcher import Supervisor
 from infra.models import load_model, load_tokenizer
-from infra.policy_server import PolicyServer
+from training.policy_server import PolicyServer
 from infra.storage import join, save_checkpoint
 
 
@@ -36,7 +36,7 @@ def trainable(init_dir: str | Path, settings: TrainSettings) -> tuple[Any, DeepS
 def serve_and_run(engine_cfg, work: Path, name: str, model_dir: str | Path, *, version: int, seed: int,
                   server_dir: str, attach: Callable[[PolicyServer], None], loop: Callable[[], Awaitable[dict]],
                   closers: Iterable[Any] = ()) -> dict:
-    """Serve `model_dir` as engine server `name` (an `infra.engine.launcher.Supervisor` restarts it if it dies; logs
+    """Serve `model_dir` as engine server `name` (an `engine.launcher.Supervisor` restarts it if it dies; logs
     under `work/logs`, weight pushes staged in `work/<server_dir>`), hand the `PolicyServer` to the trainer with
     `attach`, and run `loop()` in a fresh event loop. However the loop ends (a signal included), the server client
     and every `closers` item (`await c.aclose()`) are closed and the supervisor stops the server process."""

@@ -1,6 +1,6 @@
 """Benchmark: the embedded engine server's decode and scoring throughput vs in-process HF transformers.
 
-    python bench/engine.py --out runs/bench/engine.json [--preset small] [--new-tokens 128] [--threads 1]
+    python bench/engine_throughput.py --out runs/bench/engine.json [--preset small] [--new-tokens 128] [--threads 1]
 
 Decode: C concurrent aiohttp clients (C = 1, 8, 32), each sending `--rounds` greedy requests one after another
 (prompt of `--prompt-len` tokens, exactly `--new-tokens` new tokens via ignore_eos); tokens/s = all generated tokens /
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
-        proc = subprocess.Popen([sys.executable, "-m", "infra.engine.server", "--model", str(model_dir), "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "engine.server", "--model", str(model_dir), "--port",
                                  str(port), "--threads", str(args.threads), "--log-level", "warning"],
                                 env=env, cwd=str(REPO))
         try:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from infra.engine.batching import attention_buckets, similar_width
-from infra.engine.kv_cache import BatchKVCache, leading_pad_columns, merge_masks, row_leads
+from engine.batching import attention_buckets, similar_width
+from engine.kv_cache import BatchKVCache, leading_pad_columns, merge_masks, row_leads
 
 _MASK_SPARE = 64  # mask columns allocated ahead, so decode steps only slice the mask buffer
 _HOLES_TO_COMPACT = 0.25  # a segment compacts once this share of its rows are holes

@@ -1,7 +1,7 @@
-"""`/generate` answers → typed results, with every check the engine client makes (`infra.engine.client` uses and
+"""`/generate` answers → typed results, with every check the engine client makes (`engine.client` uses and
 re-exports all of this): SGLang's JSON (`parse_generation`, `parse_score`: vectorised, falling back to the
 item-by-item `parse_score_items` for anything it cannot read, so the error names the entry) and the binary
-log-prob body of `infra.engine.wire` (`parse_generation_arrays`, `parse_score_arrays`: the same checks and messages).
+log-prob body of `engine.wire` (`parse_generation_arrays`, `parse_score_arrays`: the same checks and messages).
 Pure; unit-tested on hand-written protocol JSON (tests/unit/test_client_parsing.py).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from infra.engine import wire
+from engine import wire
 
 
 class EngineError(Exception):
@@ -201,7 +201,7 @@ def parse_score(obj: dict, input_ids: Sequence[int], start: int, top_k: int) -> 
 
 def parse_generation_arrays(obj: dict, arrays: dict[str, np.ndarray], rid: str | None = None,
                             want_logprobs: bool = True) -> Generation:
-    """One item of a binary body (`infra.engine.wire`) → `Generation`, with the checks of `parse_generation`."""
+    """One item of a binary body (`engine.wire`) → `Generation`, with the checks of `parse_generation`."""
     g = parse_generation(obj, rid, want_logprobs=False)
     if want_logprobs:
         n = len(g.output_ids)
@@ -220,7 +220,7 @@ def parse_generation_arrays(obj: dict, arrays: dict[str, np.ndarray], rid: str |
 
 def parse_score_arrays(obj: dict, arrays: dict[str, np.ndarray], input_ids: Sequence[int], start: int,
                        top_k: int) -> ScoreResult:
-    """One item of a binary body (`infra.engine.wire`) → `ScoreResult`, with the checks and messages of
+    """One item of a binary body (`engine.wire`) → `ScoreResult`, with the checks and messages of
     `parse_score` (the arrays' NaN stands for JSON's null)."""
     n, L = len(input_ids), len(input_ids) - start
     meta = _score_meta(obj, n)

@@ -15,7 +15,7 @@ disk), where the server runs and whether the trainer has CUDA:
   /update_weights_from_distributed` with names / dtypes / shapes while rank 0 broadcasts every tensor, in the same
   order, concurrently with the request (the server allocates `torch.empty(shape, getattr(torch, dtype))` per name,
   broadcasts from src 0 and only answers once it has loaded them).
-- **disk** (`DiskSync`): today's path (infra/policy_server.py): save HF weights, `POST /update_weights_from_disk`.
+- **disk** (`DiskSync`): today's path (training/policy_server.py): save HF weights, `POST /update_weights_from_disk`.
 
 Every fast push checks SGLang's answer (`{"success": bool, "message": str}`, HTTP 200 or 400). On any failure it
 logs a warning saying so and calls the `fallback` it was given (the caller's disk push of the full weights), so a
@@ -48,9 +48,10 @@ from urllib.parse import urlparse
 
 import orjson
 
+from infra.choices import Backend, SglangWeightSync, values
+
 log = logging.getLogger("alloy.sglang_sync")
 
-SYNC_MODES = ("auto", "tensor", "distributed", "disk")  # the values of engine.sglang_weight_sync
 SYNC_FIELD = "engine.sglang_weight_sync"
 DEFAULT_GROUP = "alloy_weight_update"
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
@@ -66,32 +67,32 @@ class WeightSyncError(RuntimeError):
 # Choosing a strategy (pure)
 # ---------------------------------------------------------------------------------------------------------------
 
-def choose_sync(engine_cfg, same_machine: bool, has_cuda: bool) -> str:
-    """"tensor" | "distributed" | "disk" for a trainer pushing to its SGLang rollout server.
+def choose_sync(backend: str, mode: str, same_machine: bool, has_cuda: bool) -> SglangWeightSync:
+    """TENSOR | DISTRIBUTED | DISK for a trainer pushing to its SGLang rollout server.
 
-    `engine_cfg` is an infra.config.EngineConfig (its `sglang_weight_sync`, "auto" when the field is absent).
+    `backend`, `mode`: `engine.backend` and `engine.sglang_weight_sync` (infra.choices).
     auto: no CUDA → disk; same machine → tensor (CUDA IPC); otherwise → distributed (NCCL). An explicit choice that
     cannot work here raises, naming the field. Not SGLang (`engine.backend: embedded`) → "disk": the embedded server
     has its own in-memory path, not this module's.
     """
-    mode = getattr(engine_cfg, "sglang_weight_sync", "auto") or "auto"
-    if mode not in SYNC_MODES:
-        raise ValueError(f"{SYNC_FIELD} must be one of {list(SYNC_MODES)}, got {mode!r}")
-    if getattr(engine_cfg, "backend", "sglang") != "sglang" or mode == "disk":
-        return "disk"
-    if mode == "tensor":
+    if mode not in values(SglangWeightSync):
+        raise ValueError(f"{SYNC_FIELD} must be one of {list(values(SglangWeightSync))}, got {mode!r}")
+    mode = SglangWeightSync(mode)
+    if backend != Backend.SGLANG or mode == SglangWeightSync.DISK:
+        return SglangWeightSync.DISK
+    if mode == SglangWeightSync.TENSOR:
         if not (same_machine and has_cuda):
             raise ValueError(f"{SYNC_FIELD}: tensor needs the trainer on the server's machine with CUDA "
                              f"(same_machine={same_machine}, cuda={has_cuda}); use distributed or disk")
-        return "tensor"
-    if mode == "distributed":
+        return SglangWeightSync.TENSOR
+    if mode == SglangWeightSync.DISTRIBUTED:
         if not has_cuda:
             raise ValueError(f"{SYNC_FIELD}: distributed broadcasts over NCCL and needs CUDA in the trainer; "
                              "use disk")
-        return "distributed"
+        return SglangWeightSync.DISTRIBUTED
     if not has_cuda:
-        return "disk"
-    return "tensor" if same_machine else "distributed"
+        return SglangWeightSync.DISK
+    return SglangWeightSync.TENSOR if same_machine else SglangWeightSync.DISTRIBUTED
 
 
 def is_local_url(url: str) -> bool:
@@ -288,9 +289,10 @@ class _Sync:
 
 class DiskSync(_Sync):
     """`update_weights_from_disk`: every push is the caller's `fallback` (save HF weights, then
-    EngineClient.update_weights, as infra/policy_server.py does). The tensors are not used."""
+    EngineClient.update_weights, as training/policy_server.py does). The tensors are not used."""
 
-    name = "disk"
+    name = SglangWeightSync.DISK
+    options = ("timeout_s",)
 
     def __init__(self, fallback: DiskPush, base_url: str = "", **kw):
         super().__init__(base_url, fallback, **kw)
@@ -303,7 +305,8 @@ class SGLangTensorSync(_Sync):
     `tp_size`: the server's TP ranks (one payload entry each). `serializer`: an object with SGLang's
     `MultiprocessingSerializer.serialize(obj, output_str=True)`; None → imported from sglang on first push."""
 
-    name = "tensor"
+    name = SglangWeightSync.TENSOR
+    options = ("timeout_s", "serializer")
 
     def __init__(self, base_url: str, fallback: DiskPush, *, tp_size: int = 1, serializer=None, **kw):
         super().__init__(base_url, fallback, **kw)
@@ -340,7 +343,8 @@ class SGLangDistributedSync(_Sync):
     must be reachable from the server (the trainer's address; loopback when both are on one machine);
     `master_port` None → a free port. `bucket_bytes`: see the module docstring (None: one request per push)."""
 
-    name = "distributed"
+    name = SglangWeightSync.DISTRIBUTED
+    options = ("timeout_s", "master_address", "master_port", "group_name", "backend", "bucket_bytes")
 
     def __init__(self, base_url: str, fallback: DiskPush, *, tp_size: int = 1, master_address: str = "127.0.0.1",
                  master_port: int | None = None, group_name: str = DEFAULT_GROUP, backend: str = "nccl",
@@ -415,15 +419,17 @@ class SGLangDistributedSync(_Sync):
         await asyncio.to_thread(leave_update_group, group)
 
 
+SYNCS: dict[SglangWeightSync, type[_Sync]] = {c.name: c for c in (DiskSync, SGLangTensorSync, SGLangDistributedSync)}
+
+
 def make_sync(strategy: str, base_url: str, fallback: DiskPush, *, tp_size: int = 1, api_key: str | None = None,
               **kw) -> _Sync:
-    """The strategy `choose_sync` picked, for the server at `base_url` (`kw`: timeout_s, and the distributed
-    options master_address, master_port, group_name, backend, bucket_bytes)."""
-    if strategy == "disk":
-        return DiskSync(fallback, base_url, api_key=api_key, **{k: v for k, v in kw.items() if k == "timeout_s"})
-    if strategy == "tensor":
-        return SGLangTensorSync(base_url, fallback, tp_size=tp_size, api_key=api_key,
-                                **{k: v for k, v in kw.items() if k in ("timeout_s", "serializer")})
-    if strategy == "distributed":
-        return SGLangDistributedSync(base_url, fallback, tp_size=tp_size, api_key=api_key, **kw)
-    raise ValueError(f"weight sync strategy must be tensor, distributed or disk, got {strategy!r}")
+    """The strategy `choose_sync` picked, for the server at `base_url` (`kw`: the strategy's `options`, e.g.
+    timeout_s; the others are left out)."""
+    cls = SYNCS.get(strategy)
+    if cls is None:
+        raise ValueError(f"weight sync strategy must be one of {sorted(SYNCS)}, got {strategy!r}")
+    kw = {k: v for k, v in kw.items() if k in cls.options}
+    if cls is DiskSync:
+        return DiskSync(fallback, base_url, api_key=api_key, **kw)
+    return cls(base_url, fallback, tp_size=tp_size, api_key=api_key, **kw)

@@ -95,7 +95,7 @@ def attention_groups(lengths: Sequence[int], long_from: int = 64, pad_allowance:
 
 def width_segments(lengths: Sequence[int], min_width: int = 48, ratio: float = 2.0) -> list[list[int]]:
     """Split sequences sorted by length (ascending) into contiguous groups of similar width, for the running
-    batch's segments (`infra.engine.running`): a group ends before the first sequence longer than `ratio` times
+    batch's segments (`engine.running`): a group ends before the first sequence longer than `ratio` times
     its first one (widths under `min_width` count as `min_width`, so short prompts stay together).
 
     Why: each segment has its own left-padded KV cache, so a short row never carries a long row's columns (no

@@ -3,13 +3,11 @@
 A `ServerBackend` says everything that differs between the embedded server and SGLang: which module to run, the
 model flag, the options it accepts (each passed as `--name-with-dashes`), where the sampling seed goes, whether
 the API key travels in argv (SGLang reads it only there) or in the environment (ours: not visible in `ps`), and
-whether it is a CPU server (one torch thread each). `infra.config` builds the allowed `engine.backend` names from
-`BACKENDS`, so adding a backend here is the one edit that makes it configurable.
+whether it is a CPU server (one torch thread each). The names are `infra.choices.Backend` (what `engine.backend`
+accepts); `BACKENDS` has one launcher per member, checked at import, so a new backend is a member there plus its
+`ServerBackend` here.
 
-`MAX_RUNNING_REQUESTS` is the default of `engine.max_running_requests` (the embedded server's
-`--max-running-requests` and its scheduler's `max_running_requests`), defined here and nowhere else.
-
-Light on purpose (no torch, no aiohttp): `infra.config` imports it.
+Light on purpose (no torch, no aiohttp): the launcher and the CLI import it.
 """
 from __future__ import annotations
 
@@ -17,11 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
-# Sequences an embedded server decodes at once (the rest queue); SGLang sizes its own unless told. 256 is vLLM's
-# max_num_seqs default (SGLang sizes it as max_total_tokens // 2). At 64 a rollout step of the pipeline's default
-# (B = 64 at 1.25x over-sampling: 80 requests) queued 16 requests, each joining the batch later through its own
-# prefill and cache merge (bench/april.py at B = 64: 0.92x sync at 64, ~1.3x at 256).
-MAX_RUNNING_REQUESTS = 256
+from infra.choices import Backend, values
 
 # SGLang `ServerArgs` fields a GPU user typically sets (flag = "--" + name with "-"), from
 # sgl-project/sglang python/sglang/srt/server_args.py. Booleans are store_true flags.
@@ -34,10 +28,11 @@ SGLANG_OPTIONS: dict[str, type] = {
     "enable_deterministic_inference": bool,
 }
 
-# Options of `python -m infra.engine.server` (see its argparse), under the same names as SGLang's where they mean
+# Options of `python -m engine.server` (see its argparse), under the same names as SGLang's where they mean
 # the same thing.
 EMBEDDED_OPTIONS: dict[str, type] = {
     "max_running_requests": int, "max_total_tokens": int, "max_prefill_tokens": int, "seed": int,
+    "read_timeout_s": float, "max_body_mb": float,
 }
 
 
@@ -45,7 +40,7 @@ EMBEDDED_OPTIONS: dict[str, type] = {
 class ServerBackend:
     """How to launch one kind of engine server (see the module docstring)."""
 
-    name: str
+    name: Backend
     label: str  # in messages
     module: str  # run as `python -m <module>`
     model_flag: str  # flag naming the model directory
@@ -54,7 +49,7 @@ class ServerBackend:
     api_key_in_argv: bool  # True: `--api-key KEY`; False: the key goes in the child's environment (API_KEY_ENV)
     cpu: bool  # a CPU server: DS_ACCELERATOR=cpu and the supervisor's thread count per server
     takes_sglang_args: bool  # launched with `engine.sglang_args` as options
-    weights_buffer_flag: str | None = None  # flag naming a weight buffer applied at start (infra/engine/weight_buffer.py)
+    weights_buffer_flag: str | None = None  # flag naming a weight buffer applied at start (engine/weight_buffer.py)
 
     def option_args(self, options: Mapping[str, Any]) -> list[str]:
         """{"tp_size": 2, "trust_remote_code": True} → ["--tp-size", "2", "--trust-remote-code"]; unknown keys
@@ -74,14 +69,15 @@ class ServerBackend:
 
 
 BACKENDS: Mapping[str, ServerBackend] = MappingProxyType({b.name: b for b in (
-    ServerBackend("embedded", label="embedded server", module="infra.engine.server", model_flag="--model",
+    ServerBackend(Backend.EMBEDDED, label="embedded server", module="engine.server", model_flag="--model",
                   options=MappingProxyType(EMBEDDED_OPTIONS), seed_option="seed", api_key_in_argv=False, cpu=True,
                   takes_sglang_args=False, weights_buffer_flag="--weights-buffer"),
-    ServerBackend("sglang", label="SGLang", module="sglang.launch_server", model_flag="--model-path",
+    ServerBackend(Backend.SGLANG, label="SGLang", module="sglang.launch_server", model_flag="--model-path",
                   options=MappingProxyType(SGLANG_OPTIONS), seed_option="random_seed", api_key_in_argv=True,
                   cpu=False, takes_sglang_args=True),
 )})
-BACKEND_NAMES = tuple(BACKENDS)  # the allowed values of `engine.backend`
+if set(BACKENDS) != set(Backend):  # pragma: no cover - a new member of infra.choices.Backend without a launcher
+    raise ImportError(f"engine.backends: no ServerBackend for {sorted(set(Backend) - set(BACKENDS))}")
 
 
 def server_backend(name: str) -> ServerBackend:
@@ -89,4 +85,4 @@ def server_backend(name: str) -> ServerBackend:
     try:
         return BACKENDS[name]
     except KeyError:
-        raise ValueError(f"engine backend must be one of {list(BACKEND_NAMES)}, got {name!r}") from None
+        raise ValueError(f"engine backend must be one of {list(values(Backend))}, got {name!r}") from None

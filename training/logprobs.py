@@ -19,6 +19,9 @@ import torch
 # Chunk size: at least CHUNK_ELEMENTS elements (tokens × V; 1M float32 = 4 MiB per temporary, 6 tokens at
 # V = 151,936), else 1/CHUNK_FRACTION of the positions (32 chunks per pass), so a chunk's float32 temporaries stay a
 # small fraction of the logits at any batch size.
+# Importance ratios exp(log p - log q) in the PPO and OPD losses are computed from a log-ratio clamped to this: exp()
+# of a log-ratio above ~88 overflows float32; real ratios never get near 20, so the clamp only guards against inf.
+MAX_LOG_RATIO = 20.0
 CHUNK_ELEMENTS = 1 << 20
 CHUNK_FRACTION = 32
 

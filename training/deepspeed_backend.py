@@ -57,13 +57,12 @@ def _import_deepspeed():
     return deepspeed
 
 
-# DeepSpeed picks its accelerator at import time: `import infra` (the parent package, imported first) sets
-# DS_ACCELERATOR=cpu when no CUDA device is visible and leaves it unset otherwise, so DeepSpeed detects CUDA. (A
-# blanket default to cpu here trained on the CPU of a GPU machine: bench/gpu_check.py found it on an H100.)
+# DeepSpeed picks its accelerator at import time: `import training` (the parent package, imported first) sets
+# DS_ACCELERATOR (see training/__init__.py).
 deepspeed = _import_deepspeed()
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-from infra.safe_load import deepspeed_allowed, safe_torch_load  # noqa: E402
+from training.safe_load import deepspeed_allowed, safe_torch_load  # noqa: E402
 
 T = TypeVar("T")
 
@@ -529,12 +528,12 @@ class DeepSpeedBackend:
     def named_weights(self, on_device: bool = False) -> dict[str, torch.Tensor] | None:
         """The current weights as {HF state-dict name: CPU tensor} on rank 0 (None on the other ranks), in the
         training dtype, each tied tensor once (under its first name, e.g. the input embeddings, not the tied LM
-        head): what `save_hf` writes, without the files (a weight push through `infra.engine.weight_buffer`).
+        head): what `save_hf` writes, without the files (a weight push through `engine.weight_buffer`).
 
         A collective under ZeRO-3 (the same layer-by-layer gather as `save_hf`: call it on every rank). On a CPU
         accelerator the tensors are the live parameters themselves, not copies: read them before the next
         optimizer step (`PolicyServer.push` snapshots them into a buffer file first). `on_device`: leave them where
-        they live (CUDA tensors for SGLang's tensor/NCCL weight sync, infra/engine/sglang_sync.py)."""
+        they live (CUDA tensors for SGLang's tensor/NCCL weight sync, engine/sglang_sync.py)."""
         if self.settings.zero_stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()  # all ranks take part; None off rank 0
         else:
@@ -564,7 +563,7 @@ class DeepSpeedBackend:
           state/zero_pp_rank_<r>_mp_rank_00_model_states.pt   stage 3: rank r's parameter shard
           state/rng_rank<r>.pt                          rank r's python / numpy / torch (/ cuda) RNG states
         On several nodes `state_dir` must be a shared filesystem. Resume with the same world size and ZeRO stage.
-        `load_state` reads every one of these files with torch.load(weights_only=True) (`infra.safe_load`): a file
+        `load_state` reads every one of these files with torch.load(weights_only=True) (`training.safe_load`): a file
         holding anything but tensors, plain containers and DeepSpeed's few state classes is refused, never run.
         """
         root = Path(state_dir)

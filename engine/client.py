@@ -30,9 +30,9 @@ from typing import Any, Sequence
 import aiohttp
 import orjson
 
-from infra.engine import wire
-from infra.engine.protocol import gc_paused
-from infra.engine.responses import (  # noqa: F401  (re-exported: callers import them from the client)
+from engine import wire
+from engine.protocol import gc_paused
+from engine.responses import (  # noqa: F401  (re-exported: callers import them from the client)
     EngineError, EngineRequestError, EngineResponseError, EngineUnavailable, Generation, ScoreResult, _binary_items,
     parse_finish_reason, parse_generation, parse_generation_arrays, parse_score, parse_score_arrays, parse_score_items,
 )
@@ -45,7 +45,7 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Pure helpers (unit-tested on hand-written protocol JSON; the response parsers are in infra.engine.responses)
+# Pure helpers (unit-tested on hand-written protocol JSON; the response parsers are in engine.responses)
 # ---------------------------------------------------------------------------------------------------------------
 
 def backoff_delays(max_retries: int, base: float, max_delay: float, rng: random.Random | None = None) -> list[float]:
@@ -204,7 +204,7 @@ class EngineClient:
         and SGLang's prefix cache still shares the prompt's KV.
         `sampling_seed`: generation k of the call (prompt-major) samples from its own generator seeded with
         `sampling_seed + k`, so its tokens do not depend on which other requests share the server's batch.
-        `binary`: ask for the packed log-prob body (`infra.engine.wire`); a server that does not speak it (SGLang)
+        `binary`: ask for the packed log-prob body (`engine.wire`); a server that does not speak it (SGLang)
         answers JSON, parsed as before.
         `max_new_tokens`: one budget for all, or one per prompt (then the sampling params are sent per request).
         `stop`: stop strings (a generation ends once its text contains one; its tokens stay in `output_ids`).
@@ -257,7 +257,7 @@ class EngineClient:
         `start` = len(prompt), the index of the first response token (1 ≤ start ≤ len(input_ids)). Sends
         `logprob_start_len = start - 1` so the first scored token is `input_ids[start]`. A list of sequences is
         scored in one HTTP call and returns a list. Raises `EngineResponseError` on a malformed response.
-        `binary`: ask for packed float32/int32 arrays (`infra.engine.wire`; Alloy's embedded engine answers with
+        `binary`: ask for packed float32/int32 arrays (`engine.wire`; Alloy's embedded engine answers with
         them, SGLang ignores the `Accept` header and answers JSON, which is then parsed vectorised).
         """
         single = bool(input_ids) and not isinstance(input_ids[0], list)
@@ -327,7 +327,7 @@ class EngineClient:
     async def update_weights_from_buffer(self, path: str | None = None, data: bytes | None = None,
                                          version: str | None = None, flush_cache: bool = True,
                                          abort_all: bool = False) -> dict:
-        """Copy a weight buffer (infra/engine/weight_buffer.py) into the live embedded server's model in place:
+        """Copy a weight buffer (engine/weight_buffer.py) into the live embedded server's model in place:
         `path` names a buffer file on the server's machine, or `data` is the buffer itself (sent as the body).
         `version` None: the buffer's own. Raises `EngineRequestError` if refused."""
         if (path is None) == (data is None):

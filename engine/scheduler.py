@@ -33,13 +33,13 @@ from typing import Callable
 
 import torch
 
-from infra.engine.backends import MAX_RUNNING_REQUESTS
-from infra.engine.batching import prefill_group, width_segments
-from infra.engine.decode import FusedDecoder
-from infra.engine.kv_cache import BatchKVCache
-from infra.engine.running import RunningBatch, Segment
-from infra.engine.protocol import ProtocolError, SeqResult, SeqSpec
-from infra.engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
+from engine.batching import prefill_group, width_segments
+from engine.decode import FusedDecoder
+from engine.kv_cache import BatchKVCache
+from engine.running import RunningBatch, Segment
+from engine.protocol import ProtocolError, SeqResult, SeqSpec
+from engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
+from infra.choices import MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS
 
 log = logging.getLogger("alloy.engine")
 
@@ -79,7 +79,7 @@ class Engine:
     `update_weights`; read-only properties once `ready` is set."""
 
     def __init__(self, model_dir: str, *, max_running_requests: int = MAX_RUNNING_REQUESTS,
-                 max_total_tokens: int = 65536, max_prefill_tokens: int = 16384, threads: int | None = None, weight_version: str = "default",
+                 max_total_tokens: int = MAX_TOTAL_TOKENS, max_prefill_tokens: int = MAX_PREFILL_TOKENS, threads: int | None = None, weight_version: str = "default",
                  seed: int = 0, max_segments: int = 4, weights_buffer: str | None = None):
         self.model_path = self.tokenizer_path = str(model_dir)
         self.weights_buffer = weights_buffer  # applied right after loading model_dir (its version wins)
@@ -206,7 +206,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_path)
         self._set_model(load_model(self.model_path))
         if self.weights_buffer:
-            from infra.engine.weight_buffer import copy_into, read_buffer
+            from engine.weight_buffer import copy_into, read_buffer
 
             version, tensors = read_buffer(self.weights_buffer)
             copy_into(self.model, tensors, f"weight buffer {self.weights_buffer}")
@@ -230,7 +230,7 @@ class Engine:
         self._fused = FusedDecoder.for_model(model) if fused_ok else None
         self._batch.max_segments = self.max_segments if self._fused is not None else 1  # the HF forward: one cache
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
-        from infra.engine.weight_buffer import state_bytes
+        from engine.weight_buffer import state_bytes
 
         self.state_bytes = state_bytes(model)  # the largest weight buffer this model takes (the body limit)
         self.context_len = int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
@@ -289,7 +289,7 @@ class Engine:
             self._fused.refresh()
 
     def _copy_weights(self, job: _UpdateJob) -> tuple[bool, str]:
-        from infra.engine.weight_buffer import copy_into
+        from engine.weight_buffer import copy_into
 
         t0 = time.perf_counter()
         try:

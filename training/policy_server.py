@@ -6,7 +6,7 @@ Used by both RL trainers (specialist PPO, OPD student). A push has two halves:
   2. the load: the live server takes them as `weight_version = version`, and the supervisor records them so
      that a restarted server comes back with the latest weights and the same version.
 `weight_sync: memory` (the default for the embedded server): the snapshot is a weight buffer
-(infra/engine/weight_buffer.py: `DeepSpeedBackend.named_weights` as raw tensors) in /dev/shm when it has room,
+(engine/weight_buffer.py: `DeepSpeedBackend.named_weights` as raw tensors) in /dev/shm when it has room,
 else under the work dir, two files alternating by version (A/B: the server may still read one while the next is
 written); the load is `update_weights_from_buffer`, an in-place copy into the server's model. `disk` (and any
 SGLang server): an HF dir (`save_hf`) loaded with `update_weights_from_disk`. With `push(..., wait=False)` the
@@ -22,10 +22,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from infra.engine.backends import server_backend
-from infra.engine.client import EngineClient
-from infra.engine.launcher import ServerSpec, Supervisor, launch_settings
-from infra.engine.weight_buffer import write_buffer
+from engine.backends import server_backend
+from engine.client import EngineClient
+from engine.launcher import ServerSpec, Supervisor, launch_settings
+from engine.weight_buffer import write_buffer
+from infra.choices import Backend, SglangWeightSync, WeightSync, values
 from infra.placement import rollout_placement
 
 log = logging.getLogger("alloy.policy_server")
@@ -41,15 +42,15 @@ class PolicyServer:
     """
 
     def __init__(self, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path, *,
-                 backend: str = "embedded", api_key: str | None = None, host: str = "127.0.0.1",
+                 backend: str = Backend.EMBEDDED, api_key: str | None = None, host: str = "127.0.0.1",
                  extra_args: list[str] | None = None, options: dict | None = None, keep: int = 2, version: int = 0,
-                 seed: int | None = None, env: dict[str, str] | None = None, weight_sync: str = "memory",
-                 sglang_weight_sync: str = "auto"):
-        if weight_sync not in ("memory", "disk"):
-            raise ValueError(f"PolicyServer: weight_sync must be 'memory' or 'disk', got {weight_sync!r}")
+                 seed: int | None = None, env: dict[str, str] | None = None, weight_sync: str = WeightSync.MEMORY,
+                 sglang_weight_sync: str = SglangWeightSync.AUTO):
+        if weight_sync not in values(WeightSync):
+            raise ValueError(f"PolicyServer: weight_sync must be one of {list(values(WeightSync))}, got {weight_sync!r}")
         self.supervisor, self.name = supervisor, name
         # memory needs a server that takes weight buffers (the embedded one); SGLang keeps the disk path
-        self.memory = weight_sync == "memory" and server_backend(backend).weights_buffer_flag is not None
+        self.memory = weight_sync == WeightSync.MEMORY and server_backend(backend).weights_buffer_flag is not None
         extra, options = list(extra_args or []), dict(options or {})
         if seed is not None:  # the sampling stream follows the run's seed (and differs after a resume at `version`)
             stream = (seed * 1_000_003 + version) % 2 ** 31
@@ -71,16 +72,15 @@ class PolicyServer:
         self._pushing: tuple | None = None  # (train_backend, tokenizer) of the push in progress (the disk fallback)
 
     def _sglang_sync(self, backend: str, mode: str, options: dict, api_key: str | None):
-        """SGLang's tensor / NCCL weight update (infra/engine/sglang_sync.py), or None (disk, or not SGLang)."""
-        if backend != "sglang":
+        """SGLang's tensor / NCCL weight update (engine/sglang_sync.py), or None (disk, or not SGLang)."""
+        if backend != Backend.SGLANG:
             return None
         import torch
 
-        from infra.engine.sglang_sync import choose_sync, is_local_url, make_sync, server_tp_size
+        from engine.sglang_sync import choose_sync, is_local_url, make_sync, server_tp_size
 
-        cfg = type("EngineChoice", (), {"backend": "sglang", "sglang_weight_sync": mode})
-        strategy = choose_sync(cfg, same_machine=is_local_url(self.url), has_cuda=torch.cuda.is_available())
-        if strategy == "disk":
+        strategy = choose_sync(backend, mode, same_machine=is_local_url(self.url), has_cuda=torch.cuda.is_available())
+        if strategy == SglangWeightSync.DISK:
             return None
         log.info("%s: SGLang weight sync %s (engine.sglang_weight_sync=%s)", self.name, strategy, mode)
         return make_sync(strategy, self.url, self._disk_fallback, tp_size=server_tp_size(options), api_key=api_key)

@@ -115,7 +115,7 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size
     A pair is (prompt, completion) or (prompt, completion, system), the completion a str or `(text, trained)`
     segments; `chat_template` is the `model.chat_template` mode the prompts are rendered in (`encode_pair`).
 
-    `backend` is an `infra.deepspeed_backend.DeepSpeedBackend`; each rank draws its shard of the same global batch.
+    `backend` is an `training.deepspeed_backend.DeepSpeedBackend`; each rank draws its shard of the same global batch.
     Returns the last step's metrics.
     """
     if not pairs:

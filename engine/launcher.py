@@ -9,7 +9,7 @@ servers when that thread ends.
 
 A monitor thread polls the processes; a dead server is restarted on the same port (so clients just retry) with
 its latest weights (`set_weights`: an HF dir, or for the embedded server a weight buffer applied over the
-initial model: infra/engine/weight_buffer.py), at most `max_restarts` times per `restart_window_s`.
+initial model: engine/weight_buffer.py), at most `max_restarts` times per `restart_window_s`.
 """
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from infra.procs import cancel_on_stop, log_tail, on_stop, pdeathsig_preexec
-from infra.engine.backends import BACKENDS, server_backend
-from infra.engine.client import API_KEY_ENV, EngineClient, run_sync
+from infra.choices import Backend
+from engine.backends import BACKENDS, server_backend
+from engine.client import API_KEY_ENV, EngineClient, run_sync
 
 log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -41,13 +42,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 @dataclass
 class ServerSpec:
     """One server to run. `port=None` → a free port is picked. `backend` names a `BACKENDS` entry; `options` are
-    keys of that backend's options (infra.engine.backends); `extra_args` are passed verbatim after
+    keys of that backend's options (engine.backends); `extra_args` are passed verbatim after
     them. `env` is added to the child's environment. `weights_buffer`: a weight buffer the server applies right
     after loading `model_path` (its version wins over `weight_version`; embedded backend only)."""
 
     name: str
     model_path: str
-    backend: str = "embedded"  # a name in infra.engine.backends.BACKENDS
+    backend: str = Backend.EMBEDDED  # a name in engine.backends.BACKENDS
     host: str = "127.0.0.1"
     port: int | None = None
     api_key: str | None = None
@@ -67,6 +68,10 @@ def launch_settings(engine_cfg, placement: dict | None = None) -> dict[str, Any]
     options = dict(engine_cfg.sglang_args) if backend.takes_sglang_args else {}
     if engine_cfg.max_running_requests:
         options.setdefault("max_running_requests", engine_cfg.max_running_requests)
+    if not backend.takes_sglang_args:  # the embedded server's limits (SGLang has its own flags for neither)
+        options["read_timeout_s"] = engine_cfg.read_timeout_s
+        if engine_cfg.max_body_mb is not None:
+            options["max_body_mb"] = engine_cfg.max_body_mb
     if placement is None:
         return {"backend": backend.name, "options": options, "extra_args": []}
     from infra.placement import server_launch
@@ -78,7 +83,7 @@ def launch_settings(engine_cfg, placement: dict | None = None) -> dict[str, Any]
 
 def sglang_option_args(options: dict[str, Any]) -> list[str]:
     """{"tp_size": 2, "trust_remote_code": True} → ["--tp-size", "2", "--trust-remote-code"]; unknown keys raise."""
-    return BACKENDS["sglang"].option_args(options)
+    return BACKENDS[Backend.SGLANG].option_args(options)
 
 
 def build_command(spec: ServerSpec, port: int) -> list[str]:

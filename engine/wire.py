@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from infra.engine.protocol import SeqResult, SeqSpec, TokenText, build_output
+from engine.protocol import SeqResult, SeqSpec, TokenText, build_output
 
 CONTENT_TYPE = "application/x-alloy-logprobs"
 ACCEPT = f"{CONTENT_TYPE}, application/json;q=0.5"  # what a client sends to ask for it

@@ -14,7 +14,7 @@ Checked against SGLang's source (io_struct.GenerateReqInput, SamplingParams, tok
   requests. `logprob_start_len ≥ len(input_ids)` with `return_logprob` is HTTP 400.
 - `input_ids + max_new_tokens ≥ context length` is HTTP 400 (SGLang `_validate_one_request`).
 - (Alloy only, never by default) a client that sends `Accept: application/x-alloy-logprobs` gets the log-probs as
-  packed float32/int32 arrays instead of these JSON lists: `infra.engine.wire`.
+  packed float32/int32 arrays instead of these JSON lists: `engine.wire`.
 - Log-prob keys appear in `meta_info` only when `return_logprob` is true; the top-logprob keys only when
   `top_logprobs_num > 0`; `input/output_token_ids_logprobs` only when `token_ids_logprob` is given (SGLang
   `add_logprob_to_meta_info`).

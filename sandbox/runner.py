@@ -19,7 +19,7 @@ Layers, outermost first (each one alone stops a different escape):
      namespaces come from an unprivileged user namespace, when the kernel allows it;
    - parent-death signal, a fresh session (so a wall-clock timeout kills the whole process group);
    - a scrubbed environment: `PATH`, `HOME` = work dir, `LANG=C`; no proxies, tokens or keys are inherited;
-   - Landlock (`infra.confine`, any uid, no privilege needed): the program can open, list and execute only beneath
+   - Landlock (`sandbox.confine`, any uid, no privilege needed): the program can open, list and execute only beneath
      the system dirs (`SYSTEM_READ_PATHS`: /usr, /bin, /lib*, /etc/ld.so.cache; not the rest of /etc, not /root,
      /home, /tmp, /proc, the repository or a venv) and the interpreter's own files (`python_read_paths`: its
      executable, stdlib dir and libpython, found by asking the interpreter once), read+write without execute only
@@ -28,7 +28,7 @@ Layers, outermost first (each one alone stops a different escape):
      and `ls -l` shows numeric owners (no /etc/passwd);
    - seccomp (last, just before exec): EPERM for sockets other than AF_UNIX, ptrace, process_vm_readv/writev,
      mount, unshare/setns/namespace clones, keyctl, bpf, perf_event_open, kexec, module loading, reboot, swapon,
-     io_uring and a few more (`infra.confine.DENIED_SYSCALLS`); other ABIs (i386, x32) are killed.
+     io_uring and a few more (`sandbox.confine.DENIED_SYSCALLS`); other ABIs (i386, x32) are killed.
    Both are prepared in the parent (the ruleset fd per call, the BPF program once) and only applied in the child.
    Without Landlock (kernel < 5.13 or disabled) or libseccomp, `run_tool` raises `SandboxUnavailable` (fail
    closed) unless the environment sets `ALLOY_SANDBOX_ALLOW_UNCONFINED=1`, which runs without the missing layer;
@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from infra import confine
+from sandbox import confine
 
 CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x40000000, 0x20000000, 0x10000000
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38

@@ -1,6 +1,6 @@
 """Alloy's embedded engine server: the SGLang native HTTP API (subset) over a HF causal LM on CPU.
 
-    python -m infra.engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-running-requests 256]
+    python -m engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-running-requests 256]
         [--max-total-tokens N] [--log-level info] [--weight-version V] [--threads T] [--weights-buffer PATH]
 
 Endpoints (docs/architecture.md, "The engine protocol"): POST /generate, GET /health, GET /health_generate,
@@ -13,8 +13,8 @@ The port is bound at once; /health and /health_generate answer 503 until the mod
 Auth as in SGLang (`srt/utils/auth.py`): with `--api-key`, every path requires `Authorization: Bearer KEY`
 (or `x-api-key: KEY`) except paths starting with /health, /ready, /metrics (probes carry no secrets); a miss is
 HTTP 401 with SGLang's body `{"error": "Unauthorized"}`. Every other error is `{"error": {"message": ...}}` with a
-4xx status that names the bad field. Continuous batching lives in `infra.engine.scheduler`; request validation
-and response shapes in `infra.engine.protocol`.
+4xx status that names the bad field. Continuous batching lives in `engine.scheduler`; request validation
+and response shapes in `engine.protocol`.
 
 Hardening: a body over the limit (`--max-body-mb`, by default derived from --max-total-tokens, see
 `body_limit_bytes`) is 413; an `application/octet-stream` weight buffer
@@ -42,12 +42,12 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from infra.engine import wire
-from infra.engine.backends import MAX_RUNNING_REQUESTS
-from infra.engine.client import API_KEY_ENV
-from infra.engine.protocol import (GC_PAUSE_PAIRS, Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output,
+from engine import wire
+from engine.client import API_KEY_ENV
+from engine.protocol import (GC_PAUSE_PAIRS, Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output,
                                    gc_paused, logprob_pairs, parse_generate)
-from infra.engine.scheduler import Engine, Seq
+from engine.scheduler import Engine, Seq
+from infra.choices import MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS, READ_TIMEOUT_S
 
 log = logging.getLogger("alloy.engine.server")
 
@@ -56,11 +56,11 @@ TOKEN_TEXT = web.AppKey("token_text", dict)
 WAKEUPS = web.AppKey("wakeups", dict)
 LIMITS = web.AppKey("limits", dict)
 HEALTH_CHECK_TIMEOUT_S = 20.0
-# max_running_requests: running sequences (default and its rationale in infra.engine.backends); admission is
+# max_running_requests: running sequences (default and its rationale in infra.choices); admission is
 # bounded by max_total_tokens (reserved prompt + max_new_tokens) anyway.
-DEFAULTS = dict(max_running_requests=MAX_RUNNING_REQUESTS, max_total_tokens=65536, max_prefill_tokens=16384,
-                threads=None, weight_version="default", seed=0, max_body_mb=None, max_seqs=4096, read_timeout_s=30.0,
-                weights_buffer=None)
+DEFAULTS = dict(max_running_requests=MAX_RUNNING_REQUESTS, max_total_tokens=MAX_TOTAL_TOKENS,
+                max_prefill_tokens=MAX_PREFILL_TOKENS, threads=None, weight_version="default", seed=0, max_body_mb=None,
+                max_seqs=4096, read_timeout_s=READ_TIMEOUT_S, weights_buffer=None)
 # The body limit follows from what `protocol.parse_generate` accepts at all: a request over max_total_tokens tokens
 # (prompts + max_new_tokens) or over max_seqs sequences is refused whatever its size, so the largest legitimate body
 # is a scoring batch (max_new_tokens = 0) of max_total_tokens input ids split into max_seqs sequences. As JSON a
@@ -248,7 +248,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise
     tt = _token_text(request.app, engine)
     if wire.wants_binary(request.headers.get("Accept")) and not any(s.spec.return_text_in_logprobs for s in seqs):
-        # packed float32/int32 log-probs (infra.engine.wire), only for a client that asks; SGLang's JSON otherwise
+        # packed float32/int32 log-probs (engine.wire), only for a client that asks; SGLang's JSON otherwise
         body = wire.build_binary(engine.tokenizer, [(s.spec, s.result, s.e2e_latency) for s in seqs],
                                  engine.weight_version, tt, req.is_single)
         return web.Response(body=body, content_type=wire.CONTENT_TYPE)
@@ -415,11 +415,11 @@ async def _buffer_body(request: web.Request, engine: Engine) -> bytearray:
 
 
 async def update_weights_from_buffer(request: web.Request) -> web.Response:
-    """New weights as a weight buffer (infra/engine/weight_buffer.py), copied into the live model in place: a JSON
+    """New weights as a weight buffer (engine/weight_buffer.py), copied into the live model in place: a JSON
     body {"path", "weight_version"?, "flush_cache"?, "abort_all_requests"?} names a buffer file on this machine;
     an `application/octet-stream` body is the buffer itself (options then in the query string). Without a
     weight_version the buffer's own is used. Ordering as /update_weights_from_disk."""
-    from infra.engine.weight_buffer import WeightBufferError, read_buffer
+    from engine.weight_buffer import WeightBufferError, read_buffer
 
     engine = _engine_ready(request)
     loop = asyncio.get_running_loop()
@@ -527,7 +527,7 @@ def _default_threads() -> int:
     return int(env) if env.isdigit() and int(env) > 0 else max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m infra.engine.server") -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m engine.server") -> None:
     """Run the server; `prog` is the name its --help and errors use (`alloy serve` from the CLI)."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="local HF causal LM dir (weights + tokenizer)")
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m infra.engine.serv
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default $OMP_NUM_THREADS, else cores - 1, at most 4)")
     p.add_argument("--weight-version", default=DEFAULTS["weight_version"])
     p.add_argument("--weights-buffer", default=None, metavar="PATH",
-                   help="a weight buffer (infra/engine/weight_buffer.py) copied into the model right after loading "
+                   help="a weight buffer (engine/weight_buffer.py) copied into the model right after loading "
                         "--model; its version replaces --weight-version (how a supervisor restart keeps pushed weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     p.add_argument("--max-body-mb", type=float, default=DEFAULTS["max_body_mb"],

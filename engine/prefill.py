@@ -1,5 +1,5 @@
 """Causal self-attention for a packed prefill: prompts of different lengths whose tokens are concatenated in one
-`(N, heads, D)` tensor, attended group by group (`infra.engine.batching.attention_groups`), never padded to the
+`(N, heads, D)` tensor, attended group by group (`engine.batching.attention_groups`), never padded to the
 longest prompt of the whole prefill.
 
 Why: the engine's prefill runs the projections and the MLP of all waiting prompts at once on their N real
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infra.engine.batching import attention_groups
+from engine.batching import attention_groups
 
 
 @dataclass

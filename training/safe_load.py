@@ -6,7 +6,7 @@ A `.pt` file is a pickle, and unpickling with `torch.load(weights_only=False)` c
 `allow`; anything else is refused with `UnsafeCheckpointError` naming the file, before any of it is built.
 
 DeepSpeed's own `engine.load_checkpoint` unpickles with `weights_only=False`; `DeepSpeedBackend` routes it through
-`safe_torch_load` with `DEEPSPEED_ALLOWED` (`infra.deepspeed_backend`). Those are the only non-tensor classes its
+`safe_torch_load` with `DEEPSPEED_ALLOWED` (`training.deepspeed_backend`). Those are the only non-tensor classes its
 checkpoints hold (found with `torch.serialization.get_unsafe_globals_in_checkpoint` over ZeRO 0-3 in fp32, bf16 and
 fp16): plain state holders rebuilt by `__new__` + attribute assignment (the attributes themselves again restricted
 to the safe set), and an Enum looked up by value. None of them runs code while it is built.

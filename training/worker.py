@@ -7,7 +7,7 @@ A worker module describes itself once, as a `Worker` (its module, its own flags,
    plus the worker's own, sets up logging, loads the config (secret overrides come from the environment,
    infra.config), sets torch's thread count;
 2. turns SIGTERM and SIGINT into `WorkerStopped` (a KeyboardInterrupt) raised in the main thread, once: every
-   `finally` runs, engine servers under an `infra.engine.launcher.Supervisor` are stopped (`procs.request_stop`), a
+   `finally` runs, engine servers under an `engine.launcher.Supervisor` are stopped (`procs.request_stop`), a
    checkpoint being committed is either complete or absent (infra/storage.py writes its COMPLETE manifest last, in a
    hidden staging dir renamed into place; loaders skip anything else), and the worker exits 128 + signal;
 3. joins torch.distributed (`init_distributed`; rank and world size from the launcher, e.g. torchrun) and leaves it
@@ -141,7 +141,7 @@ class Worker:
         tracker = None
         with stop_on_signals():
             try:
-                from infra.deepspeed_backend import init_distributed, shutdown_distributed
+                from training.deepspeed_backend import init_distributed, shutdown_distributed
 
                 try:
                     rank, world = init_distributed()
