@@ -53,7 +53,8 @@ test-unit: setup
 screenshots: setup
 	ALLOY_SCREENSHOTS_DIR=docs/img $(BIN)/python -m pytest tests/e2e/test_browser.py $(PYTEST_ARGS)
 
-# docs/config.md is generated from infra/config.py's field descriptions (a unit test checks it is current).
+# docs/config.md is generated from the field descriptions of infra/config_shared.py and infra/config_stages.py (the
+# sections infra/config.py re-exports; a unit test checks it is current).
 .PHONY: config-docs
 config-docs: setup
 	$(BIN)/python scripts/gen_config_docs.py

@@ -18,11 +18,13 @@ Loop (one iteration, `Engine._step`):
 
 The HTTP side never touches the model: it submits `Seq`s and is called back (`Seq.on_done`, `Seq.on_token`) from
 this thread, so /health and /abort_request stay responsive while a forward runs (torch releases the GIL in ops).
+
+Weight updates (queued from any thread, held back until older sequences finish, applied on this thread) are
+`engine.weight_updates.WeightUpdates`, a mixin of `Engine`.
 """
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import gc
 import logging
 import os
@@ -39,6 +41,7 @@ from engine.kv_cache import BatchKVCache
 from engine.running import RunningBatch, Segment
 from engine.protocol import ProtocolError, SeqResult, SeqSpec
 from engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
+from engine.weight_updates import UpdateJob, WeightUpdates
 from infra.choices import MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS
 
 log = logging.getLogger("alloy.engine")
@@ -63,20 +66,10 @@ class Seq:
         return None if self.finished_at is None else self.finished_at - self.created
 
 
-@dataclass
-class _UpdateJob:
-    model_path: str  # an HF dir to load; with `tensors`: where they came from (for messages)
-    weight_version: str | None
-    abort_all: bool
-    future: concurrent.futures.Future
-    cutoff: int = 0  # sequences submitted before the job (serial < cutoff) still run on the old weights
-    aborted: bool = False
-    tensors: dict | None = None  # {HF name: tensor}: copied into the live model in place (weight_buffer.copy_into)
-
-
-class Engine:
+class Engine(WeightUpdates):
     """Owns the model and the scheduler thread. Thread-safe API: `start`, `stop`, `submit`, `abort`,
-    `update_weights`; read-only properties once `ready` is set."""
+    `update_weights` (with their ordering and application, from `WeightUpdates`: engine/weight_updates.py);
+    read-only properties once `ready` is set."""
 
     def __init__(self, model_dir: str, *, max_running_requests: int = MAX_RUNNING_REQUESTS,
                  max_total_tokens: int = MAX_TOTAL_TOKENS, max_prefill_tokens: int = MAX_PREFILL_TOKENS, threads: int | None = None, weight_version: str = "default",
@@ -95,7 +88,7 @@ class Engine:
         # (rid, abort_all, message, cutoff): an abort hits only sequences submitted before it (serial < cutoff), as
         # in SGLang, whose scheduler reads requests and aborts in arrival order; a late abort never hits newer work
         self._aborts: collections.deque[tuple[str | None, bool, str, int]] = collections.deque()
-        self._updates: collections.deque[_UpdateJob] = collections.deque()
+        self._updates: collections.deque[UpdateJob] = collections.deque()
         self._wake = threading.Event()
         self._stopping = False
         self._lock = threading.Lock()  # guards _active_rids and _serial (touched by both threads)
@@ -154,28 +147,6 @@ class Engine:
         for s in seqs:
             self._aborts.append((s.spec.rid, False, message, s.serial + 1))
         self._wake.set()
-
-    def update_weights(self, model_path: str, weight_version: str | None = None,
-                       abort_all: bool = False) -> concurrent.futures.Future:
-        """Load new weights from an HF dir. Sequences submitted earlier finish on the old weights (or are aborted
-        if `abort_all`); later ones wait and run on the new weights. Future → (success, message)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            cutoff = self._serial
-        self._updates.append(_UpdateJob(model_path, weight_version, abort_all, fut, cutoff))
-        self._wake.set()
-        return fut
-
-    def update_weights_from_tensors(self, tensors: dict, weight_version: str | None, abort_all: bool = False,
-                                    source: str = "a weight buffer") -> concurrent.futures.Future:
-        """Copy `tensors` ({HF name: tensor}, e.g. `weight_buffer.read_buffer`) into the live model in place, with
-        the ordering of `update_weights`. Future → (success, message)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            cutoff = self._serial
-        self._updates.append(_UpdateJob(source, weight_version, abort_all, fut, cutoff, tensors=tensors))
-        self._wake.set()
-        return fut
 
     # -- engine thread ----------------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -266,68 +237,6 @@ class Engine:
             t0 = time.perf_counter()
             self._wake.wait(1.0)  # every inbox sets _wake; the timeout is only a safety net
             self.idle_seconds += time.perf_counter() - t0
-
-    def _admission_limit(self) -> float:
-        """Serial number below which waiting sequences may start; a pending weight update pauses later arrivals
-        and is applied once everything submitted before it has finished."""
-        if not self._updates:
-            return float("inf")
-        job = self._updates[0]
-        if job.abort_all and not job.aborted:
-            job.aborted = True
-            what = "update_weights_from_buffer" if job.tensors is not None else "update_weights_from_disk"
-            self._apply_abort(None, True, f"Aborted by {what} (abort_all_requests).", job.cutoff)
-        pending_old = any(s.serial < job.cutoff for s in self._wait_gen) or any(s.serial < job.cutoff for s in self._wait_score)
-        if not self._batch and not pending_old:
-            self._updates.popleft()
-            job.future.set_result(self._load_weights(job))
-            return self._admission_limit()
-        return job.cutoff
-
-    def _refresh_fused(self) -> None:
-        if self._fused is not None:
-            self._fused.refresh()
-
-    def _copy_weights(self, job: _UpdateJob) -> tuple[bool, str]:
-        from engine.weight_buffer import copy_into
-
-        t0 = time.perf_counter()
-        try:
-            n = copy_into(self.model, job.tensors, job.model_path)
-        except ValueError as e:  # names/shapes refused before anything was copied: the old weights stay
-            return False, f"Failed to update weights: {e}"
-        except Exception as e:  # noqa: BLE001 - reported as success=false (a copy that failed midway)
-            log.exception("in-place weight copy from %s failed", job.model_path)
-            return False, (f"Failed to update weights from {job.model_path} midway ({type(e).__name__}: {e}); "
-                           "the model may hold a mix of old and new weights: push a full set again")
-        self._refresh_fused()
-        if job.weight_version is not None:
-            self.weight_version = job.weight_version
-        msg = f"Succeeded to update model weights from {job.model_path} ({n} tensors, in place) in " \
-              f"{time.perf_counter() - t0:.3f}s."
-        log.info("%s weight_version=%s", msg, self.weight_version)
-        return True, msg
-
-    def _load_weights(self, job: _UpdateJob) -> tuple[bool, str]:
-        from infra.models import load_model
-
-        if job.tensors is not None:
-            return self._copy_weights(job)
-        t0 = time.perf_counter()
-        try:
-            model = load_model(job.model_path)
-        except Exception as e:  # noqa: BLE001 - a bad path is the client's error, reported as success=false
-            return False, f"Failed to load weights from {job.model_path}: {type(e).__name__}: {e}"
-        vocab = int(model.get_input_embeddings().weight.shape[0])
-        if vocab != self.vocab_size:
-            return False, f"Failed to update weights: {job.model_path} has vocab {vocab}, the server's tokenizer {self.vocab_size}"
-        self._set_model(model)
-        self.model_path = job.model_path
-        if job.weight_version is not None:
-            self.weight_version = job.weight_version
-        msg = f"Succeeded to update model weights from {job.model_path} in {time.perf_counter() - t0:.2f}s."
-        log.info("%s weight_version=%s", msg, self.weight_version)
-        return True, msg
 
     # -- aborts and finishing ---------------------------------------------------------------------------------------
     def _apply_abort(self, rid: str | None, abort_all: bool, message: str, cutoff: float = float("inf")) -> None:

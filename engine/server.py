@@ -14,10 +14,11 @@ Auth as in SGLang (`srt/utils/auth.py`): with `--api-key`, every path requires `
 (or `x-api-key: KEY`) except paths starting with /health, /ready, /metrics (probes carry no secrets); a miss is
 HTTP 401 with SGLang's body `{"error": "Unauthorized"}`. Every other error is `{"error": {"message": ...}}` with a
 4xx status that names the bad field. Continuous batching lives in `engine.scheduler`; request validation
-and response shapes in `engine.protocol`.
+and response shapes in `engine.protocol`; the error and auth middlewares, the body limit and the bounded body
+reads in `engine.request_guards`.
 
 Hardening: a body over the limit (`--max-body-mb`, by default derived from --max-total-tokens, see
-`body_limit_bytes`) is 413; an `application/octet-stream` weight buffer
+`engine.request_guards.body_limit_bytes`) is 413; an `application/octet-stream` weight buffer
 (/update_weights_from_buffer) may be as large as the model's state dict plus its header (`weight_buffer.state_bytes`). A client gets `--read-timeout-s` (30 s) to send a request's headers, counted from the
 connection's start or the end of its previous response (aiohttp's `keepalive_timeout`: a connection whose next
 request is not complete by then is closed), and again as long for its body (408, then the connection is closed);
@@ -28,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import logging
 import os
-import secrets
 import sys
 import threading
 import time
@@ -46,6 +45,9 @@ from engine import wire
 from engine.client import API_KEY_ENV
 from engine.protocol import (GC_PAUSE_PAIRS, Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output,
                                    gc_paused, logprob_pairs, parse_generate)
+# body_limit_bytes and is_loopback are part of this module's API too (imported from here by callers and tests)
+from engine.request_guards import (BODY_BYTES_PER_SEQ, BODY_BYTES_PER_TOKEN, LIMITS, auth_middleware, body_limit_bytes,
+                                   buffer_body, errors_middleware, is_loopback, json_body)
 from engine.scheduler import Engine, Seq
 from infra.choices import MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS, READ_TIMEOUT_S
 
@@ -54,114 +56,16 @@ log = logging.getLogger("alloy.engine.server")
 ENGINE = web.AppKey("engine", Engine)
 TOKEN_TEXT = web.AppKey("token_text", dict)
 WAKEUPS = web.AppKey("wakeups", dict)
-LIMITS = web.AppKey("limits", dict)
 HEALTH_CHECK_TIMEOUT_S = 20.0
 # max_running_requests: running sequences (default and its rationale in infra.choices); admission is
 # bounded by max_total_tokens (reserved prompt + max_new_tokens) anyway.
 DEFAULTS = dict(max_running_requests=MAX_RUNNING_REQUESTS, max_total_tokens=MAX_TOTAL_TOKENS,
                 max_prefill_tokens=MAX_PREFILL_TOKENS, threads=None, weight_version="default", seed=0, max_body_mb=None,
                 max_seqs=4096, read_timeout_s=READ_TIMEOUT_S, weights_buffer=None)
-# The body limit follows from what `protocol.parse_generate` accepts at all: a request over max_total_tokens tokens
-# (prompts + max_new_tokens) or over max_seqs sequences is refused whatever its size, so the largest legitimate body
-# is a scoring batch (max_new_tokens = 0) of max_total_tokens input ids split into max_seqs sequences. As JSON a
-# token id takes at most 8 bytes ("151935, ": ids under 10^6); 16 bytes a token also covers a `text` prompt (about
-# 2-3 JSON-escaped characters a token). Each sequence adds its rid (~45 bytes), a per-item sampling_params object
-# (~250 bytes with stop_token_ids) and its logprob_start_len / top_logprobs_num (~20): 1 KiB. 1 MiB more for the
-# top-level fields (a shared token_ids_logprob list of ~100k ids). The control endpoints' bodies are a few hundred
-# bytes. Defaults (65536 tokens, 4096 seqs): 1 MiB + 4 MiB + 1 MiB = 6 MiB.
-BODY_BYTES_PER_TOKEN, BODY_BYTES_PER_SEQ, BODY_BYTES_FIXED = 16, 1024, 2**20
-
-
-def body_limit_bytes(max_total_tokens: int, max_seqs: int) -> int:
-    """The largest request body the server reads (see the derivation above); larger ones get HTTP 413."""
-    return max_total_tokens * BODY_BYTES_PER_TOKEN + max_seqs * BODY_BYTES_PER_SEQ + BODY_BYTES_FIXED
-
-
-def is_loopback(host: str) -> bool:
-    """True for a bind address only this machine can reach (127.0.0.0/8, ::1, "localhost"); wildcard binds
-    (0.0.0.0, ::, "") and host names are not."""
-    h = host.strip().strip("[]")
-    if h.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
-
-
-def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status, headers=headers)
-
-
-@web.middleware
-async def _errors(request: web.Request, handler):
-    """Every failure becomes a JSON error; the server never answers a malformed request with a crash."""
-    try:
-        return await handler(request)
-    except ProtocolError as e:
-        log.debug("%s %s -> %d: %s", request.method, request.path, e.status, e.message)
-        resp = _error(e.status, e.message)
-        if e.status == 408:  # a stalled body: answer, then drop the connection now (no lingering read of the rest)
-            resp.force_close()
-            await resp.prepare(request)
-            await resp.write_eof()
-            request.protocol.force_close()
-        return resp
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        if e.status == 413:
-            return _error(413, f"request body too large: {e.text} (the server's limit, --max-body-mb)")
-        return _error(e.status, e.reason, allow)
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # noqa: BLE001 - logged with traceback; the client gets a 500, the server lives on
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return _error(500, "internal server error (see the server log)")
-
-
-def _auth_middleware(api_key: str):
-    key = api_key.encode()
-
-    @web.middleware
-    async def auth(request: web.Request, handler):
-        if request.method == "OPTIONS" or request.path.startswith(("/health", "/ready", "/metrics")):
-            return await handler(request)
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        ok = scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key)
-        x_key = request.headers.get("x-api-key")
-        ok = ok or (x_key is not None and secrets.compare_digest(x_key.encode(), key))
-        if not ok:
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        return await handler(request)
-
-    return auth
 
 
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
-
-
-async def _json_body(request: web.Request, allow_empty: bool = False) -> Any:
-    limit, timeout = request.app[LIMITS]["body_limit"], request.app[LIMITS]["read_timeout_s"]
-    if request.content_length is not None and request.content_length > limit:  # refuse before reading any of it
-        raise ProtocolError(f"request body too large: {request.content_length} bytes, over the server's limit of "
-                            f"{limit} bytes (--max-body-mb)", status=413)
-    try:
-        async with asyncio.timeout(timeout):
-            raw = await request.read()  # raises 413 over client_max_size (a chunked body has no Content-Length)
-    except TimeoutError:
-        log.warning("%s %s from %s: body not received within %.0f s; closing the connection", request.method,
-                    request.path, request.remote, timeout)
-        raise ProtocolError(f"request body not received within {timeout:g} s (--read-timeout-s)", status=408) from None
-    if not raw.strip() and allow_empty:
-        return {}
-    try:
-        return orjson.loads(raw)  # orjson: the engine's JSON is mostly long int/float lists; 5-10x the stdlib
-    except (ValueError, RecursionError) as e:
-        raise ProtocolError(f"invalid JSON body: {str(e)[:200]}") from None
 
 
 def _engine_ready(request: web.Request) -> Engine:
@@ -232,7 +136,7 @@ def _token_text(app: web.Application, engine: Engine) -> TokenText:
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = _engine_ready(request)
     t0 = time.perf_counter()
-    req = parse_generate(await _json_body(request), engine.tokenizer, _limits(engine, request.app))
+    req = parse_generate(await json_body(request), engine.tokenizer, _limits(engine, request.app))
     seqs = [Seq(spec) for spec in req.seqs]
     if req.stream:
         return await _stream(request, engine, req.is_single, seqs)
@@ -351,7 +255,7 @@ async def get_server_info(request: web.Request) -> web.Response:
 
 async def _weights_request(request: web.Request, path_key: str, hint: str = "") -> tuple[str, str | None, bool]:
     """(path, weight_version, abort_all_requests) of a JSON weight-update body, each field checked."""
-    body = await _json_body(request)
+    body = await json_body(request)
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     path = body.get(path_key)
@@ -386,34 +290,6 @@ def _flag(value: str | None, key: str) -> bool | None:
     raise ProtocolError(f"{key} must be true or false, got {value!r}")
 
 
-async def _buffer_body(request: web.Request, engine: Engine) -> bytearray:
-    """An octet-stream body of at most the model's buffer size (`engine.state_bytes`), read in chunks; each chunk
-    must arrive within --read-timeout-s (a large body over a slow link is fine, a stalled one is not)."""
-    limit, timeout = engine.state_bytes, request.app[LIMITS]["read_timeout_s"]
-    n = request.content_length
-    if n is not None and n > limit:
-        raise ProtocolError(f"weight buffer body too large: {n} bytes, over {limit} bytes (the model's weights and "
-                            "a buffer header)", status=413)
-    out = bytearray(n) if n is not None else bytearray()
-    got = 0
-    try:
-        while True:
-            async with asyncio.timeout(timeout):
-                chunk = await request.content.readany()
-            if not chunk:
-                break
-            if got + len(chunk) > limit:
-                raise ProtocolError(f"weight buffer body too large: over {limit} bytes (the model's weights and a "
-                                    "buffer header)", status=413)
-            out[got:got + len(chunk)] = chunk
-            got += len(chunk)
-    except TimeoutError:
-        raise ProtocolError(f"weight buffer body stalled for {timeout:g} s (--read-timeout-s)", status=408) from None
-    if n is not None and got != n:
-        raise ProtocolError(f"weight buffer body ended after {got} of {n} bytes")
-    return out
-
-
 async def update_weights_from_buffer(request: web.Request) -> web.Response:
     """New weights as a weight buffer (engine/weight_buffer.py), copied into the live model in place: a JSON
     body {"path", "weight_version"?, "flush_cache"?, "abort_all_requests"?} names a buffer file on this machine;
@@ -427,7 +303,7 @@ async def update_weights_from_buffer(request: web.Request) -> web.Response:
         q = request.query
         version, abort_all = q.get("weight_version"), _flag(q.get("abort_all_requests"), "abort_all_requests")
         _flag(q.get("flush_cache"), "flush_cache")
-        source: Any = await _buffer_body(request, engine)
+        source: Any = await buffer_body(request, engine)
         what = f"a {len(source)}-byte body"
     else:
         source, version, abort_all = await _weights_request(
@@ -449,7 +325,7 @@ async def update_weights_from_buffer(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     engine = _engine_ready(request)
-    body = await _json_body(request, allow_empty=True)
+    body = await json_body(request, allow_empty=True)
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
@@ -484,7 +360,7 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
                     max_total_tokens=cfg["max_total_tokens"], max_prefill_tokens=cfg["max_prefill_tokens"],
                     threads=cfg["threads"], weight_version=cfg["weight_version"], seed=cfg["seed"],
                     weights_buffer=cfg["weights_buffer"])
-    middlewares = [_errors] + ([_auth_middleware(api_key)] if api_key else [])
+    middlewares = [errors_middleware] + ([auth_middleware(api_key)] if api_key else [])
     app = web.Application(client_max_size=cfg["body_limit"], middlewares=middlewares)
     app[ENGINE] = engine
     app[TOKEN_TEXT] = {}

@@ -1,7 +1,7 @@
 """Where each stage's checkpoints live: `<storage>/<stage>-<fingerprint>/`.
 
 A fingerprint hashes the config sections a stage's result depends on, minus the settings marked `ops_field` in
-infra/config.py (scheduling, logging, serving, credentials): changing those moves no prefix, so a rerun reuses every
+the config (scheduling, logging, serving, credentials): changing those moves no prefix, so a rerun reuses every
 complete checkpoint. Kept free of heavy imports: `alloy run --dry-run` computes the same prefixes as the stages.
 """
 from __future__ import annotations

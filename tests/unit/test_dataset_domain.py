@@ -1,6 +1,7 @@
 """Dataset domains (domains/dataset.py): files read with pandas in four formats, rows checked and deduplicated, split
-by prompt hash, the configured verifier as the reward, and the config around them (infra/config.py DatasetConfig,
-domains/registry.py). Real files in tmp dirs; the S3 read is in tests/integration/test_dataset_s3.py."""
+by prompt hash, the configured verifier as the reward, and the config around them (DatasetConfig in
+infra/config_shared.py, domains/registry.py). Real files in tmp dirs; the S3 read is in
+tests/integration/test_dataset_s3.py."""
 import json
 import math
 from pathlib import Path

@@ -1,5 +1,5 @@
 """Checkpoint prefixes move with what changes a stage's result, and only with that: the settings marked `ops_field`
-in infra/config.py (scheduling, logging, serving, credentials) are left out of every fingerprint (tasks/prefixes.py)."""
+in the config (scheduling, logging, serving, credentials) are left out of every fingerprint (tasks/prefixes.py)."""
 import json
 from pathlib import Path
 

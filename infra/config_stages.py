@@ -1,0 +1,269 @@
+"""The config sections of the pipeline's stages: base (SFT), specialists (PPO, with the anti-hack guard and the
+per-domain overrides), teachers and distill (the OPD student).
+
+They are built from the pieces and shared sections of `infra.config_shared` (`TrainConfig` above all);
+`infra.config` puts them into `AlloyConfig` and re-exports every name here: import them from `infra.config`. Split
+out of `infra/config.py` to keep each file readable; the classes are unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping
+
+from pydantic import Field, ValidationError, field_validator, model_serializer, model_validator
+
+from infra.choices import StageMode, values
+from infra.config_shared import Secret, TrainConfig, _problem, _Strict, ops_field
+
+# The OPD losses `distill.loss` may name. They are implemented above infra (student/losses.py, which config must not
+# import); that registry is keyed by this tuple and refuses, at import, any name missing here or any name here
+# without an implementation, so this is the one list of names.
+OPD_LOSSES = ("sampled_rkl", "topk_kl")
+
+
+def _refuse_sharded_weights(where: str, t: TrainConfig) -> None:
+    """Multi-rank specialists and student: rank 0 alone generates with the trained module (validation, evals), so
+    every rank must hold whole weights (ZeRO ≤ 2)."""
+    if t.world_size > 1 and t.zero_stage == 3:
+        raise ValueError(f"{where}.zero_stage: 3 shards the weights over the {t.world_size} ranks of "
+                         f"{where}.world_size, but rank 0 alone generates with them (validation, evals); "
+                         "use zero_stage 0-2 with world_size > 1")
+
+
+class BaseConfig(_Strict):
+    """The base stage: SFT of a fresh model on mixed-domain demonstrations."""
+    steps: int = Field(300, ge=0, description="Optimizer steps of supervised fine-tuning.")
+    n_train_per_domain: int = Field(2000, ge=1, description="Training examples drawn per domain (train split).")
+    tool_trajectories: bool = Field(False, description="Tool domains (those with a `tool_demonstration`) are "
+                                    "demonstrated by their intended tool trajectory, tool output lines loss-masked, "
+                                    "instead of prompt + answer: a base that knows the tool protocol.")
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    log_every: int = ops_field(25, ge=1, description="Log SFT metrics every N steps.")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler, info):
+        """As usual, except in a fingerprint: `tool_trajectories` left at false is left out, so a base keys its
+        checkpoints as before the setting existed."""
+        data = handler(self)
+        fingerprint = isinstance(info.context, dict) and info.context.get("fingerprint")
+        if fingerprint and data.get("tool_trajectories") is False:
+            del data["tool_trajectories"]
+        return data
+
+
+class TeachersConfig(_Strict):
+    """Teacher servers of the distill stage: one per specialist, or external URLs."""
+    external: dict[str, str] = Field(default_factory=dict, description="domain → URL of a teacher already served elsewhere.")
+    health_timeout_s: float = ops_field(300.0, gt=0, description="Seconds launched teacher servers get to become healthy.")
+    max_restarts: int = ops_field(3, ge=0, description="Restarts of a dead teacher server (per 10 min) before giving up on it.")
+    check_tokenizers: bool = ops_field(True, description="Refuse to distill when a teacher's tokenizer differs from the student's.")
+
+    @field_validator("external")
+    @classmethod
+    def _urls(cls, v: dict[str, str]) -> dict[str, str]:
+        for dom, url in v.items():
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"teacher URL for {dom!r} must start with http:// or https://, got {url!r}")
+        return v
+
+
+class DistillConfig(_Strict):
+    """The OPD student (docs/architecture.md, "OPD (the merge)"): it samples on-policy, each sample's domain
+    teacher scores it."""
+    steps: int = Field(150, ge=0, description="Optimizer steps of the student (one batch of samples per step).")
+    batch_size: int = Field(128, ge=1, description="Prompts sampled (one response each) per step, all domains mixed.")
+    n_prompts_per_domain: int = Field(1000, ge=1, description="Train-split prompts per domain; the cursor cycles them.")
+    max_new_tokens: int = Field(16, ge=1, le=512, description="Response budget per sample (the eval budget by default).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; 1.0 keeps rollout log-probs on-policy.")
+    loss: Literal[OPD_LOSSES] = Field("topk_kl", description="OPD loss (the registry in student/losses.py).")
+    direction: Literal["forward", "reverse", "jsd"] = Field("forward", description="topk_kl divergence direction.")
+    beta: float = Field(0.5, ge=0, le=1, description="Generalized-JSD mixing weight (direction: jsd).")
+    top_k: int = Field(16, ge=1, description="Teacher top-k log-probs per position (topk_kl; plus one tail bucket).")
+    reward_coef: float = Field(0.0, ge=0, description="Weight of the task-reward advantage (verifier reward minus "
+                                                      "its per-domain batch mean) mixed into the loss; 0 = off.")
+    domain_weighting: Literal["uniform", "rkl"] = Field("uniform", description="How a batch's prompts split over "
+                                                        "domains: evenly, or more to teachers the student is furthest "
+                                                        "from (recent reverse KL; see rkl_mix).")
+    rkl_mix: float = Field(0.5, ge=0, le=1, description="domain_weighting rkl: weight = (1 − mix)/D + mix · rkl_d/Σ rkl.")
+    max_staleness: int = Field(1, ge=0, description="Max policy-version lag of a trained sample; also how far "
+                                                    "sampling+scoring runs ahead of training (0 = synchronous).")
+    deterministic: bool = Field(False, description="true: the same seed gives the same run on an idle and a busy "
+                                "machine. Each batch is sampled with its own seed (run seed, batch index), and "
+                                "batch k always from the weights of step k − max_staleness: the weight push after a "
+                                "step waits until the batch that must still see the old weights is sampled "
+                                "(sampling still overlaps training). false: a batch is sampled as soon as the "
+                                "staleness bound allows, so its version (and the server's random draws) depend on "
+                                "timing.")
+    is_clip: float | None = Field(2.0, gt=0, description="Truncation of the per-token importance ratio "
+                                                         "π_now/π_rollout (None = untruncated).")
+    score_batch_size: int = ops_field(32, ge=1, description="Sequences per teacher /generate (scoring) call.")
+    teacher_timeout_s: float = ops_field(60.0, gt=0, description="Per-request timeout of teacher calls.")
+    teacher_retries: int = ops_field(8, ge=0, description="Client retries (exponential backoff, ≤ 4 s apart) of a "
+                                                      "teacher call: covers a supervisor restart.")
+    score_attempts: int = ops_field(3, ge=1, description="Whole scoring attempts of a batch before its samples are "
+                                                     "dropped and counted (teacher unreachable).")
+    eval_every: int = Field(50, ge=0, description="Per-domain greedy eval of the student every N steps (0 = off).")
+    eval_n: int = Field(50, ge=1, description="Eval-split examples per domain for the in-training evals.")
+    checkpoint_every: int = ops_field(50, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
+    log_every: int = ops_field(25, ge=1, description="Log train and per-teacher metrics every N steps.")
+    threads: int = ops_field(1, ge=1, description="Torch threads of the student trainer process.")
+    mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: the student trains in the pipeline's "
+                                                 "flow run; deployment: run_deployment of `distill.deployment` with "
+                                                 "storage URLs of the base and the teachers (docs/scale-out.md).")
+    deployment: str = ops_field("alloy-distill/default", description="Deployment the distill stage runs as in "
+                                                                   "deployment mode.")
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=128))
+
+    @model_validator(mode="after")
+    def _ranks(self) -> "DistillConfig":
+        _refuse_sharded_weights("distill.train", self.train)
+        return self
+
+
+class GuardConfig(_Strict):
+    """Anti-hack guard of tool-use domains (docs/architecture.md, "Anti-hack guard"): rule filter, then an LLM
+    judge on flagged calls."""
+    enabled: bool = Field(True, description="Guard the tool calls of tool-use domains; false = every call runs "
+                                            "unchecked (only for the guard experiment, bench/guard_experiment.py).")
+    judge_url: str | None = Field(None, description="Endpoint of the LLM judge (OpenAI-compatible or SGLang "
+                                                    "/generate); wins over judge_path; None and no judge_path = "
+                                                    "rule-only (said so in the log).")
+    judge_path: str | None = Field(None, description="Local HF checkpoint of the judge: the specialists stage serves "
+                                                     "it on one engine server per run (engine.backend, supervised "
+                                                     "like the teachers), shared by every specialist, asked with "
+                                                     "the sglang protocol (e.g. `python -m teachers.judge_model DIR`).")
+    judge_kind: Literal["openai", "sglang"] = Field("openai", description="Protocol of judge_url (a judge_path "
+                                                                          "server is always sglang).")
+    judge_model: str | None = Field(None, description="Model name sent to an OpenAI-compatible judge.")
+    judge_api_key: Secret = ops_field(None, description="Bearer key of the judge (or ALLOY_JUDGE_API_KEY); never logged.")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Hosts a fetch may reach without a flag.")
+    judge_on_error: Literal["block", "allow"] = Field("block", description="A flagged call the judge could not "
+                                                      "decide (error, timeout, after its retries): block (its rule "
+                                                      "verdict) or allow; counted in guard.judge_errors either way.")
+    judge_timeout_s: float = ops_field(10.0, gt=0, description="Timeout of one judge request (2 retries follow).")
+    judge_max_tokens: int = Field(16, ge=1, description="New tokens the judge may write (its verdict: YES or NO).")
+    judge_prompt_chars: int | None = Field(None, ge=64, description="The judge prompt (task, trajectory, call) is "
+                                                                    "cut to this many characters, the trajectory "
+                                                                    "from the left; None: the served judge_path's "
+                                                                    "context length, else 4000.")
+
+
+STAGE_WIDE = frozenset({"enabled", "max_parallel", "mode", "deployment", "retries", "per_domain"})
+
+
+def _deep_merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class SpecialistsConfig(_Strict):
+    """Critic-based PPO per domain with APRIL partial rollouts (docs/architecture.md, "Critic-based PPO", "APRIL")."""
+    enabled: bool = Field(True, description="Train specialists; false = the base model is every domain's teacher.")
+    steps: int = Field(200, ge=0, description="PPO steps per specialist (one rollout batch each).")
+    batch_size: int = Field(64, ge=1, description="Finished samples per step (APRIL batch target).")
+    over_sampling: float = Field(1.25, ge=1.0, description="Requests per step = ceil(batch_size · over_sampling).")
+    min_extra_requests: int = Field(4, ge=0, description="With over_sampling > 1, at least this many requests beyond "
+                                    "batch_size (1.25 · 8 leaves two spare: bench/april.py measured 1.43x sync at "
+                                    "B = 8, 1.67x with four).")
+    max_staleness: int = Field(2, ge=0, description="Partials with tokens older than this many versions are dropped.")
+    deterministic_rollouts: bool = Field(
+        False, description="true: a step's samples do not depend on timing or machine load (the same seed gives the "
+        "same run on an idle and a busy machine). Every generation call samples from its own seed (run seed, "
+        "sample id, policy version, turn), so batch-mates on the server do not change its tokens; every request "
+        "runs to the end of its episode, and the abort is decided by token count instead of the clock: the "
+        "batch_size requests with the fewest new tokens (ties: request order) train, with any as short as the "
+        "last of them, and the rest are cut to that length and kept as partials (APRIL as on a lockstep engine); "
+        "samples train in request order. A step then waits for its slowest request, as with over_sampling = 1 "
+        "(false: the first batch_size to finish by the clock train, the rest are aborted: faster, not "
+        "reproducible).")
+    mask_offpolicy: bool = Field(False, description="Mask resumed tokens older than max_staleness instead of TIS only.")
+    max_new_tokens: int | None = Field(None, ge=1, le=512, description="Response budget (None: eval.max_new_tokens).")
+    max_context_tokens: int | None = Field(
+        None, ge=2, description="Compaction (teachers/compaction.py): a tool episode whose context (prompt + response "
+        "so far) would outgrow this many tokens continues from a compacted one (a `>notes: …` line condensing the "
+        "older tool outputs + the last compact_keep_last turns); each sub-trace trains as its own PPO row with the "
+        "episode's reward. None: off (an episode is one sequence).")
+    compact_keep_last: int = Field(2, ge=0, description="Completed turns kept verbatim after a compaction's notes.")
+    temperature: float = Field(1.0, gt=0, description="Rollout sampling temperature.")
+    n_prompts: int = Field(2000, ge=1, description="Train-split prompts per specialist; the cursor cycles them.")
+    ppo_epochs: int = Field(4, ge=1, description="Optimizer steps per rollout batch (clipping bounds the drift).")
+    eps_clip: float = Field(0.2, gt=0, description="PPO ratio clip: ratios outside [1 − ε, 1 + ε_high] get "
+                                                   "no gradient.")
+    eps_clip_high: float | None = Field(None, gt=0, description="Upper clip ε_high (None: eps_clip).")
+    eps_clip_c: float | None = Field(None, gt=1, description="Dual-clip constant (> 1) or None.")
+    value_clip: float | None = Field(0.2, gt=0, description="Value-loss clip around the rollout's "
+                                                             "values (None: unclipped).")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus in the policy loss.")
+    kl_coef: float = Field(0.05, ge=0, description="Per-token KL penalty (k1) to the base policy as the reference; "
+                                                 "keeps low-signal domains from drifting.")
+    tis_clip: float = Field(2.0, gt=0, description="Truncated importance sampling cap (rollout/trainer mismatch).")
+    critic_warmup_steps: int = Field(20, ge=0, description="First steps train the critic only (a fresh value head "
+                                                  "would otherwise feed noise into the advantages).")
+    policy_train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=64))
+    critic_train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=64))
+    eval_n: int | None = Field(None, ge=1, description="Eval examples for the specialist's own score (None: eval.n_eval).")
+    val_every: int = Field(50, ge=0, description="Steps between validations (greedy, on val_n val-split "
+                                                 "prompts; also before the first step and after the last); 0: none "
+                                                 "(the last policy is the specialist).")
+    val_n: int = Field(200, ge=1, description="Val-split prompts per validation (a hash bucket never trained on, "
+                                              "disjoint from eval).")
+    select: Literal["best", "last"] = Field("best", description="The specialist is the policy with the best "
+                                            "validation score (best) or the last one (last).")
+    patience: int = Field(0, ge=0, description="Stop after this many validations without a new best (0: never).")
+    stop_at: float | None = Field(None, gt=0, le=1, description="Stop once a validation score reaches this.")
+    checkpoint_every: int = ops_field(20, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
+    log_every: int = ops_field(5, ge=1, description="Log training metrics every N steps.")
+    max_parallel: int = ops_field(2, ge=1, description="Specialists trained at once (local mode).")
+    mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: concurrent subprocesses; deployment: "
+                                                 "run_deployment of alloy-specialist/default per domain (work pool, "
+                                                 "global concurrency limit `gpu`; checkpoints travel as storage URLs, "
+                                                 "so run.storage must be shared, e.g. s3://; docs/scale-out.md).")
+    deployment: str = ops_field("alloy-specialist/default", description="Deployment run per domain in deployment mode.")
+    retries: int = ops_field(2, ge=0, description="Retries of a failed specialist (each resumes its checkpoint): "
+                                              "task retries in local mode, new flow runs in deployment mode.")
+    threads: int = ops_field(1, ge=1, description="Torch threads of each specialist trainer process.")
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    per_domain: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Overrides per domain, e.g. {interleave: {kl_coef: 0.0}}: any field above "
+                                          "except the stage-wide ones (enabled, max_parallel, mode, deployment, "
+                                          "retries); nested fields merge (policy_train: {lr: 2e-3}).")
+
+    def for_domain(self, name: str) -> "SpecialistsConfig":
+        """This config with `per_domain[name]` merged in (the settings `name`'s specialist trains with)."""
+        if name not in self.per_domain:
+            return self
+        merged = _deep_merge(self.model_dump(exclude={"per_domain"}), self.per_domain[name])
+        return SpecialistsConfig.model_validate(merged)
+
+    @model_validator(mode="after")
+    def _per_domain_fields(self) -> "SpecialistsConfig":
+        for name, over in self.per_domain.items():
+            wide = sorted(set(over) & STAGE_WIDE)
+            if wide:
+                raise ValueError(f"specialists.per_domain.{name}: {wide} apply to the whole stage, not to one domain")
+            try:
+                self.for_domain(name)
+            except ValidationError as exc:
+                problems = "; ".join(": ".join(filter(None, (".".join(str(x) for x in e["loc"]),
+                                                             _problem(e).removeprefix("Value error, "))))
+                                     for e in exc.errors())
+                raise ValueError(f"specialists.per_domain.{name}: {problems}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _single_rank(self) -> "SpecialistsConfig":
+        for name in ("policy_train", "critic_train"):
+            t = getattr(self, name)
+            if t.grad_accum != 1:
+                raise ValueError(f"specialists.{name}.grad_accum: each PPO epoch is one optimizer step; must be 1")
+            _refuse_sharded_weights(f"specialists.{name}", t)
+        if self.policy_train.world_size != self.critic_train.world_size:
+            raise ValueError(f"specialists.policy_train.world_size ({self.policy_train.world_size}) and "
+                             f"specialists.critic_train.world_size ({self.critic_train.world_size}) must be equal: "
+                             "policy and critic train in the same processes (one torchrun process group)")
+        if self.val_every == 0 and (self.patience or self.stop_at is not None):
+            raise ValueError("specialists.patience / specialists.stop_at need validations: set specialists.val_every > 0")
+        return self
