@@ -191,7 +191,7 @@ def stack_env(home: Path, api_url: str, tracking_uri: str, ui_url: str | None) -
     env.update(
         PREFECT_HOME=str(pdir), PREFECT_PROFILES_PATH=str(pdir / "profiles.toml"), PREFECT_API_URL=api_url,
         PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{pdir / 'prefect.db'}",
-        PREFECT_SERVER_ANALYTICS_ENABLED="false", ALLOY_HOME=str(REPO_ROOT), MLFLOW_TRACKING_URI=tracking_uri,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false", MLFLOW_TRACKING_URI=tracking_uri,
         PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
         PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")  # HF_HUB_OFFLINE: as the user's environment has it
     if ui_url:

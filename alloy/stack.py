@@ -7,8 +7,8 @@
      `infra.tracking.resolve_tracking_uri` gives a run whose `run.root` is `runs` in the repo),
 then creates the process work pool `alloy-local`, the global concurrency limit `gpu` (`--gpu-slots N`: how many
 specialist flow runs of `specialists.mode: deployment` train at once; an existing limit is set to N), registers
-`prefect.yaml`'s deployments (`prefect deploy --all`; the worker gets ALLOY_HOME = the repo, which the deployments'
-pull step changes into on the worker) and starts a worker on the pool. The worker
+`prefect.yaml`'s deployments (`prefect deploy --all`) and starts a stock worker on the pool in the repository (the
+deployments' pull step uses the worker's folder when ALLOY_HOME is unset; alloy/deploy_steps.py). The worker
 (and so every flow run) gets MLFLOW_TRACKING_URI, so what the worker logs is what the MLflow UI shows.
 
 State (pids, process start times, ports, URLs) is written to `<home>/stack.json` as each piece starts, so `down`
@@ -166,9 +166,14 @@ def up(home: Path, prefect_port: int = 4200, mlflow_port: int = 5000, runs_root:
         state["gpu_limit"] = {"name": GPU_LIMIT, "slots": gpu_slots, "action": action}
         echo(f"work pool {POOL} and concurrency limit {GPU_LIMIT} ({gpu_slots} slots) ready; deploying prefect.yaml …")
         _run_step("prefect deploy", _bin("prefect") + ["deploy", "--all", "--no-prompt"], env, logs / "deploy.log")
+        # a stock worker started in the repository, as Prefect's docs teach: no ALLOY_HOME (unless the user's
+        # environment sets one), no PYTHONPATH of ours; the pull step finds the repository as the worker's folder
+        worker_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+        if os.environ.get("PYTHONPATH"):
+            worker_env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         comps["prefect-worker"] = spawn("prefect-worker", _bin("prefect") + [
             "worker", "start", "--pool", POOL, "--type", "process", "--name", WORKER_NAME], logs / "worker.log",
-            env, home)
+            {**worker_env, "PWD": str(REPO_ROOT)}, REPO_ROOT)
         comps["prefect-worker"].update(port=None, url=f"{ui_url}/work-pools/work-pool/{POOL}")
         write_state(state_path, state)
         wait_until(lambda: _worker_online(api_url), comps["prefect-worker"], "prefect worker", timeout_s)

@@ -12,10 +12,17 @@ builds) per domain, on consecutive ports from `--port-start`, state in `<home>/t
     directory whose sub-directories are HF checkpoints named after their domain.
 A checkpoint path may be a `file://` URL or a committed prefix; its `final/` is used when present.
 Unlike the `Supervisor`, nothing here restarts a dead server: this process exits once the servers are up.
+
+With `--config CONFIG` the servers launch as that run would launch its teachers: its `engine` section (backend,
+options, bind address, API key from the environment) and, on a node with GPUs (`--gpus N`, else
+`resources.gpus_per_node`, else the CUDA devices visible), the GPUs and memory fractions of the distill stage's
+placement plan (`alloy plan CONFIG`; infra/placement.py), one planned teacher per domain. Without it: embedded CPU
+servers on loopback, as before.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -83,11 +90,47 @@ def resolve_checkpoints(spec: str) -> dict[str, str]:
     return {d: _resolve_path(d, p) for d, p in mapping.items()}
 
 
+def teacher_specs(checkpoints: dict[str, str], cfg=None, gpus: int | None = None) -> dict:
+    """{domain: `ServerSpec`} of the teacher servers: embedded CPU servers on loopback without a config; with one,
+    launched as its run would launch them (see the module docstring). A checkpoint whose domain has no planned
+    teacher is refused, naming it."""
+    from engine.launcher import ServerSpec, launch_settings
+
+    if cfg is None:
+        return {d: ServerSpec(name=f"teacher-{d}", model_path=c, host=HOST) for d, c in checkpoints.items()}
+    from alloy.placement_cmd import node_gpus
+    from infra.placement import PlacementError, make_plan, visible_devices
+
+    n = node_gpus(cfg, gpus)
+    placements = {}
+    if n > 0:
+        try:
+            plan = make_plan(cfg, n)
+        except PlacementError as exc:
+            raise CheckpointsError(f"--config: the placement plan {exc} (see `alloy plan CONFIG --gpus {n}`)") from None
+        visible = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), n)
+        placements = {p.name: {"visible": visible, **p.to_json()} for p in plan.processes if p.kind == "teacher"}
+        missing = sorted(set(checkpoints) - set(placements))
+        if missing:
+            raise CheckpointsError(f"--checkpoints: no planned teacher for domain(s) {missing} in the config's "
+                                   f"placement plan (planned: {sorted(placements)}); the config's domains must "
+                                   "include every checkpoint's")
+    specs = {}
+    for d, ckpt in checkpoints.items():
+        settings = launch_settings(cfg.engine, placements.get(d)) if placements else launch_settings(cfg.engine)
+        specs[d] = ServerSpec(name=f"teacher-{d}", model_path=ckpt, host=cfg.engine.host, api_key=cfg.engine.api_key,
+                              **settings)
+    return specs
+
+
 def teachers_up(home: Path, checkpoints: dict[str, str], port_start: int = 30000, threads: int = 1,
-                timeout_s: float = 180.0) -> dict:
-    """Serve each checkpoint on its own port (port_start, +1, …; 0 = free ports) and wait for `/health`.
-    Returns the state; already serving the same domains → that state with "already_up"."""
-    from engine.launcher import ServerSpec, build_command
+                timeout_s: float = 180.0, specs: dict | None = None) -> dict:
+    """Serve each checkpoint on its own port (port_start, +1, …; 0 = free ports) and wait for `/health`; `specs`:
+    {domain: ServerSpec} (`teacher_specs`; default: embedded CPU servers). Returns the state; already serving the
+    same domains → that state with "already_up"."""
+    from engine.launcher import build_command, server_env
+
+    specs = specs or teacher_specs(checkpoints)
 
     home = Path(home).resolve()
     state_path = home / STATE_FILE
@@ -99,15 +142,18 @@ def teachers_up(home: Path, checkpoints: dict[str, str], port_start: int = 30000
                          f"run `alloy teachers down --home {home}` first")
     state = {"home": str(home), "teachers": {}}
     env = stack_env(home, "", "", None)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
     for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
     try:
         for i, (domain, ckpt) in enumerate(sorted(checkpoints.items())):
             port = pick_port(0 if port_start == 0 else port_start + i, f"teacher {domain}, --port-start")
-            cmd = build_command(ServerSpec(name=f"teacher-{domain}", model_path=ckpt, host=HOST), port)
-            entry = spawn(f"teacher-{domain}", cmd, home / "logs" / f"teacher-{domain}.log", env, REPO_ROOT)
-            entry.update(port=port, url=f"http://{HOST}:{port}", model_path=ckpt)
+            spec = specs[domain]
+            cmd = build_command(spec, port)
+            entry = spawn(f"teacher-{domain}", cmd, home / "logs" / f"teacher-{domain}.log",
+                          server_env(spec, env, threads), REPO_ROOT)
+            host = HOST if spec.host in ("0.0.0.0", "::") else spec.host
+            entry.update(port=port, url=f"http://{host}:{port}", model_path=ckpt, backend=str(spec.backend),
+                         gpus=spec.env.get("CUDA_VISIBLE_DEVICES"))
             state["teachers"][domain] = entry
             write_state(state_path, state)
         deadline = time.monotonic() + timeout_s
@@ -161,11 +207,21 @@ def cmd_teachers(args) -> int:
     home = Path(args.home)
     try:
         if args.teachers_command == "up":
-            state = teachers_up(home, resolve_checkpoints(args.checkpoints), args.port_start, args.threads,
-                                args.timeout)
+            checkpoints = resolve_checkpoints(args.checkpoints)
+            cfg = None
+            if args.config:
+                from infra.config import ConfigError, load_config
+
+                try:
+                    cfg = load_config(args.config, args.overrides)
+                except (ConfigError, FileNotFoundError) as exc:
+                    raise CheckpointsError(f"--config: {exc}") from None
+            state = teachers_up(home, checkpoints, args.port_start, args.threads, args.timeout,
+                                teacher_specs(checkpoints, cfg, args.gpus))
             print(f"teachers {'already up' if state.get('already_up') else 'up'}:")
             for d, t in sorted(state["teachers"].items()):
-                print(f"  {d:<16}{t['url']:<28}{t['model_path']}")
+                where = f"  [GPU {t['gpus']}]" if t.get("gpus") else ""
+                print(f"  {d:<16}{t['url']:<28}{t['model_path']}{where}")
             _print_external(state["teachers"])
             return 0
         if args.teachers_command == "down":
@@ -198,7 +254,13 @@ def add_parser(sub, default_home: Path) -> None:
                     help="a report.json, a JSON file or inline JSON {domain: checkpoint}, or a run directory")
     tu.add_argument("--port-start", type=int, default=30000, help="first port; one per domain, in domain order "
                                                                    "(0: any free ports)")
-    tu.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    tu.add_argument("--threads", type=int, default=1, help="torch threads per CPU server")
+    tu.add_argument("--config", default=None, metavar="CONFIG", help="launch as this run would launch its teachers: "
+                    "its engine section and, with GPUs, the distill stage's placement plan")
+    tu.add_argument("--gpus", type=int, default=None, metavar="N", help="with --config: GPUs to plan for (default "
+                    "resources.gpus_per_node, else the CUDA devices visible)")
+    tu.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=c",
+                    help="with --config: config overrides, as for `alloy run`")
     tu.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for /health")
     tu.add_argument("--home", default=str(default_home), help=home_help)
     td = tsub.add_parser("down", help="stop the teacher servers", description="Exit 0.")

@@ -19,14 +19,13 @@ import io
 import json
 import math
 import random
-import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
 from domains.base import MAX_BAD_ROWS, SPLITS, Domain, Example, prompt_split
 from domains.verifiers import answer_problem, get_verifier
-from infra.datasets import read_dataset
+from infra.datasets import BoundedCache, cache_budget_bytes, read_dataset
 
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -39,8 +38,8 @@ class DatasetError(ValueError):
         self.field = field
 
 
-_PARSED: dict[tuple, tuple] = {}  # (sha256, format, columns, verifier) -> (examples, rows read, examples by split)
-_LOCK = threading.Lock()
+# (sha256, format, columns, verifier) -> (examples, rows read, examples by split); bounded as infra.datasets' bytes
+_PARSED = BoundedCache(cache_budget_bytes())
 
 
 def dataset_format(path: str) -> str:
@@ -222,8 +221,7 @@ class DatasetDomain(Domain):
         """(examples, rows read, examples by split) from the process-wide cache, parsed on a miss. The rows live
         there, not on the instance, so the domain stays small wherever it is serialised (a Prefect flow run's
         parameters hold the run context, domains included, and are limited to 512 KB)."""
-        with _LOCK:
-            hit = _PARSED.get(self._key)
+        hit = _PARSED.get(self._key)
         if hit is None:
             if data is None:
                 data, _ = read_dataset(self.path)
@@ -233,8 +231,7 @@ class DatasetDomain(Domain):
             for ex in examples:
                 by_split[prompt_split(ex.prompt)].append(ex)
             hit = (tuple(examples), n_rows, by_split)
-            with _LOCK:
-                _PARSED[self._key] = hit
+            _PARSED.put(self._key, hit, len(data))  # the rows weigh about what their file does
         return hit
 
     @property

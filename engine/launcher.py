@@ -29,7 +29,7 @@ import queue
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from infra.procs import cancel_on_stop, log_tail, on_stop, pdeathsig_preexec
 from infra.choices import Backend
@@ -84,6 +84,27 @@ def launch_settings(engine_cfg, placement: dict | None = None) -> dict[str, Any]
 def sglang_option_args(options: dict[str, Any]) -> list[str]:
     """{"tp_size": 2, "trust_remote_code": True} → ["--tp-size", "2", "--trust-remote-code"]; unknown keys raise."""
     return BACKENDS[Backend.SGLANG].option_args(options)
+
+
+def server_env(spec: ServerSpec, base: Mapping[str, str], threads_per_server: int | None = None) -> dict[str, str]:
+    """The environment a server of `spec` starts with: `base` plus the repository on PYTHONPATH, one torch thread
+    count per CPU server, the spec's own variables (its GPUs: CUDA_VISIBLE_DEVICES) and, for our server, the API
+    key (in the environment, not in argv: `ps` shows argv)."""
+    env = dict(base)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    backend = server_backend(spec.backend)
+    if backend.cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+        if threads_per_server:
+            # Many CPU servers on 2 cores: one intra-op thread each (torch reads OMP_NUM_THREADS at start),
+            # or they oversubscribe the cores and all crawl.
+            n = str(threads_per_server)
+            env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n)
+    env.update({k: str(v) for k, v in spec.env.items()})
+    if spec.api_key and not backend.api_key_in_argv:  # the key travels in the environment, not in argv (`ps`)
+        env[API_KEY_ENV] = spec.api_key
+    return env
 
 
 def build_command(spec: ServerSpec, port: int) -> list[str]:
@@ -323,21 +344,7 @@ class Supervisor:
         return self._servers[name]
 
     def _child_env(self, spec: ServerSpec) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        backend = server_backend(spec.backend)
-        if backend.cpu:
-            env["DS_ACCELERATOR"] = "cpu"
-            if self.threads_per_server:
-                # Many CPU servers on 2 cores: one intra-op thread each (torch reads OMP_NUM_THREADS at start),
-                # or they oversubscribe the cores and all crawl.
-                n = str(self.threads_per_server)
-                env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n)
-        env.update({k: str(v) for k, v in spec.env.items()})
-        if spec.api_key and not backend.api_key_in_argv:  # the key travels in the environment, not in argv (`ps`)
-            env[API_KEY_ENV] = spec.api_key
-        return env
+        return server_env(spec, os.environ, self.threads_per_server)
 
     def _launch(self, srv: _Server) -> None:
         cmd = build_command(srv.spec, srv.port)

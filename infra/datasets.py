@@ -5,16 +5,74 @@ that dataset (`DatasetConfig`'s content hash in `AlloyConfig.fingerprint`): both
 process downloads a file once, and a file changed on storage (another size, mtime or ETag) is read again, which
 moves every checkpoint prefix built on it. URLs and their options go through `infra.storage.get_fs` (S3 endpoint
 and credentials from the standard AWS environment variables, as for `run.storage`).
+
+The caches are bounded (`BoundedCache`): least recently used files go first once the cached bytes pass
+`ALLOY_DATASET_CACHE_MB` (default 1024), the newest entry always stays (a file larger than the budget is still read
+once per process, not once per access). domains/dataset.py bounds its parsed rows the same way.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
+from collections import OrderedDict
+from typing import Any, Hashable
 
 from infra.storage import get_fs, read_bytes
 
-_CACHE: dict[str, tuple[tuple, bytes, str]] = {}  # full URL -> (version stamp, bytes, sha256 hex)
-_LOCK = threading.Lock()
+CACHE_ENV = "ALLOY_DATASET_CACHE_MB"
+
+
+def cache_budget_bytes() -> int:
+    """The byte budget of each dataset cache: `ALLOY_DATASET_CACHE_MB` (a positive number), else 1 GiB."""
+    raw = os.environ.get(CACHE_ENV, "").strip()
+    try:
+        mb = float(raw) if raw else 1024.0
+    except ValueError:
+        raise ValueError(f"{CACHE_ENV} must be a number of MiB, got {raw!r}") from None
+    if mb <= 0:
+        raise ValueError(f"{CACHE_ENV} must be > 0, got {raw!r}")
+    return int(mb * 2 ** 20)
+
+
+class BoundedCache:
+    """A thread-safe least-recently-used map whose values together weigh at most `max_weight` (bytes, say); the
+    entry put last is never evicted, however heavy. `get` counts as a use."""
+
+    def __init__(self, max_weight: int):
+        self.max_weight = max_weight
+        self._items: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._weight = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Any | None:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is None:
+                return None
+            self._items.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: Hashable, value: Any, weight: int) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._weight -= old[1]
+            self._items[key] = (value, weight)
+            self._weight += weight
+            while self._weight > self.max_weight and len(self._items) > 1:
+                _, (_, w) = self._items.popitem(last=False)
+                self._weight -= w
+
+    @property
+    def weight(self) -> int:
+        return self._weight
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_CACHE = BoundedCache(cache_budget_bytes())  # full URL -> (version stamp, bytes, sha256 hex)
 
 
 def _stamp(url: str) -> tuple[str, tuple]:
@@ -32,14 +90,12 @@ def read_dataset(url: str) -> tuple[bytes, str]:
     """(the file's bytes, their sha256 hex) of a local path or fsspec URL, from the process cache while the file's
     size/mtime/ETag is unchanged."""
     key, stamp = _stamp(str(url))
-    with _LOCK:
-        hit = _CACHE.get(key)
-        if hit is not None and hit[0] == stamp:
-            return hit[1], hit[2]
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] == stamp:
+        return hit[1], hit[2]
     data = read_bytes(key)
     digest = hashlib.sha256(data).hexdigest()
-    with _LOCK:
-        _CACHE[key] = (stamp, data, digest)
+    _CACHE.put(key, (stamp, data, digest), len(data))
     return data, digest
 
 

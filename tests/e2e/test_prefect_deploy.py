@@ -9,6 +9,7 @@ The tests in this file run in order: the last one stops the session's stack."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -49,6 +50,12 @@ def test_up_registers_pool_deployments_and_worker(stack):
     assert deps["smoke"]["parameters"]["config"] == "configs/smoke.yaml"
     workers = api_post(f"{api}/work_pools/alloy-local/workers/filter", {})
     assert [w["status"] for w in workers if w["name"] == "alloy-local-worker"] == ["ONLINE"]
+    # a stock worker started in the repository: no ALLOY_HOME, no PYTHONPATH of ours (the smoke run below proves
+    # that the pull step finds the repository as the worker's folder)
+    worker = psutil.Process(stack["components"]["prefect-worker"]["pid"])
+    assert worker.cwd() == str(ROOT) and worker.cmdline()[1:5] == [PREFECT, "worker", "start", "--pool"]
+    if "ALLOY_HOME" not in os.environ:
+        assert "ALLOY_HOME" not in worker.environ()
     # a stock server: the venv's `prefect` console script, `server start`, nothing in between
     argv = psutil.Process(stack["components"]["prefect-server"]["pid"]).cmdline()
     port = str(stack["components"]["prefect-server"]["port"])
@@ -66,6 +73,9 @@ def test_smoke_deployment_run_completes_with_report(stack, smoke_run):
     assert fr["state_type"] == "COMPLETED" and fr["state_name"] == "Completed"
     dep = api_get(f"{stack['urls']['prefect_api']}/deployments/{fr['deployment_id']}")
     assert dep["name"] == "smoke"
+    if "ALLOY_HOME" not in os.environ:  # the stock worker's flow run found the repository itself, and said so
+        log = Path(stack["components"]["prefect-worker"]["log"]).read_text(errors="replace")
+        assert f"alloy pull step: $ALLOY_HOME is not set; using the worker's working directory, {ROOT}" in log
     assert fr["parameters"]["overrides"] == smoke_run["params"]["overrides"]  # the --params override reached the run
     report = json.loads(smoke_run["report_path"].read_text())
     assert report["config"] == "configs/smoke.yaml"

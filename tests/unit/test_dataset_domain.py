@@ -283,3 +283,32 @@ def test_make_datasets_is_deterministic_and_its_answers_verify(tmp_path):
     ex = quiz.examples[0]
     wrong = next(letter for letter in "ABCD" if letter != ex.answer)
     assert quiz.verify(ex, wrong) == 0.0
+
+
+def test_the_dataset_caches_are_bounded(tmp_path, monkeypatch):
+    """Least recently used entries leave once the budget is passed; the newest stays even when it alone is over."""
+    from infra import datasets
+
+    cache = datasets.BoundedCache(10)
+    cache.put("a", 1, 4), cache.put("b", 2, 4)
+    assert cache.get("a") == 1  # a is now the most recently used
+    cache.put("c", 3, 4)  # 12 > 10: b (least recently used) goes
+    assert (cache.get("b"), cache.get("a"), cache.get("c"), cache.weight) == (None, 1, 3, 8)
+    cache.put("huge", 4, 50)  # over the whole budget alone: everything else goes, it stays
+    assert (len(cache), cache.get("huge"), cache.weight) == (1, 4, 50)
+    cache.put("huge", 5, 2)  # a re-put replaces the weight
+    assert cache.weight == 2
+
+    monkeypatch.setattr(datasets, "_CACHE", datasets.BoundedCache(150))
+    files = []
+    for i in range(3):
+        files.append(tmp_path / f"d{i}.jsonl")
+        files[-1].write_text(json.dumps({"prompt": f"p{i}" * 20, "answer": "a"}) + "\n")  # ~70 bytes each
+        datasets.read_dataset(str(files[-1]))
+    assert len(datasets._CACHE) == 2 and datasets._CACHE.weight <= 150  # the first file left the cache
+
+    monkeypatch.setenv(datasets.CACHE_ENV, "0.5")
+    assert datasets.cache_budget_bytes() == 2 ** 19
+    monkeypatch.setenv(datasets.CACHE_ENV, "lots")
+    with pytest.raises(ValueError, match="ALLOY_DATASET_CACHE_MB must be a number of MiB, got 'lots'"):
+        datasets.cache_budget_bytes()

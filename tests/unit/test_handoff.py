@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -40,17 +41,40 @@ def test_fetch_checkpoint_local_dir_url_and_missing(tmp_path):
 
 
 def test_pull_step_resolves_on_the_worker(tmp_path, monkeypatch):
-    monkeypatch.delenv("ALLOY_HOME", raising=False)
-    with pytest.raises(RuntimeError, match=r"\$ALLOY_HOME is not set on this worker"):
-        set_working_directory_from_env()
-    monkeypatch.setenv("ALLOY_HOME", str(tmp_path))
-    with pytest.raises(RuntimeError, match="not a copy of the Alloy repository.*no flows/"):
-        set_working_directory_from_env()
-    (tmp_path / "flows").mkdir()
+    from alloy import deploy_steps
+
     monkeypatch.chdir(os.getcwd())  # restored after the test
     monkeypatch.setattr(sys, "path", list(sys.path))
-    assert set_working_directory_from_env() == {"directory": str(tmp_path.resolve())}
-    assert os.getcwd() == str(tmp_path.resolve()) and sys.path[0] == str(tmp_path.resolve())
+    elsewhere, repo = tmp_path / "elsewhere", tmp_path / "repo"
+    elsewhere.mkdir(), (repo / "flows").mkdir(parents=True)
+    monkeypatch.delenv("ALLOY_HOME", raising=False)
+    # a worker started outside any copy of the repository: today's error, naming the variable and where it looked
+    monkeypatch.setattr(deploy_steps, "worker_directories", lambda: [("$PWD", elsewhere)])
+    with pytest.raises(RuntimeError, match=r"\$ALLOY_HOME is not set on this worker and the worker was not started "
+                                           r"in a copy of the Alloy repository \(no flows/ in \[.*elsewhere'\]\)"):
+        set_working_directory_from_env()
+    # started in the repository (a stock `prefect worker start` there): that folder, the first that holds flows/
+    monkeypatch.setattr(deploy_steps, "worker_directories",
+                        lambda: [("the worker's working directory", elsewhere), ("$PWD", repo)])
+    assert set_working_directory_from_env() == {"directory": str(repo.resolve())}
+    assert os.getcwd() == str(repo.resolve()) and sys.path[0] == str(repo.resolve())
+    # $ALLOY_HOME wins, and must name a copy of the repository
+    monkeypatch.setenv("ALLOY_HOME", str(elsewhere))
+    with pytest.raises(RuntimeError, match="not a copy of the Alloy repository.*no flows/"):
+        set_working_directory_from_env()
+    (elsewhere / "flows").mkdir()
+    assert set_working_directory_from_env() == {"directory": str(elsewhere.resolve())}
+
+
+def test_worker_directories_name_the_parents_folder(monkeypatch, tmp_path):
+    """On Linux the first candidate is the parent process's working directory (for a flow run: its worker's)."""
+    from alloy import deploy_steps
+
+    monkeypatch.setenv("PWD", str(tmp_path))
+    found = dict(deploy_steps.worker_directories())
+    assert found["$PWD"] == tmp_path
+    if Path("/proc/self/cwd").exists():
+        assert found["the worker's working directory"] == Path(os.readlink(f"/proc/{os.getppid()}/cwd"))
 
 
 def test_a_worker_that_never_reads_model_path_skips_its_check():
