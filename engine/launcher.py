@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from infra.procs import cancel_on_stop, log_tail, on_stop, pdeathsig_preexec
-from infra.choices import Backend
+from infra.choices import READ_TIMEOUT_S, Backend
 from engine.backends import BACKENDS, server_backend
 from engine.client import API_KEY_ENV, EngineClient, run_sync
 
@@ -68,8 +68,9 @@ def launch_settings(engine_cfg, placement: dict | None = None) -> dict[str, Any]
     options = dict(engine_cfg.sglang_args) if backend.takes_sglang_args else {}
     if engine_cfg.max_running_requests:
         options.setdefault("max_running_requests", engine_cfg.max_running_requests)
-    if not backend.takes_sglang_args:  # the embedded server's limits (SGLang has its own flags for neither)
-        options["read_timeout_s"] = engine_cfg.read_timeout_s
+    if not backend.takes_sglang_args:  # the embedded server's limits, where they differ from its defaults
+        if engine_cfg.read_timeout_s != READ_TIMEOUT_S:
+            options["read_timeout_s"] = engine_cfg.read_timeout_s
         if engine_cfg.max_body_mb is not None:
             options["max_body_mb"] = engine_cfg.max_body_mb
     if placement is None:

@@ -89,6 +89,12 @@ def test_launch_settings_follow_the_engine_config():
     assert gpu == {"backend": "sglang", "options": {"tp_size": 2, "max_running_requests": 8}, "extra_args": []}
     cmd = build_command(ServerSpec("policy-x", "/m", **gpu), 30000)  # rollout servers launch real SGLang too
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[-4:] == ["--tp-size", "2", "--max-running-requests", "8"]
+    # the embedded server's read timeout and body limit are config fields (a flag only where not the default)
+    limits = launch_settings(EngineConfig(read_timeout_s=5, max_body_mb=64, sglang_args={"tp_size": 2}))
+    assert limits["options"] == {"read_timeout_s": 5.0, "max_body_mb": 64.0}
+    assert build_command(ServerSpec("t", "/m", **limits), 30000)[-4:] == ["--read-timeout-s", "5.0", "--max-body-mb",
+                                                                        "64.0"]
+    assert launch_settings(EngineConfig(backend="sglang", read_timeout_s=5))["options"] == {}  # SGLang: no such flag
 
 
 def test_engine_backend_names_come_from_the_backend_registry():
