@@ -39,6 +39,7 @@ from infra.chat import stop_token_ids, token_budget
 from training.batching import length_buckets, length_sorted_split
 from engine.client import seed_for
 from training.ledger import Ledger
+from training.progress_events import report
 from training.ranks import Ranks, led, require_same_world
 from infra.storage import checkpoint_name, join, load_latest, prune, save_checkpoint
 from student.batch import collate, opd_loss, reward_advantage
@@ -247,6 +248,7 @@ class DistillTrainer:
             self._version_changed.notify_all()
         metrics.update(self._step_metrics(batch, fresh, dropped, version))
         self._last_metrics = metrics
+        report(st.step, self.dc.steps, **metrics)  # every step, as data, for the process that started us
         if st.step % self.dc.log_every == 0 or st.step == self.dc.steps:
             # a thread: a slow tracking server must not stall the producer's HTTP on this loop
             await asyncio.to_thread(self.tracker.log_metrics, {**metrics, **self.scorer.metrics()}, st.step)
