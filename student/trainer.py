@@ -2,7 +2,7 @@
 
     producer (async)                                 consumer (async; the update runs in a worker thread)
     ─────────────────                                ─────────────────────────────────────────────────────
-    wait until version ≥ k − max_staleness           batch = queue.get()
+    policy.wait_version(k − max_staleness)           batch = queue.get()
     prompts = stream.take(batch_size)                drop samples with lag > max_staleness ("stale")
     samples = sample_batch(student engine)           drop ids already in the ledger
     scored, dropped = scorer.score(samples)          update (G micro-batches, token-level loss)
@@ -39,6 +39,7 @@ from infra.chat import stop_token_ids, token_budget
 from training.batching import length_buckets, length_sorted_split
 from engine.client import seed_for
 from training.ledger import Ledger
+from training.progress_events import report
 from training.ranks import Ranks, led, require_same_world
 from infra.storage import checkpoint_name, join, load_latest, prune, save_checkpoint
 from student.batch import collate, opd_loss, reward_advantage
@@ -117,11 +118,8 @@ class DistillTrainer:
         self.compaction = compaction
         self.timing = {"sample_s": 0.0, "score_s": 0.0, "train_s": 0.0, "push_s": 0.0, "push_load_s": 0.0,
                        "eval_s": 0.0, "ckpt_s": 0.0}
-        self._version_changed = asyncio.Condition()  # also notified when a batch has been sampled
+        self._sampled_changed = asyncio.Condition()  # notified when a batch has been sampled (`_wait_sampled`)
         self._sampled = 0  # batches whose sampling returned (the producer's next index)
-        self._loaded = 0  # the newest weight version the rollout server has loaded
-        self._loads: list[asyncio.Future] = []  # in-flight weight loads (`_watch_load`)
-        self._load_error: BaseException | None = None
         self._producer: asyncio.Task | None = None
         self._last_metrics: dict = {}
 
@@ -152,7 +150,7 @@ class DistillTrainer:
         t0 = self._t_start = time.perf_counter()
         self._tokens_at_start = (self.state.sampled_tokens, self.state.scored_tokens)
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.dc.max_staleness + 1)
-        self._sampled = self._loaded = self.state.step  # the server starts with the weights of this step
+        self._sampled = self.state.step  # the server starts with the weights of this step (its loaded_version)
         producer = self._producer = asyncio.create_task(self._produce(queue))
         try:
             if self.state.step == 0 and self.dc.eval_every and not self.state.evals:
@@ -168,11 +166,12 @@ class DistillTrainer:
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
-            loads, self._loads = self._loads, []
-            done = await asyncio.gather(*loads, return_exceptions=True)  # the last push's load: the server is current
+            # the last push's load: the server is current
+            done = await asyncio.gather(self.policy.wait_loaded(), return_exceptions=True)
         for r in done:
             if isinstance(r, BaseException):
                 raise r
+        self.timing["push_load_s"] = self.policy.load_s  # the overlapped loads, as the server timed them
         self.wall_s = time.perf_counter() - t0
         if self.dc.eval_every and (not self.state.evals or self.state.evals[-1]["step"] != self.state.step):
             await self._evaluate()
@@ -182,13 +181,11 @@ class DistillTrainer:
     async def _produce(self, queue: asyncio.Queue) -> None:
         k = self.state.step
         while k < self.dc.steps:
-            async with self._version_changed:  # bounded staleness: batch k trains at version k, sampled from
-                # weights the server has LOADED (a push loads while the next batch trains: double buffering)
-                await self._version_changed.wait_for(
-                    lambda: self._load_error is not None or self._loaded >= k - self.dc.max_staleness)
-            if self._load_error is not None:
-                raise RuntimeError(f"student: loading weights into the rollout server failed: {self._load_error}") \
-                    from self._load_error
+            try:  # bounded staleness: batch k trains at version k, sampled from weights the server has LOADED
+                # (a push loads while the next batch trains: double buffering)
+                await self.policy.wait_version(k - self.dc.max_staleness)
+            except Exception as e:  # a failed load: the run must not wait on weights that will not come
+                raise RuntimeError(f"student: loading weights into the rollout server failed: {e}") from e
             weights = None
             if self.dc.domain_weighting == "rkl":  # more prompts for the teachers the student is furthest from
                 weights = domain_weights(self.stream.names, self.scorer.recent_rkl(), self.dc.rkl_mix)
@@ -202,9 +199,9 @@ class DistillTrainer:
                                          domains=self.domains, tokenizer=self.tok,  # tool domains: full episodes
                                          compaction=self.compaction)
             t_sample = time.perf_counter() - t
-            async with self._version_changed:
+            async with self._sampled_changed:
                 self._sampled = k + 1
-                self._version_changed.notify_all()
+                self._sampled_changed.notify_all()
             for s in samples:  # on whole episodes; then a compacted one becomes its sub-traces, each with its reward
                 s.reward = self.domains[s.domain].verify(s.example, decode_response(self.tok, s.output_ids, self.stops))
             samples = split_subtraces(samples, self.compaction, self.tok)
@@ -231,10 +228,9 @@ class DistillTrainer:
             await self._wait_sampled(min(version + self.dc.max_staleness, self.dc.steps - 1) + 1)
         t = time.perf_counter()
         # the weights are copied out now (before the next update touches them); the server loads them while the
-        # next batch trains, and the producer's gate waits for that load only when staleness requires it
+        # next batch trains, and the producer's gate (`wait_version`) waits for the load only when staleness needs it
         await self.policy.push(self.backend, self.tok, version + 1, wait=False)
         self.timing["push_s"] += time.perf_counter() - t
-        self._watch_load(version + 1)
         # commit point of this batch (in memory; durable at the next checkpoint, together with the weights)
         self.ledger.mark_trained(s.episode for s in fresh)
         st.dropped.update(dropped)
@@ -243,10 +239,9 @@ class DistillTrainer:
         st.scored_tokens += sum(len(s.output_ids) for s in batch.samples)
         self.timing["sample_s"] += batch.sample_s
         self.timing["score_s"] += batch.score_s
-        async with self._version_changed:
-            self._version_changed.notify_all()
         metrics.update(self._step_metrics(batch, fresh, dropped, version))
         self._last_metrics = metrics
+        report(st.step, self.dc.steps, **metrics)  # every step, as data, for the process that started us
         if st.step % self.dc.log_every == 0 or st.step == self.dc.steps:
             # a thread: a slow tracking server must not stall the producer's HTTP on this loop
             await asyncio.to_thread(self.tracker.log_metrics, {**metrics, **self.scorer.metrics()}, st.step)
@@ -260,32 +255,14 @@ class DistillTrainer:
         if self.on_step is not None:
             self.on_step(self, metrics)
 
-    def _watch_load(self, version: int) -> None:
-        """Mark `version` loaded (and wake the producer) when the server has it; a failed load fails the run."""
-        async def watch() -> None:
-            t = time.perf_counter()
-            try:
-                await self.policy.wait_loaded()
-            except Exception as e:  # the producer's gate re-raises it: a run must not wait on a load that failed
-                self._load_error = e
-                raise
-            finally:
-                self.timing["push_load_s"] += time.perf_counter() - t
-                async with self._version_changed:
-                    if self._load_error is None:
-                        self._loaded = max(self._loaded, version)
-                    self._version_changed.notify_all()
-
-        self._loads = [f for f in self._loads if not f.done()] + [asyncio.ensure_future(watch())]
-
     async def _wait_sampled(self, n: int) -> None:
         """Until the producer has sampled `n` batches; re-raises its error if it stops first."""
         if self._sampled >= n:
             return
 
         async def sampled() -> None:
-            async with self._version_changed:
-                await self._version_changed.wait_for(lambda: self._sampled >= n)
+            async with self._sampled_changed:
+                await self._sampled_changed.wait_for(lambda: self._sampled >= n)
 
         waiter = asyncio.ensure_future(sampled())
         await asyncio.wait({waiter, self._producer}, return_when=asyncio.FIRST_COMPLETED)

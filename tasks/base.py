@@ -29,9 +29,9 @@ log = logging.getLogger("alloy")
 
 
 def run_multi_rank(cmd: list[str], log_path: Path, steps: int) -> None:
-    """torchrun `cmd` as a worker process (tasks/worker_process.py: own session, stops with us), following the base
-    SFT's progress lines."""
-    run_worker(cmd, log_path, steps, cmd[6], rb"base SFT: (\d+)/\d+")
+    """torchrun `cmd` as a worker process (tasks/worker_process.py: own session, stops with us), following the steps
+    the base SFT reports."""
+    run_worker(cmd, log_path, steps, cmd[6])
 
 
 def base_checkpoint_url(ctx: RunContext) -> str:

@@ -15,8 +15,9 @@ from domains.tools import demonstration_segments
 from infra.chat import system_of
 from infra.procs import raise_if_stopped
 from infra.progress import progress
-from training.sft import train_sft
 from infra.tracking import NoopTracker
+from training.progress_events import report
+from training.sft import train_sft
 from training.session import train_settings, trainable
 from training.worker import Worker, WorkerRun, arg
 
@@ -53,6 +54,7 @@ def run_base_sft(cfg, domains: dict, init_dir: str, out_dir: str, tracker) -> di
             raise_if_stopped("base SFT")  # in-process under `alloy run`: its Ctrl-C stops here
             if backend.is_main:
                 bar(step, loss=m["loss"], acc=m["token_acc"])
+                report(step, cfg.base.steps, loss=m["loss"], token_acc=m["token_acc"])  # the parent follows these
             if step % cfg.base.log_every == 0 or step == cfg.base.steps:
                 tracker.log_metrics({"sft/loss": m["loss"], "sft/token_acc": m["token_acc"],
                                      "sft/grad_norm": float(m.get("grad_norm", 0.0))}, step=step)

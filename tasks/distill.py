@@ -56,8 +56,7 @@ def train_student(ctx: RunContext, student_init: str, endpoints: dict[str, str])
         else:
             cmd = distill_command(ctx, student_init, endpoints, prefix, result_path, getattr(run, "run_id", None))
             with trainer_lane(cmd, cfg, "distill") as cmd:  # its GPUs, when there are (tasks/gpu_lanes.py)
-                run_worker(cmd, ctx.work_dir / "logs" / "distill.log", cfg.distill.steps, "distill",
-                           rb"student step (\d+)/\d+")
+                run_worker(cmd, ctx.work_dir / "logs" / "distill.log", cfg.distill.steps, "distill")
             summary = json.loads(result_path.read_text())
             write_json(join(prefix, "result.json"), summary)
         load_checkpoint(final, local)

@@ -70,7 +70,7 @@ def train_specialist(ctx: RunContext, domain: str, base_dir: str) -> dict:
             cmd = specialist_command(ctx, domain, base_dir, prefix, result, getattr(run, "run_id", None))
             with trainer_lane(cmd, cfg, "specialists") as cmd:  # its GPUs, when there are (tasks/gpu_lanes.py)
                 run_worker(cmd, ctx.work_dir / "logs" / f"specialist-{domain}.log", steps, f"specialist {domain}",
-                           rb"specialist \S+ step (\d+)/\d+", on_step)
+                           on_step)
             summary = json.loads(result.read_text())
             write_json(join(prefix, "result.json"), summary)
             if art is not None:

@@ -1,9 +1,12 @@
 """Run a trainer as a child process (its own torch.distributed group, engine server, event loop) and follow it.
 
-Trainers log lines like "<what> step 12/60: ..." ; `run_worker` tails the log, drives a progress bar and an
-optional callback (Prefect progress artifact), and raises with the log tail when the process fails. The child gets
-none of our rendezvous variables (a fresh torch process group), leads its own session (one `killpg` reaches
-whatever it spawned; a terminal's Ctrl-C does not reach it directly), and dies with us: `PR_SET_PDEATHSIG`
+A trainer reports its steps as data (training/progress_events.py: `report` appends JSON lines to the file named by
+`ALLOY_PROGRESS_FILE`, which `run_worker` sets to `progress_path(log_path)`); `run_worker` reads them, drives a
+progress bar and an optional callback (Prefect progress artifact), and raises with the log tail when the process
+fails. Its log lines stay for people: nothing parses them.
+
+The child gets none of our rendezvous variables (a fresh torch process group), leads its own session (one `killpg`
+reaches whatever it spawned; a terminal's Ctrl-C does not reach it directly), and dies with us: `PR_SET_PDEATHSIG`
 (infra/procs.py; `run_worker` forks from the thread that waits on the child, so the signal follows that wait), and
 a cancelled task or a stop request (the first Ctrl-C of `alloy run`, alloy/interrupt.py) SIGTERMs its group,
 SIGKILL after `STOP_GRACE_S`, and raises `infra.procs.Stopped`.
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from typing import Callable
 from infra import procs
 from infra.config import secret_overrides_env, split_secret_overrides
 from infra.progress import progress
+from training.progress_events import PROGRESS_ENV, read_events
 
 log = logging.getLogger("alloy")
 
@@ -79,18 +82,23 @@ def worker_env(cmd: list[str]) -> dict[str, str]:
     return {**env, **getattr(cmd, "env", {})}
 
 
-def run_worker(cmd: list[str], log_path: Path, steps: int, label: str, step_pattern: bytes,
+def progress_path(log_path: Path) -> Path:
+    """Where `run_worker`'s child reports its steps: beside its log `<name>.log`, `<name>.progress.jsonl`."""
+    return log_path.with_name(f"{log_path.stem}.progress.jsonl")
+
+
+def run_worker(cmd: list[str], log_path: Path, steps: int, label: str,
                on_step: Callable[[int], None] | None = None) -> None:
-    """Run `cmd` (a `WorkerCommand` brings its env) with stdout+stderr appended to `log_path`; follow
-    `step_pattern` (one group: the step number)."""
-    env = worker_env(cmd)
+    """Run `cmd` (a `WorkerCommand` brings its env) with stdout+stderr appended to `log_path`; follow the steps it
+    reports (`progress_path(log_path)`): the bar, and `on_step(step)` whenever the newest step changes."""
+    events_path = progress_path(log_path)
+    env = {**worker_env(cmd), PROGRESS_ENV: str(events_path)}
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    pattern = re.compile(step_pattern)
     log.info("%s: process log %s", label, log_path)
     last = -1
     procs.raise_if_stopped(f"{label} not started")
     with open(log_path, "ab") as fh, progress(label, max(steps, 1)) as bar:
-        start = fh.tell()
+        offset = events_path.stat().st_size if events_path.exists() else 0  # a retry appends: only its own events
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=procs.pdeathsig_preexec())
         # a stop request SIGTERMs the trainer at once, even while this thread is busy (a slow progress update)
@@ -102,11 +110,9 @@ def run_worker(cmd: list[str], log_path: Path, steps: int, label: str, step_patt
                     code = procs.stop_group(proc, STOP_GRACE_S)
                     raise procs.Stopped(f"{label} stopped on request (exit code {code}); log {log_path}")
                 time.sleep(0.5)
-                with open(log_path, "rb") as r:
-                    r.seek(start)
-                    hits = pattern.findall(r.read())
-                if hits and int(hits[-1]) != last:
-                    last = int(hits[-1])
+                events, offset = read_events(events_path, offset)
+                if events and events[-1].step != last:
+                    last = events[-1].step
                     bar(last)
                     if on_step is not None:
                         on_step(last)

@@ -24,11 +24,13 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from training.progress_events import report
 from training.ranks import Ranks, led, require_same_world
 from teachers import ppo_math
 from teachers.april import AprilBuffer, Sample
@@ -84,10 +86,11 @@ class SpecialistTrainer:
                  chat_template: str = "auto"):
         # several ranks (torchrun): rank 0 drives this loop, the others run `ranks.follow()` (teachers/specialist_main)
         self.ranks = ranks or Ranks()
+        # the update runs on every rank inside the announced call: on the backends themselves (bound here, before
+        # `led` wraps them), never the led ones, whose collective methods would announce a call of their own
+        self.ranks.on("ppo", partial(ppo_shard, sc, tokenizer.pad_token_id, policy, critic, ref_model,
+                                     rank=self.ranks.rank, world=self.ranks.world_size))
         policy, critic = led(policy, self.ranks, "policy"), led(critic, self.ranks, "critic")
-        self.ranks.on("ppo", lambda *args: ppo_shard(sc, tokenizer.pad_token_id, _raw(policy), _raw(critic),
-                                                     ref_model, *args, rank=self.ranks.rank,
-                                                     world=self.ranks.world_size))
         self.sc, self.domain, self.tok, self.policy, self.critic = sc, domain, tokenizer, policy, critic
         self.server, self.out_url, self.work_dir, self.tracker = server, out_url, Path(work_dir), tracker
         self.max_new_tokens, self.guard, self.on_step, self.seed = max_new_tokens, guard, on_step, seed
@@ -236,6 +239,7 @@ class SpecialistTrainer:
                **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked")}}
         out = {k: float(v) for k, v in out.items() if v is not None}
         self.state.history.append({"step": self.state.step, **out})
+        report(self.state.step, sc.steps, **out)  # every step, as data, for the process that started us
         if self.state.step % sc.log_every == 0 or self.state.step == sc.steps:
             self.tracker.log_metrics(out, step=self.state.step)
             log.info("specialist %s step %d/%d: reward %.3f pg %.4f vf %.4f partials %d rollout %.2fs train %.2fs",
@@ -249,10 +253,6 @@ class SpecialistTrainer:
         no_signal = max(rewards) - min(rewards) < 1e-9
         critic_only = version < self.sc.critic_warmup_steps or no_signal
         return self.ranks.call("ppo", samples, rewards, version, critic_only)  # every rank: its shard (ppo_shard)
-
-
-def _raw(backend):
-    return getattr(backend, "_backend", backend)
 
 
 def ppo_shard(sc, pad_id: int, policy, critic, ref_model, samples: list[Sample], rewards: list[float], version: int,

@@ -1,6 +1,7 @@
 """The trainer machinery that `teachers/` (PPO specialists), `student/` (OPD) and the base SFT share.
 
 - `training.worker`: the one trainer-process skeleton (flags, config, MLflow run, torch.distributed, signals).
+- `training.progress_events`: a trainer's steps as JSON lines for the process that started it (`report`, `read_events`).
 - `training.session`: what a trainer sets up (tokenizer, DeepSpeed backend, its supervised rollout server).
 - `training.deepspeed_backend`: the DeepSpeed engine wrapper; `training.safe_load`: code-free checkpoint loads.
 - `training.ranks`: rank 0 drives, the other ranks follow its collective steps.

@@ -11,6 +11,11 @@ else under the work dir, two files alternating by version (A/B: the server may s
 written); the load is `update_weights_from_buffer`, an in-place copy into the server's model. `disk` (and any
 SGLang server): an HF dir (`save_hf`) loaded with `update_weights_from_disk`. With `push(..., wait=False)` the
 load runs as a task while the caller goes on (sampling the next batch on the previous weights).
+
+The server owns the tracking of its loads: `loaded_version` (the newest version loaded), `wait_version(v)` (until
+version v or a newer one is loaded, however many pushes away it is: the student's sampler gates on it, see
+"Double buffering" in docs/architecture.md), `load_error` (the first failed load's, which every later
+`wait_version` raises) and `load_s` (the time the deferred loads took, start to finish).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from engine.backends import server_backend
@@ -38,7 +44,8 @@ class PolicyServer:
 
     `weight_sync="disk"` (or an SGLang server) keeps the last `keep` weight directories under `work_dir/weights/`
     (the server may still be reading the previous one while it swaps); "memory" keeps two buffer files, removed
-    by `aclose`. `loaded_version`: the version the server has loaded (the last finished load).
+    by `aclose`. `loaded_version`: the version the server has loaded (the last finished load); `wait_version`,
+    `load_error`, `load_s`: see the module docstring.
     """
 
     def __init__(self, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path, *,
@@ -65,6 +72,9 @@ class PolicyServer:
         self.client = EngineClient(self.url, api_key=api_key, max_retries=10, backoff_base=0.25, backoff_max=4.0)
         self._pushed: list[Path] = []
         self._loading: asyncio.Task | None = None
+        self.load_error: BaseException | None = None  # the first failed load's error (its version never came)
+        self.load_s = 0.0  # time the deferred loads took, start to finish
+        self._load_done: asyncio.Event | None = None  # set (and dropped) when a load finishes: wakes `wait_version`
         self._buffer_dir: Path | None = None  # chosen at the first memory push (by then the size is known)
         self._buffers: set[Path] = set()
         atexit.register(self._remove_buffers)
@@ -111,6 +121,7 @@ class PolicyServer:
             finally:
                 self._pushing = None
             self.version = self.loaded_version = version
+            self._wake_waiters()
             return how
         if self.memory:
             path = await asyncio.to_thread(self._snapshot_buffer, train_backend, version)
@@ -120,14 +131,14 @@ class PolicyServer:
             await asyncio.to_thread(self._snapshot_dir, train_backend, tokenizer, path)
             load = self._load_dir(path, version)
         self.version = version
-        self._loading = asyncio.ensure_future(load)
+        self._loading = asyncio.ensure_future(self._tracked(load))
         if wait:
             await self.wait_loaded()
         return str(path)
 
     async def wait_loaded(self) -> None:
         """Await the load of the last push, if one is in flight; re-raises its error. Several waiters may wait on
-        one load (a trainer's watcher and the next push): the task is forgotten only once it has finished, so the
+        one load (the next push and a trainer's end of run): the task is forgotten only once it has finished, so the
         next push never starts its load before the previous one is done (versions load in order)."""
         task = self._loading
         if task is None:
@@ -137,6 +148,34 @@ class PolicyServer:
         finally:
             if self._loading is task and task.done():
                 self._loading = None
+
+    async def wait_version(self, version: int) -> None:
+        """Until the server has loaded `version` or a newer one, whichever push brings it (it may not even have
+        started: a sampler waits here for weights still being trained); raises `load_error` once a load has failed
+        (a run must not wait on weights that will not come)."""
+        while self.load_error is None and self.loaded_version < version:
+            if self._load_done is None:
+                self._load_done = asyncio.Event()
+            await self._load_done.wait()
+        if self.load_error is not None:
+            raise self.load_error
+
+    async def _tracked(self, load) -> None:
+        """Run one deferred load: its time into `load_s`, its error into `load_error`; wakes `wait_version`."""
+        t = time.perf_counter()
+        try:
+            await load
+        except Exception as e:
+            self.load_error = self.load_error or e
+            raise
+        finally:
+            self.load_s += time.perf_counter() - t
+            self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        event, self._load_done = self._load_done, None
+        if event is not None:
+            event.set()
 
     # -- the two halves ---------------------------------------------------------------------------------------------
     @staticmethod

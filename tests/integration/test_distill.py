@@ -16,6 +16,8 @@ from infra.config import config_from_dict
 from infra.storage import read_json, verify_checkpoint
 from infra.tracking import NoopTracker, Tracker
 from tasks.context import RunContext
+from tasks.worker_process import progress_path
+from training.progress_events import read_events
 
 pytestmark = pytest.mark.integration
 
@@ -65,6 +67,10 @@ def test_distill_flow_three_teachers_kl_down_scores_up(models, tmp_path, prefect
     assert out["throughput"]["distill_sampled_tokens_per_s"] > 0 and out["throughput"]["teacher_scored_tokens_per_s"] > 0
     assert verify_checkpoint(out["student_checkpoint"])[0]
     assert read_json(out["student_checkpoint"].rsplit("/", 1)[0] + "/result.json")["steps"] == 120
+    # the task followed the student process by the steps it reported as data (tasks/worker_process.py), every one
+    reported = read_events(progress_path(ctx.work_dir / "logs" / "distill.log"))[0]
+    assert [e.step for e in reported] == list(range(1, 121)) and {e.total for e in reported} == {120}
+    assert "train/reward" in reported[-1].metrics
 
     # per-domain eval score up (step 0 → 120), on every domain
     first, last = out["evals"][0], out["evals"][-1]

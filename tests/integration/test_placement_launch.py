@@ -16,7 +16,8 @@ from infra.config import config_from_dict
 from infra.placement import make_plan
 from tasks.gpu_lanes import teacher_placements, trainer_lane
 from tasks.teachers import start_teachers
-from tasks.worker_process import WorkerCommand, run_worker
+from tasks.worker_process import WorkerCommand, progress_path, run_worker
+from training.progress_events import read_events
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +37,8 @@ PROBE = textwrap.dedent("""
         proc = psutil.Process(sup.status()[0]["pid"])
         out = {"trainer": os.environ.get("CUDA_VISIBLE_DEVICES"), "server": proc.environ().get("CUDA_VISIBLE_DEVICES"),
                "server_cmd": proc.cmdline()}
-    print("probe step 1/1", flush=True)
+    from training.progress_events import report
+    report(1, 1)
     open(work + "/probe.json", "w").write(json.dumps(out))
 """)
 
@@ -60,7 +62,7 @@ def test_launched_processes_get_their_planned_gpus(tiny_model_dir, tmp_path, mon
 
     def run(cmd, work):
         try:
-            run_worker(cmd, work / "trainer.log", 1, work.name, rb"probe step (\d+)/\d+")
+            run_worker(cmd, work / "trainer.log", 1, work.name)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -84,3 +86,5 @@ def test_launched_processes_get_their_planned_gpus(tiny_model_dir, tmp_path, mon
     probes = [json.loads((w / "probe.json").read_text()) for w in works]
     assert [(p["trainer"], p["server"]) for p in probes] == [("4", "6"), ("5", "7")]
     assert all("--base-gpu-id" not in p["server_cmd"] for p in probes)  # the embedded server takes no SGLang flags
+    # each trainer's progress reached its own events file (the lane's command kept run_worker's variable)
+    assert [[e.step for e in read_events(progress_path(w / "trainer.log"))[0]] for w in works] == [[1], [1]]

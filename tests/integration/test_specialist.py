@@ -38,10 +38,13 @@ def cfg_dict(root, **spec):
             "specialists": {"steps": 100, "batch_size": 64, "log_every": 10, "checkpoint_every": 50, **spec}}
 
 
-def test_specialist_beats_base_and_logs_every_metric(base, tmp_path):
+def test_specialist_beats_base_and_logs_every_metric(base, tmp_path, monkeypatch):
     from domains.evaluate import evaluate
     from infra.tracking import Tracker
     from teachers.specialist_main import run_specialist
+    from training.progress_events import PROGRESS_ENV, read_events
+
+    monkeypatch.setenv(PROGRESS_ENV, str(tmp_path / "progress.jsonl"))  # as run_worker sets it for its child
 
     # 150 steps: at 100 a CI run gained only +0.033 on reverse; at 150 three runs gained +0.12, +0.13, +0.17 (APRIL's
     # batches by the clock depend on the machine's load). deterministic_rollouts: seeded calls and the abort by token
@@ -57,6 +60,9 @@ def test_specialist_beats_base_and_logs_every_metric(base, tmp_path):
     print("SPECIALIST-NUMBERS", {"before": before, "score": out["score"], "validation": out["validation"],
                                  "reward_first20": sum(rewards[:20]) / 20, "reward_last20": sum(rewards[-20:]) / 20})
     assert out["steps"] == 150 and out["score"] > before + 0.05, (before, out["score"])
+    reported = read_events(tmp_path / "progress.jsonl")[0]  # every step, as data, with its metrics
+    assert [(e.step, e.total) for e in reported] == [(s, 150) for s in range(1, 151)]
+    assert [e.metrics["reward"] for e in reported] == pytest.approx(rewards)
     assert sum(rewards[-20:]) / 20 > sum(rewards[:20]) / 20  # training reward rises
     assert out["april"]["dropped_stale"] == 0 and out["april"]["added"] > 0  # over-sampling left partials
     from mlflow import MlflowClient

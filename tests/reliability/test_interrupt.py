@@ -201,7 +201,7 @@ from tasks.worker_process import run_worker
 
 def task():  # a trainer started from a worker thread, as a Prefect task does
     run_worker([sys.executable, "-c", "import time; print('child up', flush=True); time.sleep(120)"],
-               Path(sys.argv[1]), 1, "child", rb"never (\\d+)")
+               Path(sys.argv[1]), 1, "child")
 
 t = threading.Thread(target=task)
 t.start()
