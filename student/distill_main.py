@@ -27,8 +27,9 @@ from pathlib import Path
 from domains.compaction import Compaction
 from domains.registry import load_domains
 from engine.client import EngineClient
-from training.ranks import Ranks, process_world_size
-from training.session import commit_final, fresh_final, serve_and_run, train_settings, trainable
+from training.ranks import Ranks
+from training.session import (commit_final, end_stage, follow_rank_zero, fresh_final, serve_and_run, train_settings,
+                              trainable)
 from training.worker import Worker, WorkerRun, arg
 from student.losses import get_loss
 from student.scoring import TeacherScorer
@@ -60,12 +61,9 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     window = getattr(cfg.specialists, "max_context_tokens", None)
     compaction = Compaction(window, cfg.specialists.compact_keep_last) if window else None
     if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
-        DistillTrainer(dc, backend, tok, None, None, domains, out_url=out_url, work_dir=work, tracker=tracker,
-                       seed=cfg.run.seed, ranks=ranks, chat_template=cfg.model.chat_template,
-                       compaction=compaction)
-        ranks.follow()
-        backend.close()
-        return {"world_size": ranks.world_size}
+        return follow_rank_zero(ranks, lambda: DistillTrainer(
+            dc, backend, tok, None, None, domains, out_url=out_url, work_dir=work, tracker=tracker, seed=cfg.run.seed,
+            ranks=ranks, chat_template=cfg.model.chat_template, compaction=compaction), (backend,))
     scorer = TeacherScorer(teacher_clients(teachers, dc, cfg.engine.api_key),
                            top_k=dc.top_k if get_loss(dc.loss).needs_teacher_topk else 0,
                            batch_size=dc.score_batch_size, vocab_size=len(tok), attempts=dc.score_attempts)
@@ -84,10 +82,7 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     summary["student_checkpoint"] = commit_final(final, out_url, trainer.state.step,
                                                  meta={"stage": "student", "steps": trainer.state.step})
     summary["student_dir"] = str(final)
-    summary["world_size"] = process_world_size()  # the process group the student trained in (report.json)
-    ranks.finish()
-    backend.close()
-    return summary
+    return end_stage(summary, ranks, (backend,))
 
 
 def parse_teachers(raw: str) -> dict[str, str]:

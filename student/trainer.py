@@ -25,9 +25,7 @@ episodes: the sub-traces of a compacted tool episode (`<id>~k`, student/sampler.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,12 +34,12 @@ import numpy as np
 
 from domains.evaluate import episode_budget, evaluate_model
 from infra.chat import stop_token_ids, token_budget
-from training.batching import length_buckets, length_sorted_split
+from training.batching import MAX_BUCKETS, length_buckets, length_sorted_split
 from engine.client import seed_for
 from training.ledger import Ledger
+from training.checkpoints import commit_checkpoint, restore_latest
 from training.progress_events import report
-from training.ranks import Ranks, led, require_same_world
-from infra.storage import checkpoint_name, join, load_latest, prune, save_checkpoint
+from training.ranks import Ranks, led
 from student.batch import collate, opd_loss, reward_advantage
 from student.losses import get_loss
 from student.sampler import (PromptStream, StudentSample, check_student_domains, decode_response, domain_weights,
@@ -49,8 +47,6 @@ from student.sampler import (PromptStream, StudentSample, check_student_domains,
 from student.scoring import TeacherScorer
 
 log = logging.getLogger("alloy.student")
-MAX_BUCKETS = 4  # forward calls per micro-batch at most (rows grouped by length: training.batching.length_buckets)
-STATE_FILE = "trainer.json"
 DROP_STALE = "stale"
 
 
@@ -127,13 +123,11 @@ class DistillTrainer:
     def resume(self) -> str | None:
         """Restore the newest complete checkpoint under out_url, if any (DeepSpeed state, ledger, stream, counters).
         Returns the local HF dir of its weights, which the caller serves as version `state.step`; None if none."""
-        local = self.work_dir / "resume"
-        url = load_latest(self.out_url, local)  # newest checkpoint that verifies; a corrupt one is skipped
-        if url is None:
+        restored = restore_latest(self.work_dir, self.out_url, self.ranks.world_size, who="student",
+                                  setting="distill.train.world_size")
+        if restored is None:
             return None
-        data = json.loads((local / STATE_FILE).read_text())
-        require_same_world(data.pop("world_size", None), self.ranks.world_size, "student", "distill.train.world_size",
-                           url)
+        local, data, url = restored
         self.backend.load_state(local / "state")
         self.ledger.load_state_dict(data.pop("ledger"))
         self.state = TrainerState(**data)
@@ -312,16 +306,14 @@ class DistillTrainer:
     def checkpoint(self) -> str:
         """Commit weights (HF + DeepSpeed state), cursor, ledger and drops as one checkpoint; keep the last two."""
         t = time.perf_counter()
-        local = self.work_dir / "ckpt-staging"
-        shutil.rmtree(local, ignore_errors=True)
-        self.backend.save_hf(local / "hf", tokenizer=self.tok)
-        self.backend.save_state(local / "state")
-        data = dict(vars(self.state), ledger=self.ledger.state_dict(), world_size=self.ranks.world_size)
-        (local / STATE_FILE).write_text(json.dumps(data))
-        url = save_checkpoint(str(local), join(self.out_url, checkpoint_name(self.state.step)), self.state.step,
-                              meta={"stage": "student", "cursor": self.state.cursor})
-        prune(self.out_url, keep_last=2)
-        shutil.rmtree(local, ignore_errors=True)
+
+        def write_parts(local: Path) -> None:
+            self.backend.save_hf(local / "hf", tokenizer=self.tok)
+            self.backend.save_state(local / "state")
+
+        url = commit_checkpoint(self.work_dir, self.out_url, self.state.step, self.ranks.world_size,
+                                dict(vars(self.state), ledger=self.ledger.state_dict()), write_parts,
+                                meta={"stage": "student", "cursor": self.state.cursor})
         self.timing["ckpt_s"] += time.perf_counter() - t
         self.last_checkpoint = url
         return url

@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from training.batching import length_buckets
+from training.batching import MAX_BUCKETS, length_buckets
 from training.logprobs import gather_log_softmax
 from teachers import ppo_math
 from teachers.april import Sample
@@ -99,9 +99,6 @@ def _device(model) -> torch.device:
         return model.device
     return next(model.parameters()).device
 
-
-# Rows are forwarded in at most this many length buckets (training.batching.length_buckets): fewer padded positions.
-MAX_BUCKETS = 4
 
 
 def _bucketed(batch: PPOBatch, fn) -> tuple:

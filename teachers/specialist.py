@@ -19,7 +19,6 @@ first. Off-policy tokens of resumed partials are corrected by TIS (trainer log-p
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -30,8 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from training.checkpoints import commit_checkpoint, restore_latest
 from training.progress_events import report
-from training.ranks import Ranks, led, require_same_world
+from training.ranks import Ranks, led
 from teachers import ppo_math
 from teachers.april import AprilBuffer, Sample
 from teachers.compaction import Compaction, expand
@@ -40,7 +40,6 @@ from teachers.rollout import PromptCursor, Roller, rollout_step
 from teachers.selection import Selection
 
 log = logging.getLogger("alloy.specialist")
-STATE_FILE = "trainer.json"
 BEST_DIR = "best-hf"  # the best-validating policy (HF dir), in the work dir and in every checkpoint
 
 
@@ -105,15 +104,12 @@ class SpecialistTrainer:
     # -- resume / checkpoint -----------------------------------------------------------------------------------
     def resume(self) -> str | None:
         """Restore the newest complete checkpoint; returns its local HF dir (to serve), or None."""
-        from infra.storage import load_latest
-
-        local = self.work_dir / "resume"
-        url = load_latest(self.out_url, local)  # newest checkpoint that verifies; a corrupt one is skipped
-        if url is None:
+        restored = restore_latest(self.work_dir, self.out_url, self.ranks.world_size,
+                                  who=f"specialist {self.domain.name}",
+                                  setting="specialists.policy_train/critic_train.world_size")
+        if restored is None:
             return None
-        data = json.loads((local / STATE_FILE).read_text())
-        require_same_world(data.pop("world_size", None), self.ranks.world_size, f"specialist {self.domain.name}",
-                           "specialists.policy_train/critic_train.world_size", url)
+        local, data, url = restored
         self.policy.load_state(local / "policy-state")
         self.critic.load_state(local / "critic-state")
         self.buffer.load_state_dict(data.pop("april"))
@@ -127,22 +123,19 @@ class SpecialistTrainer:
         return str(local / "hf")
 
     def checkpoint(self) -> str:
-        from infra.storage import checkpoint_name, join, prune, save_checkpoint
+        """Commit policy (HF + DeepSpeed state), critic, the best policy so far, cursor and APRIL buffer (with its
+        ledger) as one checkpoint (training/checkpoints.py)."""
+        def write_parts(local: Path) -> None:
+            self.policy.save_hf(local / "hf", tokenizer=self.tok)
+            self.policy.save_state(local / "policy-state")
+            self.critic.save_state(local / "critic-state")
+            if self.best_dir.is_dir():
+                shutil.copytree(self.best_dir, local / BEST_DIR)
 
-        local = self.work_dir / "ckpt-staging"
-        shutil.rmtree(local, ignore_errors=True)
-        self.policy.save_hf(local / "hf", tokenizer=self.tok)
-        self.policy.save_state(local / "policy-state")
-        self.critic.save_state(local / "critic-state")
-        if self.best_dir.is_dir():
-            shutil.copytree(self.best_dir, local / BEST_DIR)
         self.state.cursor = self.cursor.cursor
-        (local / STATE_FILE).write_text(json.dumps(dict(self.state.to_json(), april=self.buffer.state_dict(),
-                                                        world_size=self.ranks.world_size)))
-        url = save_checkpoint(str(local), join(self.out_url, checkpoint_name(self.state.step)), self.state.step,
-                              meta={"stage": "specialist", "domain": self.domain.name})
-        prune(self.out_url, keep_last=2)
-        shutil.rmtree(local, ignore_errors=True)
+        url = commit_checkpoint(self.work_dir, self.out_url, self.state.step, self.ranks.world_size,
+                                dict(self.state.to_json(), april=self.buffer.state_dict()), write_parts,
+                                meta={"stage": "specialist", "domain": self.domain.name})
         self.last_checkpoint = url
         return url
 

@@ -29,8 +29,9 @@ from domains.registry import load_domains
 from infra.chat import token_budget
 from training.deepspeed_backend import DeepSpeedBackend
 from infra.models import load_model
-from training.ranks import Ranks, process_world_size
-from training.session import commit_final, fresh_final, serve_and_run, train_settings, trainable
+from training.ranks import Ranks
+from training.session import (commit_final, end_stage, follow_rank_zero, fresh_final, serve_and_run, train_settings,
+                              trainable)
 from training.worker import Worker, WorkerRun, arg
 from teachers.critic import ValueModel
 from teachers.guard import Guard, LLMJudge
@@ -82,13 +83,10 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     ref = load_model(init_dir).eval() if sc.kl_coef else None
     ranks = Ranks()
     if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
-        SpecialistTrainer(sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work, tracker=tracker,
-                          seed=seed, max_new_tokens=response_budget(cfg, domain, tok), ref_model=ref, ranks=ranks,
-                          chat_template=cfg.model.chat_template)
-        ranks.follow()
-        policy.close()
-        critic.close()
-        return {"world_size": ranks.world_size}
+        return follow_rank_zero(ranks, lambda: SpecialistTrainer(
+            sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work, tracker=tracker, seed=seed,
+            max_new_tokens=response_budget(cfg, domain, tok), ref_model=ref, ranks=ranks,
+            chat_template=cfg.model.chat_template), (policy, critic))
     guard = make_guard(sc.guard) if hasattr(domain, "env") else None
     trainer = SpecialistTrainer(sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work,
                                 tracker=tracker, seed=seed, max_new_tokens=response_budget(cfg, domain, tok),
@@ -123,11 +121,7 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
                                          meta={"stage": "specialist", "domain": domain.name,
                                                "score": summary["score"], "step": summary["selected_step"]})
     summary["specialist_dir"] = str(final)
-    summary["world_size"] = process_world_size()  # the process group this specialist trained in (report.json)
-    ranks.finish()
-    policy.close()
-    critic.close()
-    return summary
+    return end_stage(summary, ranks, (policy, critic))
 
 
 def _run(w: WorkerRun) -> dict:

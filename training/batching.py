@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+MAX_BUCKETS = 4  # forward calls per micro-batch at most, in both trainers (each bucket is one more forward call)
+
 
 def padded_positions(lengths: Sequence[int], groups: Sequence[Sequence[int]]) -> int:
     """Positions the model computes when each group of row indices is padded to its longest row."""

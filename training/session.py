@@ -1,6 +1,12 @@
 """What the specialist and the student trainers (teachers/specialist_main.py, student/distill_main.py) both do around
-their loops: DeepSpeed settings from a config section, a trainable model, the policy served by an engine server while
-the loop runs, and the `final/` checkpoint committed at the end.
+their loops, in this order:
+
+    tok, backend = trainable(init_dir, train_settings(section, steps, seed))    join torch.distributed, build
+    if not ranks.is_main: return follow_rank_zero(ranks, build_trainer, backends)   ranks > 0: follow rank 0
+    serve_dir = trainer.resume() or init_dir                                  training/checkpoints.py
+    summary = serve_and_run(engine_cfg, work, name, serve_dir, loop=trainer.run, ...)
+    final = fresh_final(work); ... save the selected weights there; url = commit_final(final, out_url, step, meta)
+    summary = end_stage(summary, ranks, backends)                              world size, release followers, close
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from training.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_dis
 from engine.launcher import Supervisor
 from infra.models import load_model, load_tokenizer
 from training.policy_server import PolicyServer
+from training.ranks import process_world_size
 from infra.storage import join, save_checkpoint
 
 
@@ -55,6 +62,27 @@ def serve_and_run(engine_cfg, work: Path, name: str, model_dir: str | Path, *, v
                     await c.aclose()
 
         return asyncio.run(go())
+
+
+def follow_rank_zero(ranks, build_trainer: Callable[[], Any], backends: Iterable[Any]) -> dict:
+    """Rank > 0 of a torchrun launch: build the trainer (without a server or scorer: its collective steps register
+    with `ranks`), run every step rank 0 announces (its shard of each batch, its part of each save) until rank 0
+    finishes, close the backends. Returns the rank's result: its `world_size`."""
+    build_trainer()
+    ranks.follow()
+    for b in backends:
+        b.close()
+    return {"world_size": ranks.world_size}
+
+
+def end_stage(summary: dict, ranks, backends: Iterable[Any]) -> dict:
+    """Rank 0 after the final commit: `summary` with the world size this stage trained in (report.json), the
+    followers released, the backends closed."""
+    summary["world_size"] = process_world_size()
+    ranks.finish()
+    for b in backends:
+        b.close()
+    return summary
 
 
 def fresh_final(work: Path) -> Path:
