@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from domains.compaction import episode_of
 from domains.evaluate import episode_budget, evaluate_model
 from infra.chat import stop_token_ids, token_budget
 from training.batching import length_buckets, length_sorted_split
@@ -44,7 +45,7 @@ from infra.storage import checkpoint_name, join, load_latest, prune, save_checkp
 from student.batch import collate, opd_loss, reward_advantage
 from student.losses import get_loss
 from student.sampler import (PromptStream, StudentSample, check_student_domains, decode_response, domain_weights,
-                             episode_of, is_tool_domain, sample_batch, split_subtraces)
+                             is_tool_domain, sample_batch, split_subtraces)
 from student.scoring import TeacherScorer
 
 log = logging.getLogger("alloy.student")
