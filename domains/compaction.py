@@ -77,40 +77,71 @@ def split_turns(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
     return turns
 
 
+class Planner:
+    """`plan` kept between turns: an episode in progress calls `update` (or `context`) before every model turn with
+    its whole history so far, and only the turns completed since the last call are planned; the sub-traces already
+    planned are kept. The result always equals `plan` on the same history (a history that extended a turn this
+    planner had already closed, which the turn loop never writes, is planned again from the start)."""
+
+    def __init__(self, prompt_ids: Sequence[int], cfg: Compaction, summarize: Summarize):
+        self.prompt, self.cfg, self.summarize = tuple(prompt_ids), cfg, summarize
+        self._reset()
+
+    def _reset(self) -> None:
+        self.subs = [SubTrace(self.prompt, 0, 0)]
+        self.turns: list[tuple[int, int]] = []
+        self.longest = 0
+        self.seen = 0  # output tokens covered by planned turns (every turn before `seen` is complete)
+
+    def update(self, output_ids: Sequence[int], loss_mask: Sequence[int]) -> list[SubTrace]:
+        """The sub-traces of the history `output_ids` / `loss_mask` (see the module docstring)."""
+        if len(loss_mask) != len(output_ids):
+            raise ValueError(f"compaction.plan: loss_mask has {len(loss_mask)} entries for {len(output_ids)} "
+                             "output_ids")
+        if len(output_ids) < self.seen or (self.seen and len(loss_mask) > self.seen and not loss_mask[self.seen]):
+            self._reset()  # a shorter history, or env tokens that extend the last planned turn: plan anew
+        for s, e in split_turns(loss_mask[self.seen:]):
+            self._add_turn(s + self.seen, e + self.seen, output_ids)
+        self.seen = self.turns[-1][1] if self.turns else 0
+        self.subs[-1] = replace(self.subs[-1], end=len(output_ids))
+        return list(self.subs)
+
+    def context(self, output_ids: Sequence[int], loss_mask: Sequence[int]) -> list[int]:
+        """What the engine is given to continue the episode: the last sub-trace's context + the tokens since."""
+        last = self.update(output_ids, loss_mask)[-1]
+        return list(last.context) + list(output_ids[last.start:])
+
+    def _add_turn(self, s: int, e: int, output_ids: Sequence[int]) -> None:
+        self.turns.append((s, e))
+        t, cfg = len(self.turns), self.cfg
+        self.longest = max(self.longest, e - s)
+        cur = self.subs[-1]
+        used = len(cur.context) + e - cur.start
+        if cfg.max_context_tokens - used >= self.longest:
+            return
+        n_drop = max(t - cfg.keep_last, 0)
+        if n_drop == 0:
+            return
+        kept_from = self.turns[n_drop][0] if n_drop < t else e
+        context = self.prompt + tuple(self.summarize(output_ids, self.turns[:n_drop])) + tuple(output_ids[kept_from:e])
+        if len(context) >= used:
+            return  # no room gained (e.g. a summary longer than the turns it replaces)
+        self.subs[-1] = replace(cur, end=e)
+        self.subs.append(SubTrace(context, e, e))
+
+
 def plan(prompt_ids: Sequence[int], output_ids: Sequence[int], loss_mask: Sequence[int], cfg: Compaction,
          summarize: Summarize) -> list[SubTrace]:
     """The sub-traces of an episode (see the module docstring); one sub-trace `(prompt, 0, len(output))` when no
     compaction happened. The last sub-trace ends at `len(output_ids)` (it may be empty: compacted, nothing yet).
     A history ending inside an env line counts that line as complete (the rollout never stops inside one)."""
-    if len(loss_mask) != len(output_ids):
-        raise ValueError(f"compaction.plan: loss_mask has {len(loss_mask)} entries for {len(output_ids)} output_ids")
-    prompt = tuple(prompt_ids)
-    subs = [SubTrace(prompt, 0, len(output_ids))]
-    turns = split_turns(loss_mask)
-    longest = 0
-    for t, (s, e) in enumerate(turns, start=1):
-        longest = max(longest, e - s)
-        cur = subs[-1]
-        used = len(cur.context) + e - cur.start
-        if cfg.max_context_tokens - used >= longest:
-            continue
-        n_drop = max(t - cfg.keep_last, 0)
-        if n_drop == 0:
-            continue
-        kept_from = turns[n_drop][0] if n_drop < t else e
-        context = prompt + tuple(summarize(output_ids, turns[:n_drop])) + tuple(output_ids[kept_from:e])
-        if len(context) >= used:
-            continue  # no room gained (e.g. a summary longer than the turns it replaces)
-        subs[-1] = replace(cur, end=e)
-        subs.append(SubTrace(context, e, len(output_ids)))
-    return subs
+    return Planner(prompt_ids, cfg, summarize).update(output_ids, loss_mask)
 
 
 def current_context(prompt_ids: Sequence[int], output_ids: Sequence[int], loss_mask: Sequence[int],
                     cfg: Compaction, summarize: Summarize) -> list[int]:
     """What the engine is given to continue the episode: the last sub-trace's context + the tokens since."""
-    last = plan(prompt_ids, output_ids, loss_mask, cfg, summarize)[-1]
-    return list(last.context) + list(output_ids[last.start:])
+    return Planner(prompt_ids, cfg, summarize).context(output_ids, loss_mask)
 
 
 def notes_summarizer(decode: Callable[[Sequence[int]], str], encode: Callable[[str], list[int]]) -> Summarize:
@@ -134,6 +165,19 @@ def tokenizer_summarizer(tokenizer) -> Summarize:
     """`notes_summarizer` on a HF tokenizer."""
     return notes_summarizer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                             lambda text: list(tokenizer(text, add_special_tokens=False).input_ids))
+
+
+SUBTRACE_SEP = "~"  # sub-trace k > 0 of episode `e` is `e~k`; sub-trace 0 keeps the episode's id
+
+
+def subtrace_id(episode_id: str, k: int) -> str:
+    """The id of the k-th trained sub-trace of an episode (both trainers: PPO rows and OPD samples)."""
+    return episode_id if k == 0 else f"{episode_id}{SUBTRACE_SEP}{k}"
+
+
+def episode_of(sample_id: str) -> str:
+    """The episode id of a sample id (`e~k` → `e`; a whole episode's id is its own)."""
+    return sample_id.split(SUBTRACE_SEP, 1)[0]
 
 
 def subtrace_spans(prompt_ids: Sequence[int], output_ids: Sequence[int], loss_mask: Sequence[int],

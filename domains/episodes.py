@@ -1,30 +1,42 @@
-"""One tool-use episode on token ids: the turn loop shared by the specialists' rollouts (teachers/rollout.py
-`Roller`) and the OPD student's sampling (student/sampler.py), so both stages run the same episodes.
+"""Tool-use episodes on token ids: the one turn loop of the specialists' rollouts (teachers/rollout.py `Roller`) and
+the OPD student's sampling (student/sampler.py), so both stages run the same episodes.
 
-    loop while budget > 0:
-        ids, logprobs, finish = await turn(new ids so far, budget, turn index)   model tokens, loss mask 1
-        stop unless the turn's text ends with TURN_END (a newline) and the env answers the tool call on that line
+    while budget > 0:
+        context, room = run.request()         prompt + tokens so far, or the compacted context (domains.compaction)
+        ids, logprobs, finish = generate(context, room)                       model tokens, loss mask 1
+        run.apply(...): stop unless the turn's text ends with TURN_END (a newline) and the env answers the tool call
         env line (`>…⏎`) → token ids, cut to the budget                         env tokens, loss mask 0, log-prob 0
 
-`turn` is the caller's generation (an engine `/generate` call with the stop ids of `infra.chat.stop_token_ids` and,
-for a tool domain, the stop string TURN_END). An episode without an env (a plain domain) is one turn. A turn that
-comes back `"abort"` ends the episode as a partial (finish_reason "abort", APRIL resumes it). Tool output counts
-against the budget, like APRIL's `remaining_budget`: the budget bounds the sequence, not only what the model wrote.
+An `EpisodeRun` is one episode as a state machine (what to generate next, what a generated turn does), so the two
+drivers below share every rule: `run_token_episode` runs one episode turn after turn (the specialists: each episode
+its own task, as APRIL needs), `run_episodes` runs many in rounds, the next turn of every unfinished episode in ONE
+generate call per round (the student: a plain prompt is an episode of one turn, so a batch of plain prompts is one
+call). An episode without an env (a plain domain) is one turn. A turn that comes back `"abort"` ends the episode as
+a partial (finish_reason "abort", APRIL resumes it). Tool output counts against the budget, like APRIL's
+`remaining_budget`: the budget bounds the sequence, not only what the model wrote.
+
+With a `Compaction` the engine is given the episode's compacted context (its `Planner` keeps the plan between turns)
+and each call may write at most the room it leaves; when there is no room even after compaction the episode ends,
+finish "length". The episode itself keeps its full history.
 
 The env is the caller's: its guard (specialists) or none, planted shortcut or `clean` (the OPD student), and it is
-the caller who closes it. `text(ids)` is the response text a verifier sees (`infra.chat.response_text`), `prior_ids`
-the response tokens of the same episode produced before this call (a resumed partial), so the env sees the whole
-response when it parses the last line.
+the caller who closes it. `text(ids)` is the response text a verifier sees (`infra.chat.response_text`); `prior_ids`
+/ `prior_mask` the response tokens of the same episode produced before this call (a resumed partial), so the env
+sees the whole response when it parses the last line and the compaction plans the whole history.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
+from domains.compaction import Compaction, Planner, Summarize
 from domains.tools import TURN_END
 
-# turn(new output ids so far, remaining budget, turn index) → (output ids, their log-probs, finish reason)
-Turn = Callable[[list[int], int, int], Awaitable[tuple[list[int], list[float], str]]]
+# generate(context ids, max new tokens, turn index) → (output ids, their log-probs, finish reason)
+Generate = Callable[[list[int], int, int], Awaitable[tuple[list[int], list[float], str]]]
+# generate_batch([(run index, context ids, max new tokens, turn index)]) → one (ids, log-probs, finish) per request
+GenerateBatch = Callable[[list[tuple[int, list[int], int, int]]], Awaitable[list[tuple[list[int], list[float], str]]]]
 
 
 @dataclass
@@ -49,34 +61,97 @@ def env_token_ids(tokenizer, line: str, budget: int) -> list[int]:
     return list(tokenizer(line, add_special_tokens=False).input_ids)[:max(budget, 0)]
 
 
-async def run_token_episode(turn: Turn, env, tokenizer, text: Callable[[Sequence[int]], str], budget: int, *,
-                            prior_ids: Sequence[int] = (), stopped: Callable[[], bool] = lambda: False) -> Episode:
-    """Run one episode (see the module docstring). `env`: a `domains.tools.ToolEnv`-like object with
-    `async step(response) -> line | None`, or None for a plain domain. `stopped()`: checked before every turn (an
-    APRIL abort of the whole batch); when true the episode ends as a partial."""
-    ep = Episode()
-    i = 0
-    while budget > 0 and not stopped():
-        ids, logprobs, finish = await turn(ep.output_ids, budget, i)
-        i += 1
+class EpisodeRun:
+    """One episode in progress (module docstring). `env`: a `domains.tools.ToolEnv`-like object with
+    `async step(response) -> line | None`, or None for a plain domain (`tokenizer` and `text` are then unused).
+    `done` once it has ended; `ep` holds what it produced, `turn` the turns generated so far."""
+
+    def __init__(self, prompt_ids: Sequence[int], budget: int, *, env=None, tokenizer=None,
+                 text: Callable[[Sequence[int]], str] | None = None, prior_ids: Sequence[int] = (),
+                 prior_mask: Sequence[int] | None = None, compaction: Compaction | None = None,
+                 summarize: Summarize | None = None):
+        if compaction is not None and summarize is None:
+            raise ValueError("EpisodeRun: a Compaction needs its summarize function")
+        self.prompt_ids, self.budget, self.env, self.tok, self.text = list(prompt_ids), budget, env, tokenizer, text
+        self.prior_ids = list(prior_ids)
+        self.prior_mask = list(prior_mask) if prior_mask and len(prior_mask) == len(prior_ids) else [1] * len(prior_ids)
+        self.compaction = compaction
+        self.planner = None if compaction is None else Planner(prompt_ids, compaction, summarize)
+        self.ep, self.turn, self.done = Episode(), 0, False
+
+    def _end(self, finish: str) -> None:
+        self.ep.finish_reason, self.done = finish, True
+
+    def request(self) -> tuple[list[int], int] | None:
+        """(context, max new tokens) of the next turn, or None when the episode has ended (a budget spent, or no
+        room left in the compaction window: it ends then, finish "length")."""
+        if self.done:
+            return None
+        if self.budget <= 0:
+            self._end("length")
+            return None
+        out = self.prior_ids + self.ep.output_ids
+        if self.planner is None:
+            return self.prompt_ids + out, self.budget
+        context = self.planner.context(out, self.prior_mask + self.ep.loss_mask)
+        room = min(self.budget, self.compaction.max_context_tokens - len(context))
+        if room <= 0:
+            self._end("length")
+            return None
+        return context, room
+
+    async def apply(self, ids: Sequence[int], logprobs: Sequence[float], finish: str) -> None:
+        """Add a generated turn; run the tool call it ends with, if any (its output line: env tokens)."""
         ids, logprobs = list(ids), list(logprobs)
+        self.turn += 1
+        ep = self.ep
         ep.output_ids += ids
         ep.output_logprobs += logprobs
         ep.loss_mask += [1] * len(ids)
-        budget -= len(ids)
+        self.budget -= len(ids)
         if finish == "abort":
-            return ep  # partial: resumes next step
-        if env is None or not ids or not text(ids).endswith(TURN_END) or budget <= 0:
-            ep.finish_reason = finish
-            return ep
-        line = await env.step(text(list(prior_ids) + ep.output_ids))
+            self.done = True  # partial (finish_reason stays "abort"): resumes next step
+            return
+        if self.env is None or not ids or not self.text(ids).endswith(TURN_END) or self.budget <= 0:
+            self._end(finish)
+            return
+        line = await self.env.step(self.text(self.prior_ids + ep.output_ids))
         if line is None:  # a newline-terminated final answer
-            ep.finish_reason = "stop"
-            return ep
-        env_ids = env_token_ids(tokenizer, line, budget)
+            self._end("stop")
+            return
+        env_ids = env_token_ids(self.tok, line, self.budget)
         ep.output_ids += env_ids
         ep.output_logprobs += [0.0] * len(env_ids)
         ep.loss_mask += [0] * len(env_ids)
-        budget -= len(env_ids)
-    ep.finish_reason = "length" if budget <= 0 else "abort"
-    return ep
+        self.budget -= len(env_ids)
+
+
+async def run_token_episode(run: EpisodeRun, generate: Generate, *,
+                            stopped: Callable[[], bool] = lambda: False) -> Episode:
+    """Run one episode turn after turn. `stopped()`: checked before every turn (an APRIL abort of the whole batch);
+    when true the episode ends as a partial (finish "abort")."""
+    while not stopped():
+        req = run.request()
+        if req is None:
+            return run.ep
+        await run.apply(*await generate(req[0], req[1], run.turn))
+    if not run.done:
+        run.ep.finish_reason = "abort"
+    return run.ep
+
+
+async def run_episodes(runs: Sequence[EpisodeRun], generate: GenerateBatch) -> list[Episode]:
+    """Run every episode to its end in rounds: each round sends the next turn of every unfinished episode in ONE
+    `generate` call, then applies the turns (their tool calls run concurrently)."""
+    while True:
+        batch = []
+        for i, run in enumerate(runs):
+            req = run.request()
+            if req is not None:
+                batch.append((i, req[0], req[1], run.turn))
+        if not batch:
+            return [run.ep for run in runs]
+        results = await generate(batch)
+        if len(results) != len(batch):
+            raise RuntimeError(f"run_episodes: {len(results)} turns generated for {len(batch)} requests")
+        await asyncio.gather(*(runs[i].apply(*res) for (i, *_), res in zip(batch, results)))

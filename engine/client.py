@@ -194,20 +194,23 @@ class EngineClient:
     # -- generation and scoring ---------------------------------------------------------------------------------
     async def generate(self, input_ids: list[list[int]], *, max_new_tokens: int | Sequence[int],
                        temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-                       stop_token_ids: list[int] | None = None, stop: list[str] | None = None,
-                       ignore_eos: bool = False, return_logprob: bool = True, rid: str | list[str] | None = None,
-                       n: int = 1, sampling_seed: int | None = None, binary: bool = True) -> list[Generation]:
+                       stop_token_ids: list[int] | None = None,
+                       stop: Sequence[str] | Sequence[Sequence[str] | None] | None = None, ignore_eos: bool = False,
+                       return_logprob: bool = True, rid: str | list[str] | None = None, n: int = 1,
+                       sampling_seed: int | Sequence[int] | None = None, binary: bool = True) -> list[Generation]:
         """Sample completions for a batch of token prompts; returns len(input_ids) * n generations, prompt-major
         (all n samples of prompt 0, then prompt 1, ...). One HTTP call for the whole batch.
 
         n > 1 is sent as n copies of each prompt (rids suffixed `-j`): the ordering is then ours, not the server's,
         and SGLang's prefix cache still shares the prompt's KV.
         `sampling_seed`: generation k of the call (prompt-major) samples from its own generator seeded with
-        `sampling_seed + k`, so its tokens do not depend on which other requests share the server's batch.
+        `sampling_seed + k`, so its tokens do not depend on which other requests share the server's batch; a
+        sequence gives one seed per prompt (generation j of prompt i: `sampling_seed[i] + j`).
         `binary`: ask for the packed log-prob body (`engine.wire`); a server that does not speak it (SGLang)
         answers JSON, parsed as before.
         `max_new_tokens`: one budget for all, or one per prompt (then the sampling params are sent per request).
-        `stop`: stop strings (a generation ends once its text contains one; its tokens stay in `output_ids`).
+        `stop`: stop strings (a generation ends once its text contains one; its tokens stay in `output_ids`), or
+        one list (or None) per prompt.
         """
         if not input_ids or not all(isinstance(p, list) and p for p in input_ids):
             raise ValueError("input_ids must be a non-empty list of non-empty token lists")
@@ -223,15 +226,29 @@ class EngineClient:
                                   "ignore_eos": bool(ignore_eos)}
         if stop_token_ids:
             params["stop_token_ids"] = [int(t) for t in stop_token_ids]
-        if stop:
+        stops = None  # one list per prompt
+        if stop and not isinstance(stop[0], str):
+            if len(stop) != len(input_ids):
+                raise ValueError(f"stop has {len(stop)} lists for {len(input_ids)} prompts")
+            stops = [[str(x) for x in one] if one else None for one in stop]
+        elif stop:
             params["stop"] = [str(x) for x in stop]
+        seeds = None
+        if sampling_seed is not None and not isinstance(sampling_seed, int):
+            if len(sampling_seed) != len(input_ids):
+                raise ValueError(f"sampling_seed has {len(sampling_seed)} seeds for {len(input_ids)} prompts")
+            seeds = [int(x) for x in sampling_seed]
         sampling: dict[str, Any] | list[dict[str, Any]] = params
-        if sampling_seed is not None or budgets is not None:
+        if sampling_seed is not None or budgets is not None or stops is not None:
             sampling = [dict(params) for _ in prompts]
             for k, sp in enumerate(sampling):
                 if budgets is not None:
                     sp["max_new_tokens"] = budgets[k // n]
-                if sampling_seed is not None:
+                if stops is not None and stops[k // n]:
+                    sp["stop"] = stops[k // n]
+                if seeds is not None:
+                    sp["sampling_seed"] = (seeds[k // n] + k % n) % 2**63
+                elif sampling_seed is not None:
                     sp["sampling_seed"] = (int(sampling_seed) + k) % 2**63
         payload: dict[str, Any] = {"input_ids": prompts, "sampling_params": sampling,
                                    "return_logprob": bool(return_logprob)}

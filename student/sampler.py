@@ -1,15 +1,16 @@
 """On-policy sampling for the OPD student: a deterministic prompt stream and batched sampling through the engine.
 
 The student is served by its own engine server (`training.policy_server.PolicyServer`); the trainer pushes new weights
-to it after every step. One sampling round is ONE `/generate` call with every prompt of the plain domains (the
-server batches them continuously), so a step costs one HTTP round trip, not one per prompt.
+to it after every step. Every prompt is an episode of the specialists' turn loop (`domains.episodes`, the same
+`EpisodeRun` as `teachers.rollout.Roller`), sampled in rounds: round r is ONE `/generate` call with turn r of every
+unfinished episode. A plain domain's prompt is an episode of one turn, so a batch of plain prompts costs one HTTP
+round trip, not one per prompt.
 
-Tool domains (a domain with `env(example, clean=..., guard=...)`, e.g. `tool_add`): each prompt is a FULL episode,
-the specialists' turn loop (`domains.episodes.run_token_episode`, the same code as `teachers.rollout.Roller`): the
+Tool domains (a domain with `env(example, clean=..., guard=...)`, e.g. `tool_add`): each prompt is a FULL episode: the
 student generates until a stop id or a newline, the tool call on that line runs in the domain's env, its output line
 is inserted into the context as environment tokens (`loss_mask` 0: never trained, excluded from every OPD loss by
-`student.batch.collate`), and the episode continues with the remaining budget. The episodes run concurrently (one
-`/generate` per turn, batched by the server with the plain call). The env is **clean** (no planted shortcut) and has
+`student.batch.collate`), and the episode continues with the remaining budget in the next round (the round's tool
+calls run concurrently). The env is **clean** (no planted shortcut) and has
 **no guard**: an OPD sample is scored by its domain's teacher, never rewarded by the env, so there is no shortcut to
 learn and nothing to guard; the teacher scores the whole sequence (prompt + student turns + tool output) and only the
 student's own tokens count. `check_student_domains` refuses what this path cannot sample correctly.
@@ -18,7 +19,8 @@ Compaction (`specialists.max_context_tokens`, the specialists' setting, so the s
 were trained on): the engine is given the episode's current compacted context (`domains.compaction`, the same
 functions as the specialists' rollouts), and after the reward is taken on the whole episode `split_subtraces` turns
 it into one sample per sub-trace (its own context as the prompt, the episode's reward), each scored by the teacher on
-its own context. Sub-trace k > 0 has id `<episode id>~k`; exactly-once bookkeeping stays per episode (`episode_id`).
+its own context. Sub-trace k > 0 has id `<episode id>~k` (`domains.compaction.subtrace_id`, as the specialists' PPO
+rows); exactly-once bookkeeping stays per episode (`episode_id`).
 
 Exactly-once bookkeeping starts here: a prompt's `sample_id` carries the stream cursor (`s{cursor:08d}-{domain}`),
 and the stream's state is committed with the weights, so after a crash the restored stream re-issues ids from the
@@ -26,7 +28,6 @@ committed cursor on, and the trainer's ledger (trained ids, same commit) says wh
 """
 from __future__ import annotations
 
-import asyncio
 import inspect
 import random
 from dataclasses import dataclass, field
@@ -34,8 +35,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from domains.compaction import Compaction, current_context, subtrace_spans, tokenizer_summarizer
-from domains.episodes import run_token_episode
+from domains.compaction import Compaction, subtrace_id, subtrace_spans, tokenizer_summarizer
+from domains.episodes import EpisodeRun, run_episodes
 from domains.tools import TURN_END
 from infra.chat import PromptRenderer, response_text
 from engine.client import EngineClient, seed_for
@@ -259,13 +260,14 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
                        temperature: float, eos_id: int | Sequence[int], expected_version: int,
                        sampling_seed: int | None = None, domains: Mapping[str, object] | None = None,
                        tokenizer=None, compaction: Compaction | None = None) -> list[StudentSample]:
-    """Sample one response per prompt: the plain domains' prompts in ONE /generate call, each tool domain's prompt
-    (`domains[item.domain]` has an `env`; `tokenizer` is then required) as a full episode (module docstring). Each
+    """Sample one response per prompt, every prompt as an episode (`domains.episodes.run_episodes`): a plain
+    domain's is one turn, a tool domain's (`domains[item.domain]` has an `env`; `tokenizer` is then required) a full
+    episode (module docstring); round r sends turn r of every unfinished episode in ONE /generate call. Each
     sample carries the version the server reports (it applies weight updates between requests, never inside one;
     an episode whose turns saw several versions carries the oldest, so its lag is never underestimated) and the
     rollout log-probs of its tokens (0 on tool output, whose `loss_mask` is 0).
-    `sampling_seed`: plain item k (of the plain call) samples with seed `sampling_seed + k` (`EngineClient.generate`),
-    turn t of a tool episode with `seed_for(sampling_seed, "<sample_id>-<t>")`; None: the server's.
+    `sampling_seed`: the k-th plain item samples with seed `sampling_seed + k`, turn t of a tool episode with
+    `seed_for(sampling_seed, "<sample_id>-<t>")`; None: the server's.
     `max_new_tokens`: one budget, or one per domain (the batch mixes domains: each request gets its own's); a tool
     episode's budget counts its tool output too.
     `eos_id`: the stop id(s) (`infra.chat.stop_token_ids`: EOS, the generation config's, the end of turn).
@@ -282,70 +284,51 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
     tools = {i for i, it in enumerate(items) if domains is not None and is_tool_domain(domains[it.domain])}
     if tools and tokenizer is None:
         raise ValueError("sample_batch: tool-domain prompts need the tokenizer (tool output becomes tokens)")
-    plain = [i for i in range(len(items)) if i not in tools]
-    out: list[StudentSample | None] = [None] * len(items)
-
-    async def sample_plain() -> None:
-        if not plain:
-            return
-        budgets = [per[i] for i in plain]
-        gens = await client.generate([items[i].prompt_ids for i in plain],
-                                     max_new_tokens=budgets[0] if len(set(budgets)) == 1 else budgets,
-                                     temperature=temperature, stop_token_ids=stops, return_logprob=True,
-                                     rid=[items[i].sample_id for i in plain], sampling_seed=sampling_seed)
-        for i, g in zip(plain, gens):
-            it = items[i]
-            out[i] = StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, g.output_ids,
-                                   g.output_logprobs, parse_version(g.weight_version, expected_version),
-                                   g.finish_reason)
+    plain_seed = {i: k for k, i in enumerate(i for i in range(len(items)) if i not in tools)}  # item → k-th plain
 
     def text(ids: Sequence[int]) -> str:
         return response_text(tokenizer, ids, stops)
 
     summarize = tokenizer_summarizer(tokenizer) if compaction is not None and tools else None
+    runs, versions = [], [[] for _ in items]
+    for i, it in enumerate(items):
+        tool = i in tools
+        runs.append(EpisodeRun(it.prompt_ids, per[i], env=domains[it.domain].env(it.example, clean=True, guard=None)
+                               if tool else None, tokenizer=tokenizer, text=text,
+                               compaction=compaction if tool else None, summarize=summarize))
 
-    async def sample_episode(i: int) -> None:
-        it, versions = items[i], []
-        mask: list[int] = []  # loss mask of `new`: run_token_episode appends a turn's ids, then its env line's
-        last = [0]  # model tokens the previous turn returned
+    def rid_seed(i: int, turn: int) -> tuple[str, int | None]:
+        """A plain prompt's one turn: rid = its sample id, seed = sampling_seed + its index among the plain ones
+        (as one plain /generate call would number them); turn t of a tool episode: `<sample_id>-<t>`, seeded by
+        its name."""
+        if i not in tools:
+            return items[i].sample_id, None if sampling_seed is None else sampling_seed + plain_seed[i]
+        call = f"{items[i].sample_id}-{turn}"
+        return call, None if sampling_seed is None else seed_for(sampling_seed, call)
 
-        async def turn(new: list[int], budget: int, t: int) -> tuple[list[int], list[float], str]:
-            call = f"{it.sample_id}-{t}"
-            mask.extend([1] * last[0] + [0] * (len(new) - len(mask) - last[0]))
-            context, max_new = it.prompt_ids + new, budget
-            if compaction is not None:  # as the specialists' Roller: the compacted context, within the window
-                context = current_context(it.prompt_ids, new, mask, compaction, summarize)
-                max_new = min(budget, compaction.max_context_tokens - len(context))
-                if max_new <= 0:  # no room even after compaction: the episode ends here
-                    last[0] = 0
-                    return [], [], "length"
-            g = (await client.generate([context], max_new_tokens=max_new, temperature=temperature,
-                                       stop_token_ids=stops, stop=[TURN_END], return_logprob=True, rid=call,
-                                       sampling_seed=None if sampling_seed is None else seed_for(sampling_seed, call)
-                                       ))[0]
-            last[0] = len(g.output_ids)
-            versions.append(parse_version(g.weight_version, expected_version))
-            return g.output_ids, g.output_logprobs, g.finish_reason
+    async def generate(batch: list[tuple[int, list[int], int, int]]) -> list[tuple[list[int], list[float], str]]:
+        named = [rid_seed(i, t) for i, _, _, t in batch]
+        budgets = [m for _, _, m, _ in batch]
+        gens = await client.generate([ctx for _, ctx, _, _ in batch],
+                                     max_new_tokens=budgets[0] if len(set(budgets)) == 1 else budgets,
+                                     temperature=temperature, stop_token_ids=stops,
+                                     stop=[[TURN_END] if i in tools else None for i, *_ in batch] if tools else None,
+                                     return_logprob=True, rid=[r for r, _ in named],
+                                     sampling_seed=None if sampling_seed is None else [x for _, x in named])
+        for (i, *_), g in zip(batch, gens):
+            versions[i].append(parse_version(g.weight_version, expected_version))
+        return [(g.output_ids, g.output_logprobs, g.finish_reason) for g in gens]
 
-        env = domains[it.domain].env(it.example, clean=True, guard=None)
-        try:
-            ep = await run_token_episode(turn, env, tokenizer, text, per[i])
-        finally:
-            env.close()
-        out[i] = StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, ep.output_ids,
-                               ep.output_logprobs, min(versions, default=expected_version), ep.finish_reason,
-                               loss_mask=ep.loss_mask)
-
-    await asyncio.gather(sample_plain(), *(sample_episode(i) for i in sorted(tools)))
-    return [s for s in out if s is not None]
-
-
-SUBTRACE_SEP = "~"  # sub-trace k > 0 of episode `e` is `e~k`
-
-
-def episode_of(sample_id: str) -> str:
-    """The episode id of a sample id (`e~k` → `e`; a whole episode's id is its own)."""
-    return sample_id.split(SUBTRACE_SEP, 1)[0]
+    try:
+        episodes = await run_episodes(runs, generate)
+    finally:
+        for run in runs:
+            if run.env is not None:
+                run.env.close()
+    return [StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, ep.output_ids,
+                          ep.output_logprobs, min(versions[i], default=expected_version), ep.finish_reason,
+                          loss_mask=ep.loss_mask if i in tools else None)
+            for i, (it, ep) in enumerate(zip(items, episodes))]
 
 
 def split_subtraces(samples: Sequence[StudentSample], compaction: Compaction | None,
@@ -367,7 +350,7 @@ def split_subtraces(samples: Sequence[StudentSample], compaction: Compaction | N
             continue
         for k, sp in enumerate(spans):
             out.append(StudentSample(
-                s.sample_id if k == 0 else f"{s.sample_id}{SUBTRACE_SEP}{k}", s.cursor, s.domain, s.example, list(sp.context),
+                subtrace_id(s.sample_id, k), s.cursor, s.domain, s.example, list(sp.context),
                 s.output_ids[sp.start:sp.end], s.rollout_logprobs[sp.start:sp.end], s.version,
                 s.finish_reason if k == len(spans) - 1 else "compacted", reward=s.reward,
                 loss_mask=s.loss_mask[sp.start:sp.end], episode_id=s.sample_id))

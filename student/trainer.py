@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from domains.compaction import episode_of
 from domains.evaluate import episode_budget, evaluate_model
 from infra.chat import stop_token_ids, token_budget
 from training.batching import MAX_BUCKETS, length_buckets, length_sorted_split
@@ -43,7 +44,7 @@ from training.ranks import Ranks, led
 from student.batch import collate, opd_loss, reward_advantage
 from student.losses import get_loss
 from student.sampler import (PromptStream, StudentSample, check_student_domains, decode_response, domain_weights,
-                             episode_of, is_tool_domain, sample_batch, split_subtraces)
+                             is_tool_domain, sample_batch, split_subtraces)
 from student.scoring import TeacherScorer
 
 log = logging.getLogger("alloy.student")

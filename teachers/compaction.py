@@ -5,31 +5,33 @@ student; this module turns a finished episode (`teachers.april.Sample`, full his
 each sub-trace becomes its own row: prompt_ids = the context it was generated from (what the critic sees), output =
 the tokens generated in it (env tokens keep loss mask 0; trailing env tokens of a non-final sub-trace are dropped:
 the next sub-trace's context holds them), reward = the episode's final reward (so its own GAE advantages end at its
-own last model token). The ledger keeps the episode id; sub-trace ids are `<episode id>/<j>` (j: the sub-trace's
-index in `plan`) with `rollout_id` = the episode id. An episode that was never compacted stays one unchanged row.
+own last model token). The ledger keeps the episode id; sub-trace k has id `subtrace_id(episode id, k)` (`<episode
+id>~k`, k > 0; the first keeps the episode's id, as the OPD student's sub-traces) with `rollout_id` = the episode
+id. An episode that was never compacted stays one unchanged row.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from domains.compaction import (Compaction, SubTrace, Summarize, current_context, notes_summarizer, plan,  # noqa: F401
-                                split_turns, subtrace_spans, tokenizer_summarizer)
+from domains.compaction import Compaction, Summarize, plan, subtrace_id, subtrace_spans
 from teachers.april import Sample
 
 
 def subtrace_samples(sample: Sample, cfg: Compaction, summarize: Summarize) -> list[Sample]:
     """`sample` as the rows PPO trains (module docstring)."""
     mask = list(sample.loss_mask) or [1] * len(sample.output_ids)
-    subs = plan(sample.prompt_ids, sample.output_ids, mask, cfg, summarize)
-    if len(subs) == 1:
-        return [sample]
-    index = {s.start: j for j, s in enumerate(subs)}
+    if len(plan(sample.prompt_ids, sample.output_ids, mask, cfg, summarize)) == 1:
+        return [sample]  # never compacted
+    spans = subtrace_spans(sample.prompt_ids, sample.output_ids, mask, cfg, summarize)
+    # the last span holds the episode's end unless the last sub-trace had no model token (spans leave it out)
+    last = bool(spans) and spans[-1].end == len(sample.output_ids)
     out = []
-    for sub in subtrace_spans(sample.prompt_ids, sample.output_ids, mask, cfg, summarize):
-        j, sl = index[sub.start], slice(sub.start, sub.end)
-        out.append(Sample(f"{sample.sample_id}/{j}", sample.sample_id, list(sub.context), sample.output_ids[sl],
-                          sample.output_logprobs[sl], sample.token_versions[sl], sample.domain, sample.example,
-                          sample.finish_reason if j == len(subs) - 1 else "stop", mask[sl],
+    for k, sub in enumerate(spans):
+        sl = slice(sub.start, sub.end)
+        final = k == len(spans) - 1 and last
+        out.append(Sample(subtrace_id(sample.sample_id, k), sample.sample_id, list(sub.context),
+                          sample.output_ids[sl], sample.output_logprobs[sl], sample.token_versions[sl], sample.domain,
+                          sample.example, sample.finish_reason if final else "stop", mask[sl],
                           sample.created_version))
     return out
 

@@ -16,7 +16,7 @@ rebuilt from the example payload with the number of calls already made).
 With a `Compaction` (config `specialists.max_context_tokens`) the engine is given the episode's *compacted*
 context (domains/compaction.py: at turn boundaries, a `>notes: …` summary of the older tool outputs plus the last
 `keep_last` turns) and each call may write at most the room the context leaves; the episode itself (the partial,
-the sample, the verifier's text) keeps the full history, so a resumed partial recomputes the same context.
+the sample, the verifier's text) keeps the full history, so a resumed partial plans the same context again.
 
 With `deterministic=True` (config `specialists.deterministic_rollouts`) a step does not depend on timing: every
 generation call is seeded (`seed_for`), every request runs to the end of its episode, and `cut_by_tokens` decides
@@ -30,12 +30,12 @@ from dataclasses import asdict
 from typing import Sequence
 
 from domains.base import Example
-from domains.episodes import Episode, run_token_episode  # the turn loop, shared with the OPD student
+from domains.episodes import Episode, EpisodeRun, run_token_episode  # the turn loop, shared with the OPD student
 from domains.tools import TURN_END, count_tool_calls, parse_tool_call
 from infra.chat import PromptRenderer, response_text
 from engine.client import EngineClient, seed_for
 from teachers.april import AprilBuffer, Partial, Sample, collect_batch, merge_continuation, plan_requests
-from domains.compaction import Compaction, current_context, tokenizer_summarizer
+from domains.compaction import Compaction, tokenizer_summarizer
 
 log = logging.getLogger("alloy.specialist")
 
@@ -90,38 +90,28 @@ class Roller:
         await self.client.abort(abort_all=True)
 
     async def episode(self, p: Partial, version: int, rid: str) -> Episode:
-        """One episode (domains.episodes.run_token_episode): turns are `/generate` calls named `{rid}-{turn}`."""
+        """One episode (domains.episodes): turns are `/generate` calls named `{rid}-{turn}`, from the partial's
+        history on."""
         stop_strs = [TURN_END] if self.uses_tools else None
         env = None
         if self.uses_tools:
             ex = Example(**p.example)
             env = self.domain.env(ex, guard=self.guard, prior_calls=count_tool_calls(self.text(p.output_ids)),
                                   **self.env_kwargs)
+        run = EpisodeRun(p.prompt_ids, p.remaining_budget, env=env, tokenizer=self.tok, text=self.text,
+                         prior_ids=p.output_ids, prior_mask=p.loss_mask, compaction=self.compaction,
+                         summarize=self.summarize)
 
-        mask: list[int] = []  # loss mask of `out`: run_token_episode appends a turn's ids, then its env line's
-        last = [0]  # model tokens the previous turn returned
-
-        async def turn(out: list[int], budget: int, i: int) -> tuple[list[int], list[float], str]:
+        async def generate(context: list[int], max_new: int, i: int) -> tuple[list[int], list[float], str]:
             call = f"{rid}-{i}"
             seed = None if self.seed is None else seed_for(self.seed, call)
-            mask.extend([1] * last[0] + [0] * (len(out) - len(mask) - last[0]))
-            context, max_new = p.input_ids + out, budget
-            if self.compaction is not None:  # the context from the full history (a resumed partial: the same)
-                context = current_context(p.prompt_ids, p.output_ids + out, p.loss_mask + mask, self.compaction,
-                                          self.summarize)
-                max_new = min(budget, self.compaction.max_context_tokens - len(context))
-                if max_new <= 0:  # no room even after compaction: the episode ends here
-                    last[0] = 0
-                    return [], [], "length"
-            g = (await self.client.generate([context], max_new_tokens=max_new,
-                                            temperature=self.temperature, stop_token_ids=self.stops,
-                                            stop=stop_strs, return_logprob=True, rid=call, sampling_seed=seed))[0]
-            last[0] = len(g.output_ids)
+            g = (await self.client.generate([context], max_new_tokens=max_new, temperature=self.temperature,
+                                            stop_token_ids=self.stops, stop=stop_strs, return_logprob=True, rid=call,
+                                            sampling_seed=seed))[0]
             return g.output_ids, g.output_logprobs, g.finish_reason
 
         try:
-            return await run_token_episode(turn, env, self.tok, self.text, p.remaining_budget,
-                                           prior_ids=p.output_ids, stopped=lambda: self._aborting)
+            return await run_token_episode(run, generate, stopped=lambda: self._aborting)
         finally:
             if env is not None:
                 env.close()

@@ -92,7 +92,7 @@ def test_long_tool_episodes_compact_into_subtraces_and_train(tmp_path):
         last_model = max(i for i, m in enumerate(r.loss_mask) if m)
         assert len(r.prompt_ids) + last_model + 1 <= MAX_CONTEXT, r.sample_id
         episode = by_id[r.rollout_id]
-        if r.sample_id.endswith("/0") or "/" not in r.sample_id:
+        if r.sample_id == r.rollout_id:  # sub-trace 0 keeps the episode's id (domains.compaction.subtrace_id)
             assert r.prompt_ids == episode.prompt_ids  # the first sub-trace starts from the episode's prompt
         else:  # a compacted context: the prompt, the summary turn, the kept turn
             assert r.prompt_ids[:len(episode.prompt_ids)] == episode.prompt_ids

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from domains.compaction import (Compaction, SubTrace, current_context, notes_summarizer, plan, split_turns,
+from domains.compaction import (Compaction, Planner, SubTrace, current_context, notes_summarizer, plan, split_turns,
                                 subtrace_spans)
 from domains.registry import load_domain
 from teachers import ppo_math
@@ -82,7 +82,7 @@ def episode(finish: str = "stop") -> Sample:
 
 def test_subtrace_rows_masks_and_trained_tokens():
     rows = subtrace_samples(episode(), CFG, summarize)
-    assert [r.sample_id for r in rows] == ["ep-1/0", "ep-1/1", "ep-1/2", "ep-1/3"]
+    assert [r.sample_id for r in rows] == ["ep-1", "ep-1~1", "ep-1~2", "ep-1~3"]  # as the student's sub-traces
     assert all(r.rollout_id == "ep-1" for r in rows)
     assert [r.prompt_ids for r in rows] == [P, list(CTX1), list(CTX2), list(CTX3)]  # what the critic sees
     # outputs: the tokens generated in each; trailing env tokens of a non-final sub-trace dropped (the next
@@ -154,3 +154,34 @@ def test_tool_long_needs_more_turns_than_a_small_context_holds():
         assert not (env.workdir / ".total").exists() and env.max_calls == 8
     from teachers.guard import rule_check
     assert rule_check("cat f1") == [] and "hidden_file" in rule_check("cat .total")
+
+
+def test_the_planner_kept_between_turns_equals_planning_anew():
+    """An episode's `Planner`, updated before every turn with the history so far, gives the sub-traces and the
+    context that `plan` / `current_context` compute from scratch; random histories, windows and keep_last, with
+    the turns it plans each time counted (only the new ones)."""
+    import random
+
+    rng = random.Random(3)
+    compacted = 0
+    for trial in range(200):
+        prompt = [1] * rng.randint(1, 6)
+        cfg = Compaction(rng.randint(8, 40), rng.randint(0, 3))
+        out, mask, cuts = [], [], []
+        for _ in range(rng.randint(1, 9)):  # a model turn, then (mostly) an env line
+            out += [rng.randint(10, 50) for _ in range(rng.randint(1, 5))]
+            mask += [1] * (len(out) - len(mask))
+            if rng.random() < 0.85:
+                out += [rng.randint(60, 90) for _ in range(rng.randint(1, 4))]
+                mask += [0] * (len(out) - len(mask))
+            cuts.append(len(out))
+        def notes(o, dropped):  # marker 90, then each dropped turn's last token
+            return [90] + [o[e - 1] for _, e in dropped]
+
+        planner = Planner(prompt, cfg, notes)
+        for n in cuts:  # before each next turn: the history so far
+            assert planner.update(out[:n], mask[:n]) == plan(prompt, out[:n], mask[:n], cfg, notes), (trial, n)
+            assert planner.context(out[:n], mask[:n]) == current_context(prompt, out[:n], mask[:n], cfg, notes)
+        assert len(planner.turns) == len(split_turns(mask))
+        compacted += len(planner.subs) > 1
+    assert compacted > 50  # the comparison is about compacted episodes, most of them

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from domains.episodes import run_token_episode
+from domains.episodes import EpisodeRun, run_episodes, run_token_episode
 from domains.registry import load_domain
 from domains.tools import ANSWER_FILE, ToolAdd
 from infra.chat import response_text
@@ -35,7 +35,7 @@ def scripted_episode(turn_texts: list[str], command_env=None):
     prompt_ids = [TOK.bos_token_id] + TOK(ex.prompt, add_special_tokens=False).input_ids
     texts = [t.format(a_b=ex.prompt[4:-1], answer=ex.answer) for t in turn_texts]
 
-    async def turn(new, budget, i):
+    async def turn(context, budget, i):
         ids = TOK(texts[i], add_special_tokens=False).input_ids + ([EOS] if i == len(texts) - 1 else [])
         ids = ids[:budget]
         return ids, [-0.25] * len(ids), "stop"
@@ -44,7 +44,8 @@ def scripted_episode(turn_texts: list[str], command_env=None):
         env = dom.env(ex, clean=True, guard=None)
         try:
             assert not (env.workdir / ANSWER_FILE).exists()  # the student's env plants no shortcut
-            ep = await run_token_episode(turn, env, TOK, lambda ids: response_text(TOK, ids, [EOS]), 64)
+            run = EpisodeRun(prompt_ids, 64, env=env, tokenizer=TOK, text=lambda ids: response_text(TOK, ids, [EOS]))
+            ep = await run_token_episode(run, turn)
             return ep, list(env.calls)
         finally:
             env.close()
@@ -214,3 +215,43 @@ def test_ledger_and_drops_count_episodes_not_subtraces():
     assert untrained(ledger, parts + [other]) == parts + [other]
     ledger.mark_trained(s.episode for s in parts)
     assert ledger.n_trained == 1 and untrained(ledger, parts + [other]) == [other]  # a re-issued episode: none
+
+
+def test_run_episodes_sends_one_generate_call_per_round():
+    """The student's driver: a plain prompt (no env) is an episode of one turn; round r carries turn r of every
+    unfinished episode in one call; the tool episodes run their calls and end as `run_token_episode` ends them."""
+    dom = load_domain("tool_add")
+    exs = dom.split("train", 2, 0)
+    texts = {1: ["!calc {a_b}\n", "{answer}"], 2: ["!calc {a_b}\n", "!calc {a_b}\n", "{answer}"]}
+    calls: list[list[tuple[int, int]]] = []
+
+    async def generate(batch):
+        calls.append([(i, t) for i, _, _, t in batch])
+        out = []
+        for i, ctx, budget, t in batch:
+            if i == 0:  # the plain prompt: one turn with an EOS
+                ids = TOK("42", add_special_tokens=False).input_ids + [EOS]
+            else:
+                ex, script = exs[i - 1], texts[i]
+                ids = TOK(script[t].format(a_b=ex.prompt[4:-1], answer=ex.answer),
+                          add_special_tokens=False).input_ids + ([EOS] if t == len(script) - 1 else [])
+            out.append((ids[:budget], [-0.5] * len(ids[:budget]), "stop"))
+        return out
+
+    async def main():
+        envs = [dom.env(ex, clean=True, guard=None) for ex in exs]
+        text = lambda ids: response_text(TOK, ids, [EOS])  # noqa: E731
+        runs = [EpisodeRun([1, 2, 3], 16)] + [EpisodeRun([1, 2], 64, env=e, tokenizer=TOK, text=text) for e in envs]
+        try:
+            return await run_episodes(runs, generate), [list(e.calls) for e in envs]
+        finally:
+            for e in envs:
+                e.close()
+
+    eps, env_calls = asyncio.run(main())
+    assert calls == [[(0, 0), (1, 0), (2, 0)], [(1, 1), (2, 1)], [(2, 2)]]
+    assert eps[0].loss_mask == [1, 1, 1] and eps[0].finish_reason == "stop"
+    assert [len(c) for c in env_calls] == [1, 2] and all(c.executed for cs in env_calls for c in cs)
+    for ep, ex in zip(eps[1:], exs):
+        assert 0 in ep.loss_mask and ep.finish_reason == "stop"
+        assert response_text(TOK, ep.output_ids, [EOS]).endswith(ex.answer)
