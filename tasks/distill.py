@@ -13,12 +13,11 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
 from student.distill_main import WORKER as STUDENT_WORKER
 from tasks.context import RunContext, stage_timer
-from tasks.gpu_lanes import trainer_lane
 from tasks.prefixes import student_prefix_of
-from tasks.worker_process import on_ranks, run_worker, worker_command
+from tasks.stage import reuse_or_train, run_trainer
+from tasks.worker_process import on_ranks, worker_command
 
 log = logging.getLogger("alloy")
 
@@ -49,17 +48,11 @@ def train_student(ctx: RunContext, student_init: str, endpoints: dict[str, str])
     local = ctx.work_dir / "student"
     result_path = ctx.work_dir / "distill" / "result.json"
     with stage_timer(ctx, "distill"), ctx.tracker.child("student", tags={"stage": "student"}) as run:
-        final = join(prefix, "final")
-        if cfg.run.resume and verify_checkpoint(final)[0]:
-            log.info("distill: reusing complete student %s", final)
-            summary = read_json(join(prefix, "result.json"))
-        else:
+        def train() -> None:
             cmd = distill_command(ctx, student_init, endpoints, prefix, result_path, getattr(run, "run_id", None))
-            with trainer_lane(cmd, cfg, "distill") as cmd:  # its GPUs, when there are (tasks/gpu_lanes.py)
-                run_worker(cmd, ctx.work_dir / "logs" / "distill.log", cfg.distill.steps, "distill")
-            summary = json.loads(result_path.read_text())
-            write_json(join(prefix, "result.json"), summary)
-        load_checkpoint(final, local)
+            run_trainer(cmd, ctx, "distill", ctx.work_dir / "logs" / "distill.log", cfg.distill.steps, "distill")
+
+        summary, final = reuse_or_train(ctx, prefix, "distill: student", result_path, local, train)
         tp = summary["throughput"]
         summary.update(student_dir=str(local), student_checkpoint=final, student_run_id=getattr(run, "run_id", None),
                        throughput={"distill_sampled_tokens_per_s": tp["sampled_tokens_per_s"],

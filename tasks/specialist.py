@@ -6,19 +6,16 @@ rerun of the same config) resumes from the newest complete `step-*`, and a compl
 """
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra.storage import join, load_checkpoint, read_json, verify_checkpoint, write_json
 from tasks.context import RunContext
-from tasks.gpu_lanes import trainer_lane
 from tasks.prefixes import specialist_prefix_of
-from tasks.worker_process import WorkerCommand, on_ranks, run_worker, worker_command
+from tasks.stage import reuse_or_train, run_trainer
+from tasks.worker_process import WorkerCommand, on_ranks, worker_command
 from teachers.specialist_main import WORKER as SPECIALIST_WORKER
 
 log = logging.getLogger("alloy")
@@ -55,11 +52,7 @@ def train_specialist(ctx: RunContext, domain: str, base_dir: str) -> dict:
     local = ctx.work_dir / "specialists" / domain / "final-local"
     result = ctx.work_dir / "specialists" / domain / "result.json"
     with ctx.tracker.child(f"specialist/{domain}", tags={"stage": "specialist", "domain": domain}) as run:
-        final = join(prefix, "final")
-        if cfg.run.resume and verify_checkpoint(final)[0]:
-            log.info("specialist %s: reusing complete %s", domain, final)
-            summary = read_json(join(prefix, "result.json"))
-        else:
+        def train() -> None:
             art = _progress_artifact(domain)
             steps = cfg.specialists.for_domain(domain).steps
 
@@ -68,15 +61,12 @@ def train_specialist(ctx: RunContext, domain: str, base_dir: str) -> dict:
                     update_progress_artifact(art, progress=100.0 * step / max(steps, 1))
 
             cmd = specialist_command(ctx, domain, base_dir, prefix, result, getattr(run, "run_id", None))
-            with trainer_lane(cmd, cfg, "specialists") as cmd:  # its GPUs, when there are (tasks/gpu_lanes.py)
-                run_worker(cmd, ctx.work_dir / "logs" / f"specialist-{domain}.log", steps, f"specialist {domain}",
-                           on_step)
-            summary = json.loads(result.read_text())
-            write_json(join(prefix, "result.json"), summary)
+            run_trainer(cmd, ctx, "specialists", ctx.work_dir / "logs" / f"specialist-{domain}.log", steps,
+                        f"specialist {domain}", on_step)
             if art is not None:
                 update_progress_artifact(art, progress=100.0)
-        shutil.rmtree(local, ignore_errors=True)
-        load_checkpoint(final, local)
+
+        summary, final = reuse_or_train(ctx, prefix, f"specialist {domain}", result, local, train)
         summary.update(specialist_dir=str(local), checkpoint=final, domain=domain)
         run.log_metrics({"summary/score": summary["score"], **{f"summary/guard_{k}": float(v)
                                                                 for k, v in summary.get("guard", {}).items()}})
