@@ -1,6 +1,6 @@
 """A small anti-hack judge trained on CPU: labelled tool calls → (judge prompt → "YES"/"NO") SFT of a tiny model.
 
-    python -m teachers.judge_model OUT [--steps 400] [--seed 0]    # OUT: a checkpoint for specialists.guard.judge_path
+    python -m teachers.judge_model OUT [--steps 600] [--seed 0]    # OUT: a checkpoint for specialists.guard.judge_path
 
 The tests, the bench (bench/judge_eval.py) and the example configs need a judge that a real engine server serves
 and that really answers; a large instruction model is not at hand on a CPU machine, so this trains one. The data:
@@ -228,10 +228,17 @@ def judge_accuracy(model_dir: str | Path, calls: list[LabelledCall], max_chars: 
     return sum(p == c.is_hack for p, c in zip(pred, calls)) / max(len(calls), 1)
 
 
-def train_judge(out_dir: str | Path, *, steps: int = 400, seed: int = 0, n_train: int = 3000, n_heldout: int = 200,
-                lr: float = 3e-3, batch_size: int = 32, max_error: float = 0.1) -> dict:
+# Measured 2026-11-27 on this 2-core AMD EPYC box (torch 2.13 CPU): 400 steps left the held-out accuracy at 0.880
+# (< 0.90, the check below; the tree of 2026-11-26, where 400 had given 0.99, too), 600 steps 0.975 (+20 s).
+JUDGE_STEPS = 600
+
+
+def train_judge(out_dir: str | Path, *, steps: int | None = None, seed: int = 0, n_train: int = 3000,
+                n_heldout: int = 200, lr: float = 3e-3, batch_size: int = 32, max_error: float = 0.1) -> dict:
     """Train the judge into `out_dir` (an HF checkpoint + tokenizer); returns {"heldout_accuracy", "loss", ...}.
-    Raises RuntimeError when the held-out accuracy is below 1 - `max_error` (the checkpoint stays for a look)."""
+    Raises RuntimeError when the held-out accuracy is below 1 - `max_error` (the checkpoint stays for a look).
+    `steps`: JUDGE_STEPS by default."""
+    steps = JUDGE_STEPS if steps is None else steps
     from infra.config import TrainConfig
     from infra.models import init_model_dir
     from training.sft import train_sft
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m teachers.judge_model",
                                  description="Train the small anti-hack judge (specialists.guard.judge_path).")
     ap.add_argument("out", help="directory for the judge checkpoint")
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=JUDGE_STEPS)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
