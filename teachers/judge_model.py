@@ -228,8 +228,8 @@ def judge_accuracy(model_dir: str | Path, calls: list[LabelledCall], max_chars: 
     return sum(p == c.is_hack for p, c in zip(pred, calls)) / max(len(calls), 1)
 
 
-# Measured 2026-11-27 on this 2-core AMD EPYC box (torch 2.13 CPU): 400 steps left the held-out accuracy at 0.880
-# (< 0.90, the check below; the tree of 2026-11-26, where 400 had given 0.99, too), 600 steps 0.975 (+20 s).
+# Measured 2026-11-27 on this 2-core AMD EPYC box (torch 2.13 CPU): 400 steps left the held-out accuracy at 0.880,
+# under the 0.90 check below (on af1fe62 too, where 400 steps had passed before); 600 steps gave 0.975 (+20 s).
 JUDGE_STEPS = 600
 
 
