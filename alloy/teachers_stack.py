@@ -117,7 +117,7 @@ def teacher_specs(checkpoints: dict[str, str], cfg=None, gpus: int | None = None
                                    "include every checkpoint's")
     specs = {}
     for d, ckpt in checkpoints.items():
-        settings = launch_settings(cfg.engine, placements.get(d)) if placements else launch_settings(cfg.engine)
+        settings = launch_settings(cfg.engine, placements.get(d))
         specs[d] = ServerSpec(name=f"teacher-{d}", model_path=ckpt, host=cfg.engine.host, api_key=cfg.engine.api_key,
                               **settings)
     return specs

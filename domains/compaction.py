@@ -185,7 +185,11 @@ def subtrace_spans(prompt_ids: Sequence[int], output_ids: Sequence[int], loss_ma
     """The sub-traces that train (module docstring): `plan`'s, each non-final one ending at its last model token,
     those without a model token left out. The context of each is what the engine (and the critic, and an OPD
     teacher) sees before `output_ids[start:end]`."""
-    subs = plan(prompt_ids, output_ids, loss_mask, cfg, summarize)
+    return trained_spans(plan(prompt_ids, output_ids, loss_mask, cfg, summarize), loss_mask)
+
+
+def trained_spans(subs: Sequence[SubTrace], loss_mask: Sequence[int]) -> list[SubTrace]:
+    """`subtrace_spans` of an episode whose `plan` is `subs` (for a caller that needs the plan too)."""
     out = []
     for j, sub in enumerate(subs):
         end = sub.end

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from domains.compaction import Compaction, Summarize, plan, subtrace_id, subtrace_spans
+from domains.compaction import Compaction, Summarize, plan, subtrace_id, trained_spans
 from teachers.april import Sample
 
 
 def subtrace_samples(sample: Sample, cfg: Compaction, summarize: Summarize) -> list[Sample]:
     """`sample` as the rows PPO trains (module docstring)."""
     mask = list(sample.loss_mask) or [1] * len(sample.output_ids)
-    if len(plan(sample.prompt_ids, sample.output_ids, mask, cfg, summarize)) == 1:
+    subs = plan(sample.prompt_ids, sample.output_ids, mask, cfg, summarize)
+    if len(subs) == 1:
         return [sample]  # never compacted
-    spans = subtrace_spans(sample.prompt_ids, sample.output_ids, mask, cfg, summarize)
+    spans = trained_spans(subs, mask)
     # the last span holds the episode's end unless the last sub-trace had no model token (spans leave it out)
     last = bool(spans) and spans[-1].end == len(sample.output_ids)
     out = []

@@ -233,12 +233,10 @@ def judge_accuracy(model_dir: str | Path, calls: list[LabelledCall], max_chars: 
 JUDGE_STEPS = 600
 
 
-def train_judge(out_dir: str | Path, *, steps: int | None = None, seed: int = 0, n_train: int = 3000,
+def train_judge(out_dir: str | Path, *, steps: int = JUDGE_STEPS, seed: int = 0, n_train: int = 3000,
                 n_heldout: int = 200, lr: float = 3e-3, batch_size: int = 32, max_error: float = 0.1) -> dict:
     """Train the judge into `out_dir` (an HF checkpoint + tokenizer); returns {"heldout_accuracy", "loss", ...}.
-    Raises RuntimeError when the held-out accuracy is below 1 - `max_error` (the checkpoint stays for a look).
-    `steps`: JUDGE_STEPS by default."""
-    steps = JUDGE_STEPS if steps is None else steps
+    Raises RuntimeError when the held-out accuracy is below 1 - `max_error` (the checkpoint stays for a look)."""
     from infra.config import TrainConfig
     from infra.models import init_model_dir
     from training.sft import train_sft
