@@ -290,12 +290,8 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
         return response_text(tokenizer, ids, stops)
 
     summarize = tokenizer_summarizer(tokenizer) if compaction is not None and tools else None
-    runs, versions = [], [[] for _ in items]
-    for i, it in enumerate(items):
-        tool = i in tools
-        runs.append(EpisodeRun(it.prompt_ids, per[i], env=domains[it.domain].env(it.example, clean=True, guard=None)
-                               if tool else None, tokenizer=tokenizer, text=text,
-                               compaction=compaction if tool else None, summarize=summarize))
+    runs: list[EpisodeRun] = []
+    versions: list[list[int]] = [[] for _ in items]
 
     def rid_seed(i: int, turn: int) -> tuple[str, int | None]:
         """A plain prompt's one turn: rid = its sample id, seed = sampling_seed + its index among the plain ones
@@ -319,7 +315,11 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
             versions[i].append(parse_version(g.weight_version, expected_version))
         return [(g.output_ids, g.output_logprobs, g.finish_reason) for g in gens]
 
-    try:
+    try:  # every env opened is closed, also when a later one fails to open
+        for i, it in enumerate(items):
+            env = domains[it.domain].env(it.example, clean=True, guard=None) if i in tools else None
+            runs.append(EpisodeRun(it.prompt_ids, per[i], env=env, tokenizer=tokenizer, text=text,
+                                   compaction=compaction if env is not None else None, summarize=summarize))
         episodes = await run_episodes(runs, generate)
     finally:
         for run in runs:
