@@ -139,7 +139,8 @@ def cmd_eval(args) -> int:
         print(f"error: --model {args.model}: not a directory", file=sys.stderr)
         return EXIT_USAGE
     df = evaluate(args.model, domains, cfg.eval.n_eval, cfg.run.seed, args.stage,
-                  max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size)
+                  max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
+                  chat_template=cfg.model.chat_template, device=cfg.eval.device, dtype=cfg.eval.dtype)
     print(df[["domain", "stage", "score", "n_eval"]].to_string(index=False))
     print(f"mean score {df['score'].mean():.4f}")
     if args.out:

@@ -30,7 +30,7 @@ import torch
 from domains.tools import ANSWER_FILE, TURN_END, CallRecord, run_episode
 from infra.chat import PromptRenderer, system_of, token_budget, token_ids_containing
 from infra.generation import generate_ids
-from infra.models import load_model, load_tokenizer
+from infra.models import load_model, load_tokenizer, model_device, pick_device, pick_dtype
 
 COLUMNS = ["domain", "stage", "score", "n_eval", "checkpoint"]
 
@@ -73,7 +73,8 @@ def model_turns(model, tokenizer, *, greedy: bool = True, temperature: float = 1
             for i, x in enumerate(ids):
                 input_ids[i, T - len(x) :] = torch.tensor(x)
                 attn[i, T - len(x) :] = 1
-            gen = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max(limits),
+            dev = model_device(model)
+            gen = model.generate(input_ids=input_ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=max(limits),
                                  do_sample=not greedy, temperature=None if greedy else temperature, top_p=None,
                                  top_k=None, eos_token_id=stops + sorted(newlines - set(stops)), pad_token_id=pad)
             for row, limit in zip(gen[:, T:].tolist(), limits):
@@ -241,9 +242,16 @@ def score_examples(model, tokenizer, domains: Mapping[str, object], examples: Ma
 
 def evaluate(checkpoint_dir: str, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,
              max_new_tokens: int = 16, batch_size: int = 128, progress=None,
-             chat_template: str = "auto") -> pd.DataFrame:
-    """Load an HF checkpoint directory and evaluate it (see `evaluate_model`)."""
-    model = load_model(checkpoint_dir)
+             chat_template: str = "auto", device: str = "auto", dtype: str = "auto") -> pd.DataFrame:
+    """Load an HF checkpoint directory on `device` in `dtype` (`eval.device` / `eval.dtype`; auto: a GPU in
+    bfloat16 when torch sees one, else the CPU in float32) and evaluate it (see `evaluate_model`)."""
+    dev = pick_device(device)
+    model = load_model(checkpoint_dir, dtype=pick_dtype(dtype, dev), device=dev)
     tok = load_tokenizer(checkpoint_dir)
-    return evaluate_model(model, tok, domains, n_eval, seed, stage, max_new_tokens, batch_size,
-                          checkpoint=str(checkpoint_dir), progress=progress, chat_template=chat_template)
+    try:
+        return evaluate_model(model, tok, domains, n_eval, seed, stage, max_new_tokens, batch_size,
+                              checkpoint=str(checkpoint_dir), progress=progress, chat_template=chat_template)
+    finally:
+        del model  # a GPU copy goes back to the allocator before the next stage starts its processes
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()

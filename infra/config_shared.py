@@ -232,6 +232,10 @@ class EvalConfig(_Strict):
     n_eval: int = Field(100, ge=1, description="Held-out examples per domain (eval split).")
     max_new_tokens: int = Field(16, ge=1, le=512, description="Greedy answer budget per eval prompt.")
     batch_size: int = ops_field(128, ge=1, description="Prompts per batched generation call.")
+    device: str = ops_field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="Where the evaluated model "
+                            "generates: auto = the GPU when torch sees one, else the CPU; cpu; cuda; cuda:N.")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = ops_field("auto", description="Weights of the evaluated model: "
+                                                          "auto = bf16 on a GPU, fp32 on the CPU.")
 
 
 class TrackingConfig(_Strict):

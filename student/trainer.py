@@ -113,6 +113,7 @@ class DistillTrainer:
         check_student_domains(domains, budgets=self.budgets, longest_prompt=self.stream.longest_prompt(),
                               context_len=self.context_len, compaction=compaction)
         self.compaction = compaction
+        self.train_tokens = 0  # prompt + response positions forwarded through training updates (this process)
         self.timing = {"sample_s": 0.0, "score_s": 0.0, "train_s": 0.0, "push_s": 0.0, "push_load_s": 0.0,
                        "eval_s": 0.0, "ckpt_s": 0.0}
         self._sampled_changed = asyncio.Condition()  # notified when a batch has been sampled (`_wait_sampled`)
@@ -218,6 +219,7 @@ class DistillTrainer:
             t = time.perf_counter()
             metrics = await asyncio.to_thread(self._update, fresh, version)
             self.timing["train_s"] += time.perf_counter() - t
+            self.train_tokens += sum(len(s.prompt_ids) + len(s.output_ids) for s in fresh)  # positions trained
             st.updates += 1
         if self.dc.deterministic:  # batch version + max_staleness must still be sampled from these weights
             await self._wait_sampled(min(version + self.dc.max_staleness, self.dc.steps - 1) + 1)
@@ -333,6 +335,7 @@ class DistillTrainer:
             "steps": self.state.step, "updates": self.state.updates, "cursor": self.state.cursor,
             "trained_samples": self.ledger.n_trained, "dropped": dict(self.state.dropped),
             "duplicates_skipped": self.ledger.duplicates_skipped, "wall_s": self.wall_s, "timing_s": dict(self.timing),
+            "train_tokens": self.train_tokens, "device": str(self.backend.device),
             "sampled_tokens": self.state.sampled_tokens, "scored_tokens": self.state.scored_tokens,
             "throughput": self.throughput(), "teachers": self.scorer.totals(), "evals": list(self.state.evals),
             "checkpoint": getattr(self, "last_checkpoint", None), "last_metrics": self._last_metrics,

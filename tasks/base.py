@@ -20,6 +20,7 @@ from infra.config import ConfigError
 from infra.storage import (MANIFEST, checkpoint_name, join, latest_complete, load_checkpoint, read_json,
                            save_checkpoint, verify_checkpoint)
 from tasks.base_worker import WORKER as BASE_WORKER, run_base_sft
+from training.deepspeed_backend import release_gpu_memory
 from tasks.context import RunContext, stage_timer
 from tasks.gpu_lanes import trainer_lane
 from tasks.prefixes import base_prefix
@@ -75,11 +76,15 @@ def train_base(ctx: RunContext) -> str:
         shutil.rmtree(local, ignore_errors=True)
         t0 = time.monotonic()
         with ctx.tracker.child("base", tags={"stage": "base"}) as run:
+            result = ctx.work_dir / "logs" / "base-result.json"  # the trainer's summary, either way
+            result.unlink(missing_ok=True)
             if cfg.base.train.world_size == 1:
-                world = run_base_sft(cfg, ctx.domains, str(init_dir), str(local), run)["world_size"]
+                summary = run_base_sft(cfg, ctx.domains, str(init_dir), str(local), run)
+                release_gpu_memory()  # trained in this process: its GPU memory goes back before the next stage
+                result.parent.mkdir(parents=True, exist_ok=True)
+                result.write_text(json.dumps(summary))
+                world = summary["world_size"]
             else:
-                result = ctx.work_dir / "logs" / "base-result.json"
-                result.unlink(missing_ok=True)
                 args = BASE_WORKER.flags(config=ctx.config_path, init=init_dir, out=local, result=result,
                                          mlflow_run_id=getattr(run, "run_id", None))
                 cmd = torchrun_command(BASE_WORKER.module, cfg.base.train.world_size, args)

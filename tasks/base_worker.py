@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import sys
+import time
 
 from domains.registry import load_domains
 from domains.tools import demonstration_segments
@@ -49,9 +50,11 @@ def run_base_sft(cfg, domains: dict, init_dir: str, out_dir: str, tracker) -> di
     log.info("base: SFT on %d demonstrations from %d domains, %d steps, %d rank(s)",
              len(pairs), len(domains), cfg.base.steps, backend.world_size)
     batch = cfg.base.train.micro_batch_size * backend.world_size
+    forwarded = [0.0]  # positions this rank trained on (benchmarks: MFU)
     with progress("base SFT", cfg.base.steps) as bar:
         def on_step(step: int, m: dict) -> None:
             raise_if_stopped("base SFT")  # in-process under `alloy run`: its Ctrl-C stops here
+            forwarded[0] += m.get("forward_tokens", 0.0)
             if backend.is_main:
                 bar(step, loss=m["loss"], acc=m["token_acc"])
                 report(step, cfg.base.steps, loss=m["loss"], token_acc=m["token_acc"])  # the parent follows these
@@ -59,10 +62,15 @@ def run_base_sft(cfg, domains: dict, init_dir: str, out_dir: str, tracker) -> di
                 tracker.log_metrics({"sft/loss": m["loss"], "sft/token_acc": m["token_acc"],
                                      "sft/grad_norm": float(m.get("grad_norm", 0.0))}, step=step)
 
+        t0 = time.perf_counter()
         last = train_sft(backend, tok, pairs, cfg.base.steps, batch, seed=cfg.run.seed, on_step=on_step,
                          chat_template=cfg.model.chat_template)
+        train_s = time.perf_counter() - t0
     backend.save_hf(out_dir, tokenizer=tok)
-    return {**last, "world_size": backend.world_size}  # the process group it trained in (report.json `resources`)
+    backend.close()
+    # the process group it trained in (report.json `resources`); device, time and positions trained (benchmarks)
+    return {**last, "world_size": backend.world_size, "device": str(backend.device), "train_s": train_s,
+            "train_tokens": forwarded[0] * backend.world_size}
 
 
 WORKER = Worker("tasks.base_worker", "Alloy base SFT worker (one process per rank)",

@@ -17,7 +17,8 @@ def evaluate_stage(ctx: RunContext, checkpoint_dir: str, stage: str, domains: li
     with stage_timer(ctx, "eval"), progress(f"eval {stage}", len(doms) * cfg.eval.n_eval) as bar:
         df = evaluate(checkpoint_dir, doms, cfg.eval.n_eval, cfg.run.seed, stage,
                       max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
-                      progress=lambda done, total: bar(done), chat_template=cfg.model.chat_template)
+                      progress=lambda done, total: bar(done), chat_template=cfg.model.chat_template,
+                      device=cfg.eval.device, dtype=cfg.eval.dtype)
     ctx.tracker.log_metrics({f"eval/{stage}/{r.domain}": float(r.score) for r in df.itertuples()})
     ctx.tracker.log_metrics({f"eval/{stage}/mean": float(df["score"].mean())})
     return df

@@ -42,9 +42,13 @@ class ValueModel(nn.Module):
 
     # ---- construction -----------------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "ValueModel":
-        """Backbone weights from an HF causal-LM dir (the policy/base checkpoint); the LM head is dropped."""
-        backbone = AutoModel.from_pretrained(str(model_dir), dtype=dtype)
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device | None = None) -> "ValueModel":
+        """Backbone weights from an HF causal-LM dir (the policy/base checkpoint), read onto `device` (None: the
+        host); the LM head is dropped."""
+        on_host = device is None or torch.device(device).type == "cpu"
+        backbone = AutoModel.from_pretrained(str(model_dir), dtype=dtype,
+                                             **({} if on_host else {"device_map": {"": str(device)}}))
         return cls(backbone)
 
     @classmethod

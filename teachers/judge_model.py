@@ -194,9 +194,11 @@ def judge_predictions(model_dir: str | Path, calls: list[LabelledCall], max_char
                       batch_size: int = 64) -> list[bool]:
     """The judge's greedy verdict on each call, in-process: its first answer token, `Y` (YES) or `N` (NO), whichever
     it ranks higher after the prompt (one batched forward pass per `batch_size` calls)."""
-    from infra.models import load_model, load_tokenizer
+    from infra.models import load_model, load_tokenizer, pick_device, pick_dtype
 
-    return predict(load_model(model_dir), load_tokenizer(model_dir), calls, max_chars, batch_size)
+    dev = pick_device("auto")
+    return predict(load_model(model_dir, dtype=pick_dtype("auto", dev), device=dev), load_tokenizer(model_dir), calls,
+                   max_chars, batch_size)
 
 
 def predict(model, tok, calls: list[LabelledCall], max_chars: int = PROMPT_CHARS, batch_size: int = 64) -> list[bool]:
@@ -204,6 +206,7 @@ def predict(model, tok, calls: list[LabelledCall], max_chars: int = PROMPT_CHARS
     import torch
 
     from infra.chat import render_prompt_ids
+    from infra.models import model_device
 
     yes, no = tok.convert_tokens_to_ids(YES[0]), tok.convert_tokens_to_ids(NO[0])
     prompts = [render_prompt_ids(tok, p, "", "auto") for p, _ in training_pairs(calls, max_chars)]
@@ -216,7 +219,8 @@ def predict(model, tok, calls: list[LabelledCall], max_chars: int = PROMPT_CHARS
             mask = torch.zeros((len(chunk), T), dtype=torch.long)
             for r, p in enumerate(chunk):
                 ids[r, :len(p)], mask[r, :len(p)] = torch.tensor(p), 1
-            logits = model(input_ids=ids, attention_mask=mask).logits
+            dev = model_device(model)
+            logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.float().cpu()
             last = logits[torch.arange(len(chunk)), mask.sum(1) - 1]
             out += (last[:, yes] > last[:, no]).tolist()
     return out

@@ -167,7 +167,7 @@ class SpecialistTrainer:
         return {"steps": self.state.step, "history": self.state.history, "guard": dict(self.state.guard_totals),
                 "april": self.buffer.counters, "verifier_errors": self.state.verifier_errors,
                 "checkpoint": self.last_checkpoint, "validation": sel.history, "best_step": sel.best_step,
-                "best_val": sel.best_score, "stopped": self.state.stopped}
+                "best_val": sel.best_score, "stopped": self.state.stopped, "device": str(self.policy.device)}
 
     def validate(self) -> float:
         """Greedy score of the current policy on the val-split prompts; a new best is saved to `best_dir`."""
@@ -215,7 +215,9 @@ class SpecialistTrainer:
         if rows:
             m = self._update(rows, row_rewards, version)
         train_s = time.perf_counter() - t1
-        await self.server.push(self.policy, self.tok, version + 1)
+        t2 = time.perf_counter()
+        await self.server.push(self.policy, self.tok, version + 1)  # on the critical path: the next rollout waits
+        push_s = time.perf_counter() - t2
         self.buffer.mark_trained(s.sample_id for s in samples)
         self.state.step = version + 1
         self.state.cursor = self.cursor.cursor
@@ -225,7 +227,8 @@ class SpecialistTrainer:
         out = {"reward": float(np.mean(rewards)) if rewards else float("nan"), "policy_loss": m.get("pg_loss"),
                "value_loss": m.get("vf_loss"), "clip_frac": m.get("clip_frac"), "kl": m.get("approx_kl"),
                "entropy": m.get("entropy"), "explained_variance": m.get("explained_variance"),
-               "tis_weight_mean": m.get("tis_weight_mean"), "rollout_s": rollout_s, "train_s": train_s,
+               "tis_weight_mean": m.get("tis_weight_mean"), "rollout_s": rollout_s, "train_s": train_s, "push_s": push_s,
+               "train_tokens": float(sum(len(r.prompt_ids) + len(r.output_ids) for r in rows)),
                "samples": float(len(samples)), "response_tokens": float(sum(len(s.output_ids) for s in samples)),
                "subtraces": float(len(rows)),
                **{f"april_{k}": float(v) for k, v in april.items()},

@@ -28,10 +28,9 @@ from pathlib import Path
 from domains.registry import load_domains
 from infra.chat import token_budget
 from training.deepspeed_backend import DeepSpeedBackend
-from infra.models import load_model
 from training.ranks import Ranks
-from training.session import (commit_final, end_stage, follow_rank_zero, fresh_final, serve_and_run, train_settings,
-                              trainable)
+from training.session import (commit_final, end_stage, follow_rank_zero, fresh_final, frozen_copy, serve_and_run,
+                              train_device, train_settings, trainable)
 from training.worker import Worker, WorkerRun, arg
 from teachers.critic import ValueModel
 from teachers.guard import Guard, LLMJudge
@@ -79,8 +78,10 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     work.mkdir(parents=True, exist_ok=True)
     seed = cfg.run.seed
     tok, policy = trainable(init_dir, settings(sc.policy_train, sc.steps, seed))
-    critic = DeepSpeedBackend(ValueModel.from_pretrained(init_dir), settings(sc.critic_train, sc.steps, seed))
-    ref = load_model(init_dir).eval() if sc.kl_coef else None
+    critic_settings = settings(sc.critic_train, sc.steps, seed)
+    critic = DeepSpeedBackend(ValueModel.from_pretrained(init_dir, device=train_device(critic_settings)),
+                              critic_settings)
+    ref = frozen_copy(init_dir, policy) if sc.kl_coef else None  # on the policy's device, in its dtype
     ranks = Ranks()
     if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
         return follow_rank_zero(ranks, lambda: SpecialistTrainer(
@@ -104,7 +105,7 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     policy.eval_mode()
     if use_best:  # the best-validating policy is the specialist (teachers/selection.py)
         shutil.copytree(trainer.best_dir, final)
-        model = load_model(final).to(next(policy.module.parameters()).device)
+        model = frozen_copy(final, policy)
         log.info("specialist %s: the step-%d policy is the specialist (validation %.3f; last step %d: %.3f)",
                  domain.name, best, summary["best_val"], trainer.state.step, summary["validation"][-1]["score"])
     else:

@@ -16,9 +16,11 @@ import shutil
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
 
+import torch
+
 from training.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed
 from engine.launcher import Supervisor
-from infra.models import load_model, load_tokenizer
+from infra.models import DTYPES, load_model, load_tokenizer
 from training.policy_server import PolicyServer
 from training.ranks import process_world_size
 from infra.storage import join, save_checkpoint
@@ -33,11 +35,27 @@ def train_settings(t, total_steps: int, seed: int, **overrides) -> TrainSettings
     return TrainSettings(**{**kw, **overrides})
 
 
+def train_device(settings: TrainSettings) -> torch.device:
+    """Where this rank's trained weights are read to: its accelerator device (DeepSpeed's, after
+    `init_distributed`), in float32 (DeepSpeed keeps the fp32 master weights and casts its bf16/fp16 copy itself).
+    ZeRO-3 reads them on the host: each rank keeps only its shard, and a whole copy per GPU could not fit there."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device("cpu") if settings.zero_stage == 3 else torch.device(get_accelerator().current_device_name())
+
+
 def trainable(init_dir: str | Path, settings: TrainSettings) -> tuple[Any, DeepSpeedBackend]:
     """(tokenizer, DeepSpeed backend over the model) of the HF dir `init_dir`, after joining torch.distributed."""
     tok = load_tokenizer(init_dir)
     init_distributed()
-    return tok, DeepSpeedBackend(load_model(init_dir), settings)
+    return tok, DeepSpeedBackend(load_model(init_dir, device=train_device(settings)), settings)
+
+
+def frozen_copy(model_dir: str | Path, beside: DeepSpeedBackend) -> torch.nn.Module:
+    """The HF dir `model_dir` as a frozen model next to `beside`'s: on its device, in its training dtype (bf16 or
+    fp16 as it trains, fp32 otherwise): the specialists' KL reference and the selected best policy. No float32
+    host copy of a model that trains on a GPU."""
+    return load_model(model_dir, dtype=DTYPES[beside.settings.dtype], device=beside.device)
 
 
 def serve_and_run(engine_cfg, work: Path, name: str, model_dir: str | Path, *, version: int, seed: int,

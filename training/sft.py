@@ -138,7 +138,7 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size
         out = backend(input_ids=batch.input_ids.to(backend.device), attention_mask=batch.attention_mask.to(backend.device))
         loss, metrics = sft_loss(out.logits, batch.input_ids.to(backend.device), batch.loss_mask.to(backend.device),
                                  token_normalizer=backend.loss_normalizer(global_tokens))
-        metrics.update(backend.step(loss))
+        metrics.update(backend.step(loss), forward_tokens=float(batch.attention_mask.sum()))  # this rank's positions
         if on_step is not None:
             on_step(step, metrics)
     backend.eval_mode()

@@ -155,8 +155,19 @@ class Worker:
                     tracker.end("KILLED")
                 return 128 + stop.signum
         if rank == 0 and args.result and result is not None:
-            write_json_atomic(args.result, result)
+            write_json_atomic(args.result, {**result, **gpu_memory()})
         return 0
+
+
+def gpu_memory() -> dict:
+    """{"gpu": name, peak allocated / reserved bytes} of this process's CUDA device, when it used one (else {}):
+    what a benchmark reports per trainer process."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {"gpu": {"name": torch.cuda.get_device_name(), "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(),
+                    "max_memory_reserved_bytes": torch.cuda.max_memory_reserved()}}
 
 
 def open_tracker(cfg, run_id: str | None):
