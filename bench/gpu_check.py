@@ -32,6 +32,10 @@ mlflow and does without) and that none was loaded. Parts:
   another embedded server), no tracking; the specialist without critic warm-up.
   Checks: 2 steps done, every loss reported finite (a value loss each step; a policy loss where the step had one:
   from a random-init model every reward can be 0, so no advantage and no policy update), an OPD loss each step.
+- `shared_gpu` (CUDA): `configs/gpu-1.yaml` planned on one GPU (`resources.share_gpus`), and a specialist lane's
+  trainer env around a process training the `medium` preset (bf16) through `DeepSpeedBackend`: its allocator is
+  capped at the lane's fraction (`ALLOY_GPU_MEM_FRACTION`, applied by `init_distributed`): peak memory under the
+  cap, an allocation past it refused.
 - `loss_memory` (CUDA): `bench/loss_memory.py --device cuda` at 1 × 1024, 4 × 1024 and 16 × 2048 tokens: extra GPU
   memory (torch.cuda.max_memory_allocated) of the OPD losses and the specialists' log-probs + entropy on bf16
   logits with V = 151,936, before and after chunking; fails if a chunked run takes more than 1.5× the logits.
@@ -321,6 +325,75 @@ def part_loss_memory(args) -> dict:
 
 
 PARTS["loss_memory"] = (part_loss_memory, True, 1, 600)
+
+_SHARED_TRAINER = """
+import json, sys, time
+import infra  # noqa: F401  (DS_ACCELERATOR)
+import torch
+from infra.models import build_model
+from training.deepspeed_backend import DeepSpeedBackend, TrainSettings
+rows, seq, steps = 32, 128, 3
+model = build_model("medium", 100, 0, 1, 2)
+backend = DeepSpeedBackend(model, TrainSettings(lr=1e-4, zero_stage=0, dtype="bf16", micro_batch_size=rows,
+                                                total_steps=steps, seed=0))  # init_distributed applies the cap
+ids = torch.randint(4, 100, (rows, seq), generator=torch.Generator().manual_seed(0)).to(backend.device)
+torch.cuda.reset_peak_memory_stats()
+losses = []
+for _ in range(steps):
+    logits = backend(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, 100), ids[:, 1:].reshape(-1),
+                                             reduction="sum")
+    backend.step(loss / backend.loss_normalizer(rows * (seq - 1)))
+    losses.append(loss.item() / (rows * (seq - 1)))
+torch.cuda.synchronize()
+out = {"device": str(backend.device), "peak_allocated_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+       "losses": [round(x, 4) for x in losses], "total_gb": round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1)}
+try:  # one allocation past the cap must be refused by this process's allocator
+    torch.empty(int(float(sys.argv[1]) * 1e9), dtype=torch.uint8, device="cuda")
+    out["over_cap_refused"] = False
+except torch.OutOfMemoryError:
+    out["over_cap_refused"] = True
+print(json.dumps(out))
+"""
+
+
+def part_shared_gpu(args) -> dict:
+    """configs/gpu-1.yaml on one GPU (its memory as resources.gpu_memory_gb): the shared plan, then a specialist
+    lane's trainer env (`trainer_env`: CUDA_VISIBLE_DEVICES and ALLOY_GPU_MEM_FRACTION) around a process that
+    trains the `medium` preset (bf16, ZeRO-0, 32 × 128 tokens, 3 steps) through DeepSpeedBackend: its peak allocated
+    memory must stay under the cap, and one allocation of (cap − peak + 1 GB) must raise OutOfMemoryError there."""
+    import torch
+
+    from infra.config import load_config
+    from infra.placement import make_plan, plan_problems, trainer_env, visible_devices
+
+    mem = torch.cuda.get_device_properties(0).total_memory / 1e9
+    cfg = load_config(REPO / "configs" / "gpu-1.yaml", [f"resources.gpu_memory_gb={mem:.1f}"])
+    plan = make_plan(cfg, 1)
+    lane = plan.trainers("specialists")[0]
+    env = {**os.environ, **trainer_env(plan, lane, visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), 1))}
+    env.pop("RANK", None)
+    cap_gb = lane.mem_fraction * mem
+    over_gb = max(cap_gb, 1.0)  # larger than what is left under the cap, whatever the peak: the cap must refuse it
+    r = subprocess.run([sys.executable, "-c", _SHARED_TRAINER, f"{over_gb:.2f}"], env=env, capture_output=True,
+                       text=True, timeout=540, cwd=str(REPO))
+    out: dict = {"gpu_memory_gb": round(mem, 1), "problems": plan_problems(plan),
+                 "processes": plan.to_json()["processes"], "lane_fraction": lane.mem_fraction,
+                 "cap_gb": round(cap_gb, 2), "env_fraction": env.get("ALLOY_GPU_MEM_FRACTION")}
+    if r.returncode != 0:
+        out["check"] = f"the capped trainer failed: {r.stderr[-1500:]}"
+        return out
+    out["trainer"] = json.loads(r.stdout.strip().splitlines()[-1])
+    t = out["trainer"]
+    bad = ([f"plan: {out['problems']}"] if out["problems"] else []) + \
+        ([f"peak {t['peak_allocated_gb']} GB over the cap {cap_gb:.2f} GB"] if t["peak_allocated_gb"] > cap_gb else []) + \
+        (["an allocation past the cap was not refused"] if not t["over_cap_refused"] else []) + \
+        ([f"trainer on {t['device']}"] if not t["device"].startswith("cuda") else [])
+    out["check"] = "; ".join(bad) or None
+    return out
+
+
+PARTS["shared_gpu"] = (part_shared_gpu, True, 1, 600)
 
 
 def run_part_here(name: str, args) -> int:

@@ -70,7 +70,9 @@ class RunConfig(_Strict):
 
 class ModelConfig(_Strict):
     """The model every stage starts from: a fresh preset model, or a local HF checkpoint."""
-    preset: Literal["nano", "tiny", "small", "base"] = Field("tiny", description="Size preset of the freshly built tiny model.")
+    preset: Literal["nano", "tiny", "small", "base", "medium"] = Field(
+        "tiny", description="Size preset of the freshly built model (infra/presets.py): nano, tiny, small, base (4.7M "
+        "parameters) are CPU-sized; medium (151M) is for a GPU.")
     path: str | None = Field(None, description="A local HF causal-LM checkpoint to start from instead of a fresh preset model.")
     chat_template: Literal["auto", "none"] = Field(
         "auto", description="How prompts become token ids in every stage (SFT, rollouts, scoring, distillation, "
@@ -290,3 +292,7 @@ class ResourcesConfig(_Strict):
                                            "activations, CUDA context.")
     colocate_rollout: bool = ops_field(False, description="A trainer shares its GPU(s) with its own rollout server "
                                        "(the trainer gets what the server leaves); false: servers get other GPUs.")
+    share_gpus: bool = ops_field(False, description="GPUs are shared by memory fraction: a trainer takes only its "
+                                 "estimated share of its GPU(s), so several specialist lanes, or the student, its "
+                                 "rollout server and every teacher, fit on one GPU (each trainer capped at its "
+                                 "fraction: docs/placement.md); false: a trainer has its GPU(s) to itself.")

@@ -14,7 +14,6 @@ tokenizer is built with exactly that pipeline, so it loads back identical under 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -23,27 +22,10 @@ from transformers.utils import logging as hf_logging
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
                           Qwen2Config, Qwen2ForCausalLM)
 
+from infra.presets import PRESETS, Preset  # noqa: F401  (re-exported: the preset table lives without torch)
 from infra.tokenizer import bpe_eos_ids, read_train_text, save_bpe_tokenizer, save_char_tokenizer, train_bpe_tokenizer
 
 hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars are noise for tiny local checkpoints
-
-
-@dataclass(frozen=True)
-class Preset:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    max_positions: int = 256
-
-
-PRESETS: dict[str, Preset] = {
-    "nano": Preset(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64),
-    "tiny": Preset(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=192),
-    "small": Preset(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384),
-    "base": Preset(hidden=256, layers=6, heads=8, kv_heads=4, intermediate=768, max_positions=512),
-}
 
 
 ARCHS = ("llama", "qwen2")

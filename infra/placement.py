@@ -19,23 +19,28 @@ Rules, per stage: the fractions on one GPU sum to at most BUDGET (0.95); no GPU 
 a trainer's GPU only when it is that trainer's own rollout server and `resources.colocate_rollout` is true (the
 trainer then gets what the server leaves). The distill stage's student and the teachers run at the same time, so
 they are planned together on one node's GPUs (the JSON still labels them "distill" and "teachers").
+With `resources.share_gpus` (the shared mode) the two exclusivity rules go: a trainer takes only its estimated share
+of each of its GPUs, trainers and servers are packed onto the GPUs by those shares (trainers first, then servers,
+each to the least-used place), and each trainer's mem_fraction is its share plus an even part of what its GPUs have
+left; `trainer_env` passes it to the trainer (GPU_MEM_FRACTION_ENV), whose ranks cap their CUDA allocator at it.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from infra.choices import Backend
+from infra.presets import preset_params
 
 GB = 1e9
 BUDGET = 95  # hundredths of one GPU that one stage's processes may take together (SGLang's own margin aside)
 SERVER_OVERHEAD_GB = 1.0  # per server process and GPU: CUDA context, activations, CUDA graphs
 DEFAULT_GPU_MEMORY_GB = 80.0  # an A100/H100 80 GB
-PRESET_MODEL_GB = 0.01  # Alloy's fresh preset models (nano..base) weigh under 10 MB
 PLACEMENT_ENV = "ALLOY_PLACEMENT"  # JSON a trainer process gets: its own rollout server's placement (see trainer_env)
+GPU_MEM_FRACTION_ENV = "ALLOY_GPU_MEM_FRACTION"  # a shared-mode trainer's mem_fraction: its ranks' allocator cap
 _DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2}
 
 
@@ -66,6 +71,7 @@ class Plan:
     model_gb: float
     model_source: str  # where model_gb came from
     processes: tuple[Proc, ...] = field(default_factory=tuple)
+    shared: bool = False  # resources.share_gpus: trainers share GPUs by memory fraction (plan_problems, trainer_env)
 
     def to_json(self) -> dict:
         return {"processes": [p.to_json() for p in self.processes]}
@@ -98,14 +104,18 @@ def estimate_params(hf_config: dict) -> float | None:
     return float(layers * (attention + 3 * h * inter) + embeddings)
 
 
-def model_size(model_path: str | None, model_gb: float | None = None) -> tuple[float, int, str]:
+def model_size(model_path: str | None, model_gb: float | None = None,
+               preset: str = "tiny") -> tuple[float, int, str]:
     """(params, bytes per parameter, source) of the run's model: `resources.model_gb` if given (taken as bf16),
     else the checkpoint's config.json (params × its torch_dtype; 2 bytes when unnamed), else the weight files'
-    size on disk, else (no model.path) a fresh preset model. Raises PlacementError when nothing is readable."""
+    size on disk, else (no model.path) the fresh `preset` model: its exact parameter count with the char
+    tokenizer's vocabulary (`infra.presets.preset_params`), served in bf16. Raises PlacementError when nothing is
+    readable."""
     if model_gb is not None:
         return model_gb * GB / 2, 2, "resources.model_gb"
     if not model_path:
-        return PRESET_MODEL_GB * GB / 4, 4, "preset model (fresh, < 10 MB)"
+        params = preset_params(preset)
+        return float(params), 2, f"model.preset {preset}, {params / 1e6:.1f}M params in bf16"
     d = Path(model_path).expanduser()
     cfg_file = d / "config.json"
     if cfg_file.is_file():
@@ -170,17 +180,27 @@ def pack(servers: Sequence[_Server], free: Sequence[int], used: dict[int, int]) 
     used aligned group of tp consecutive GPUs (tp > 1: ids [k·tp, (k+1)·tp) all in `free`; load = its fullest GPU)
     where its share still fits under BUDGET. So servers share a GPU only once every free GPU holds one. Updates
     `used` (hundredths per GPU); None (and `used` untouched) when some server finds no place."""
+    return place([(s.name, (s.share,) * s.tp) for s in servers], free, used)
+
+
+def place(items: Sequence[tuple[str, tuple[int, ...]]], free: Sequence[int],
+          used: dict[int, int]) -> dict[str, tuple[int, ...]] | None:
+    """`pack` for any process: an item (name, loads) takes an aligned block of len(loads) consecutive GPUs (ids
+    [k·b, (k+1)·b) all in `free`), adding loads[i] hundredths to the block's i-th GPU; each item goes to the block
+    whose fullest GPU is least used (ties: the lowest id) among those where every load still fits under BUDGET.
+    Updates `used`; None (and `used` untouched) when some item finds no place."""
     trial, out, free = dict(used), {}, list(free)
-    for s in servers:
-        groups = [tuple(range(g, g + s.tp)) for g in free if g % s.tp == 0]
+    for name, loads in items:
+        b = len(loads)
+        groups = [tuple(range(g, g + b)) for g in free if g % b == 0]
         groups = [g for g in groups if all(x in free for x in g)
-                  and all(trial.get(x, 0) + s.share <= BUDGET for x in g)]
+                  and all(trial.get(x, 0) + load <= BUDGET for x, load in zip(g, loads))]
         if not groups:
             return None
         spot = min(groups, key=lambda g: (max(trial.get(x, 0) for x in g), g[0]))
-        for x in spot:
-            trial[x] = trial.get(x, 0) + s.share
-        out[s.name] = spot
+        for x, load in zip(spot, loads):
+            trial[x] = trial.get(x, 0) + load
+        out[name] = spot
     used.update(trial)
     return out
 
@@ -197,6 +217,7 @@ class _Sizes:
     overhead_gb: float
     colocate: bool
     fixed_tp: int | None
+    shared: bool = False
 
     @property
     def model_gb(self) -> float:
@@ -205,12 +226,12 @@ class _Sizes:
 
 def _sizes(cfg) -> tuple[_Sizes, str]:
     r = cfg.resources
-    params, nbytes, source = model_size(cfg.model.path, r.model_gb)
+    params, nbytes, source = model_size(cfg.model.path, r.model_gb, cfg.model.preset)
     model_gb = params * nbytes / GB
     kv = r.kv_cache_gb if r.kv_cache_gb is not None else max(1.0, 0.5 * model_gb)
     fixed = (cfg.engine.sglang_args or {}).get("tp_size") if cfg.engine.backend == Backend.SGLANG else None
     return _Sizes(params, nbytes, r.gpu_memory_gb, kv, r.trainer_overhead_gb, r.colocate_rollout,
-                  int(fixed) if fixed else None), source
+                  int(fixed) if fixed else None, r.share_gpus), source
 
 
 def _trainer_share(sz: _Sizes, train, n_models: int, extra_gb: float = 0.0) -> tuple[int, float]:
@@ -227,29 +248,41 @@ def _rollout(sz: _Sizes, most: int, stage: str) -> _Server:
     return _Server("", "rollout", tp, server_share(sz.model_gb, sz.kv_gb, tp, sz.gpu_gb))
 
 
+def _names(stage: str, n: int) -> list[str]:
+    return ["student" if stage == "distill" else f"lane-{i}" for i in range(n)]
+
+
 def _lanes(stage: str, n: int, world: int, t_share: int, t_gb: float, sz: _Sizes, gpus: int,
-           what: str) -> list[Proc]:
+           what: str, shared_fits: Callable[[], bool] | None = None) -> list[Proc]:
     """`n` lanes of one trainer (`world` ranks, `t_share` hundredths per rank) plus its own rollout server each, on
-    GPUs 0..gpus-1, or PlacementError naming the largest number of lanes that fits."""
+    GPUs 0..gpus-1, or PlacementError naming the largest number of lanes that fits. `shared_fits` (default: these
+    lanes in the shared mode) says whether `resources.share_gpus: true` would make the stage fit, for the hint."""
     fit = _fit_lanes(n, world, t_share, sz, gpus, stage)
     if isinstance(fit, list):
         return fit
     best = max((k for k in range(n - 1, 0, -1) if isinstance(_fit_lanes(k, world, t_share, sz, gpus, stage), list)),
                default=0)
     server = _rollout(sz, gpus, stage)
-    need = (f"{world} GPU(s) for the trainer ({what}.world_size={world}, about {t_gb:.1f} GB per rank) "
+    per_rank = f"about {t_gb:.1f} GB" + (f" = {t_share / 100:.2f} of a GPU" if sz.shared else "")
+    need = (f"{world} GPU(s) for the trainer ({what}.world_size={world}, {per_rank} per rank) "
             f"{'shared with' if sz.colocate else 'plus'} its own rollout server (tp {server.tp}, mem_fraction "
             f"{server.share / 100:.2f} per GPU)")
+    where = f"on {gpus} GPU(s) of {sz.gpu_gb:g} GB" + (" shared by memory fraction (resources.share_gpus: true)"
+                                                        if sz.shared else "")
     if stage == "specialists":
         what_fails = (f"specialists: {n} lanes at once (specialists.max_parallel, at most one per domain) do not fit "
-                      f"on {gpus} GPU(s) of {sz.gpu_gb:g} GB; each lane needs {need}")
+                      f"{where}; each lane needs {need}")
         hint = (f"at most {best} fit: set specialists.max_parallel={best}" if best
                 else "not even one lane fits")
     else:
-        what_fails = f"{stage}: the student does not fit on {gpus} GPU(s) of {sz.gpu_gb:g} GB; it needs {need}"
+        what_fails = f"{stage}: the student does not fit {where}; it needs {need}"
         hint = "add GPUs"
-    if not sz.colocate and t_share + server.share <= BUDGET:
+    if not sz.shared and not sz.colocate and t_share + server.share <= BUDGET:
         hint += ", or set resources.colocate_rollout: true (a trainer shares its GPUs with its own rollout server)"
+    if not sz.shared:
+        shared = replace(sz, shared=True)
+        if (shared_fits or (lambda: isinstance(_fit_lanes(n, world, t_share, shared, gpus, stage), list)))():
+            hint += ", or set resources.share_gpus: true (trainers share GPUs by memory fraction)"
     raise PlacementError(f"{what_fails}: {hint}")
 
 
@@ -260,6 +293,8 @@ def _fit_lanes(n: int, world: int, t_share: int, sz: _Sizes, gpus: int, stage: s
                              "resources.gpu_memory_gb / model_gb / trainer_overhead_gb")
     server = _rollout(sz, gpus, stage)
     procs: list[Proc] = []
+    if sz.shared:
+        return _shared_lanes(n, world, t_share, server, sz.colocate, gpus, stage)
     if sz.colocate:  # lane i: a block of max(world, tp) GPUs; rollout on its first tp, trainer on its first world
         block = max(world, server.tp)
         if n * block > gpus or t_share + server.share > BUDGET:
@@ -275,7 +310,7 @@ def _fit_lanes(n: int, world: int, t_share: int, sz: _Sizes, gpus: int, stage: s
     if n * world >= gpus:  # trainers take the first n·world GPUs; the rollout servers pack onto the rest
         return "no"
     used: dict[int, int] = {}
-    names = ["student" if stage == "distill" else f"lane-{i}" for i in range(n)]
+    names = _names(stage, n)
     placed = pack([_Server(nm, "rollout", server.tp, server.share) for nm in names], range(n * world, gpus), used)
     if placed is None:
         return "no"
@@ -283,6 +318,63 @@ def _fit_lanes(n: int, world: int, t_share: int, sz: _Sizes, gpus: int, stage: s
         procs += [Proc(stage, nm, "trainer", tuple(range(i * world, (i + 1) * world)), BUDGET / 100),
                   Proc(stage, nm, "rollout", placed[nm], server.share / 100)]
     return procs
+
+
+def _shared_lanes(n: int, world: int, t_share: int, server: _Server, colocate: bool, gpus: int,
+                  stage: str) -> list[Proc] | str:
+    """The shared mode's lanes: packed onto GPUs 0..gpus-1 by their shares with `place`, the trainers first (an
+    aligned block of `world` GPUs each, spread), then the rollout servers (spread over what is least used); with
+    colocate_rollout each lane's trainer and server go as one block of max(world, tp) GPUs. A trainer's
+    mem_fraction here is its share; `_with_slack` adds its part of what is left once the stage is placed."""
+    names, used = _names(stage, n), {}
+    if colocate:
+        block = max(world, server.tp)
+        loads = tuple((t_share if i < world else 0) + (server.share if i < server.tp else 0) for i in range(block))
+        lanes = place([(nm, loads) for nm in names], range(gpus), used)
+        if lanes is None:
+            return "no"
+        t_gpus = {nm: g[:world] for nm, g in lanes.items()}
+        r_gpus = {nm: g[:server.tp] for nm, g in lanes.items()}
+    else:
+        t_gpus = place([(nm, (t_share,) * world) for nm in names], range(gpus), used)
+        r_gpus = None if t_gpus is None else pack([_Server(nm, "rollout", server.tp, server.share) for nm in names],
+                                                  range(gpus), used)
+        if r_gpus is None:
+            return "no"
+    return [proc for nm in names for proc in (Proc(stage, nm, "trainer", t_gpus[nm], t_share / 100),
+                                              Proc(stage, nm, "rollout", r_gpus[nm], server.share / 100))]
+
+
+def _loads(procs: Sequence[Proc]) -> dict[int, int]:
+    """Hundredths planned on each GPU by `procs`."""
+    used: dict[int, int] = {}
+    for p in procs:
+        for g in p.gpus:
+            used[g] = used.get(g, 0) + round(p.mem_fraction * 100)
+    return used
+
+
+def _with_slack(procs: list[Proc]) -> list[Proc]:
+    """The shared mode's last step: each trainer's mem_fraction becomes its share plus an even part of what the
+    stage leaves free on its GPUs (the smallest such part over its GPUs, in whole hundredths), so a GPU's sum stays
+    ≤ BUDGET and a trainer whose activations outgrow the estimate has room before its allocator cap."""
+    used = _loads(procs)
+    trainers: dict[int, int] = {}
+    for p in procs:
+        for g in p.gpus if p.kind == "trainer" else ():
+            trainers[g] = trainers.get(g, 0) + 1
+    return [replace(p, mem_fraction=(round(p.mem_fraction * 100) + min((BUDGET - used[g]) // trainers[g]
+                                                                      for g in p.gpus)) / 100)
+            if p.kind == "trainer" else p for p in procs]
+
+
+def _shared_fits(stage, cfg, sz: _Sizes, gpus: int) -> bool:
+    """Whether `stage` (a planning function) fits in the shared mode: for the hint of a refusal without it."""
+    try:
+        stage(cfg, replace(sz, shared=True), gpus)
+    except PlacementError:
+        return False
+    return True
 
 
 def _kl_ref(cfg) -> bool:
@@ -315,11 +407,13 @@ def _specialists(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
     c_gb = trainer_gb(sz.params, sc.critic_train.dtype, sc.critic_train.zero_stage, world, 1)
     gb = p_gb + c_gb + ref_gb + sz.overhead_gb
     n = min(sc.max_parallel, len(cfg.domain_names()))
-    return _lanes("specialists", n, world, hundredths(gb, sz.gpu_gb), gb, sz, gpus, "specialists.policy_train")
+    lanes = _lanes("specialists", n, world, hundredths(gb, sz.gpu_gb), gb, sz, gpus, "specialists.policy_train")
+    return _with_slack(lanes) if sz.shared else lanes
 
 
 def _distill(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
-    """The student's trainer + rollout server, and the teachers beside them (they run at the same time)."""
+    """The student's trainer + rollout server, and the teachers beside them (they run at the same time): on the GPUs
+    the student trainer leaves free, or in the shared mode on every GPU, beside the student's share."""
     teachers = [d for d in cfg.domain_names() if d not in cfg.teachers.external]
     if teachers and server_tp(sz.model_gb, sz.kv_gb, sz.gpu_gb, sz.fixed_tp, gpus) is None:
         raise PlacementError(f"teachers: one teacher server ({sz.model_gb:.1f} GB weights + {sz.kv_gb:.1f} GB KV "
@@ -328,14 +422,16 @@ def _distill(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
                                 f"the {gpus} GPU(s)") + f" of {sz.gpu_gb:g} GB (at most {BUDGET / 100:.2f} of each)")
     dt = cfg.distill.train
     share, gb = _trainer_share(sz, dt, 1)
-    student = _lanes("distill", 1, dt.world_size, share, gb, sz, gpus, "distill.train")
+    shared_fits = (lambda: _shared_fits(_distill, cfg, sz, gpus)) if not sz.shared else None
+    student = _lanes("distill", 1, dt.world_size, share, gb, sz, gpus, "distill.train", shared_fits)
     if not teachers:
-        return student
-    used: dict[int, int] = {}
-    for p in student:
-        for g in p.gpus:
-            used[g] = used.get(g, 0) + (BUDGET if p.kind == "trainer" else round(p.mem_fraction * 100))
-    free = [g for g in range(gpus) if g not in student[0].gpus]
+        return _with_slack(student) if sz.shared else student
+    if sz.shared:  # the student trainer holds its share; teachers may go anywhere
+        used, free = _loads(student), list(range(gpus))
+    else:  # the student trainer holds its GPUs whole
+        used = _loads(student[1:])
+        used.update({g: used.get(g, 0) + BUDGET for g in student[0].gpus})
+        free = [g for g in range(gpus) if g not in student[0].gpus]
     tp = server_tp(sz.model_gb, sz.kv_gb, sz.gpu_gb, sz.fixed_tp, len(free))
     if tp is None:
         raise PlacementError(f"teachers: one teacher server ({sz.model_gb:.1f} GB weights + {sz.kv_gb:.1f} GB KV "
@@ -346,11 +442,22 @@ def _distill(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
     placed = pack(servers, free, used)
     if placed is None:
         fits = max((k for k in range(len(servers)) if pack(servers[:k], free, dict(used)) is not None), default=0)
+        if sz.shared:
+            where = (f"the {gpus} GPU(s) of {sz.gpu_gb:g} GB shared by memory fraction (resources.share_gpus: true) "
+                     f"with the student trainer ({student[0].mem_fraction:.2f} of GPUs {list(student[0].gpus)}) and "
+                     f"its rollout server ({student[1].mem_fraction:.2f})")
+            hint = "add GPUs, lower resources.kv_cache_gb, or serve some teachers elsewhere (teachers.external)"
+        else:
+            where = (f"the {len(free)} GPU(s) left beside the student trainer (GPUs {list(student[0].gpus)}) and its "
+                     "rollout server")
+            hint = "add GPUs, or serve some teachers elsewhere (teachers.external)"
+            if shared_fits():
+                hint += ", or set resources.share_gpus: true (trainers share GPUs by memory fraction)"
         raise PlacementError(
             f"teachers: {len(servers)} teacher servers (tp {tp}, mem_fraction {share / 100:.2f} per GPU each) do not "
-            f"fit on the {len(free)} GPU(s) left beside the student trainer (GPUs {list(student[0].gpus)}) and its "
-            f"rollout server: {fits} fit; add GPUs, or serve some teachers elsewhere (teachers.external)")
-    return student + [Proc("teachers", d, "teacher", placed[d], share / 100) for d in teachers]
+            f"fit on {where}: {fits} fit; {hint}")
+    procs = student + [Proc("teachers", d, "teacher", placed[d], share / 100) for d in teachers]
+    return _with_slack(procs) if sz.shared else procs
 
 
 def make_plan(cfg, gpus: int) -> Plan:
@@ -360,7 +467,7 @@ def make_plan(cfg, gpus: int) -> Plan:
     sz, source = _sizes(cfg)
     plan = dict(gpus=gpus, gpu_memory_gb=sz.gpu_gb, model_gb=round(sz.model_gb, 3), model_source=source)
     if gpus <= 0:
-        return Plan(**plan)
+        return Plan(**plan, shared=sz.shared)
     procs: list[Proc] = []
     errors: list[str] = []
     for stage in (_base, _specialists, _distill):
@@ -370,13 +477,14 @@ def make_plan(cfg, gpus: int) -> Plan:
             errors.append(str(exc))
     if errors:
         raise PlacementError(f"does not fit on {gpus} GPU(s):\n  " + "\n  ".join(errors))
-    return Plan(**plan, processes=tuple(procs))
+    return Plan(**plan, processes=tuple(procs), shared=sz.shared)
 
 
 def plan_problems(plan: Plan) -> list[str]:
     """The rules a plan breaks (empty for every plan `make_plan` returns): per stage (distill and teachers counted
-    together, they run at once), fractions on one GPU sum to ≤ BUDGET, no GPU holds two trainers, and a GPU holding
-    a trainer holds nothing else but that trainer's own rollout server."""
+    together, they run at once), fractions on one GPU sum to ≤ BUDGET, and unless the plan is `shared`
+    (resources.share_gpus), no GPU holds two trainers and a GPU holding a trainer holds nothing else but that
+    trainer's own rollout server."""
     problems: list[str] = []
     groups: dict[str, list[Proc]] = {}
     for p in plan.processes:
@@ -387,7 +495,7 @@ def plan_problems(plan: Plan) -> list[str]:
             total = sum(round(p.mem_fraction * 100) for p in on)
             if total > BUDGET:
                 problems.append(f"{stage}: GPU {g} is {total / 100:.2f} full")
-            trainers = [p for p in on if p.kind == "trainer"]
+            trainers = [p for p in on if p.kind == "trainer"] if not plan.shared else []
             if len(trainers) > 1:
                 problems.append(f"{stage}: GPU {g} holds {len(trainers)} trainers")
             if trainers and any(p.kind != "rollout" or p.name != trainers[0].name for p in on if p.kind != "trainer"):
@@ -413,9 +521,13 @@ def visible_devices(environ_value: str | None, gpus: int) -> list[str]:
 
 
 def trainer_env(plan: Plan, trainer: Proc, visible: Sequence[str]) -> dict[str, str]:
-    """What a trainer process gets: CUDA_VISIBLE_DEVICES = its GPUs (its ranks see them as cuda:0..W-1), and
-    PLACEMENT_ENV = JSON of its own rollout server's placement (read back by `rollout_placement`)."""
+    """What a trainer process gets: CUDA_VISIBLE_DEVICES = its GPUs (its ranks see them as cuda:0..W-1),
+    PLACEMENT_ENV = JSON of its own rollout server's placement (read back by `rollout_placement`), and in a shared
+    plan GPU_MEM_FRACTION_ENV = its mem_fraction (each rank caps its CUDA allocator at it:
+    `training.deepspeed_backend.apply_gpu_memory_fraction`)."""
     env = {"CUDA_VISIBLE_DEVICES": ",".join(visible[g] for g in trainer.gpus)}
+    if plan.shared:
+        env[GPU_MEM_FRACTION_ENV] = f"{trainer.mem_fraction:.2f}"
     rollout = plan.get(trainer.stage, trainer.name, "rollout")
     if rollout is not None:
         env[PLACEMENT_ENV] = json.dumps({"visible": list(visible), **rollout.to_json()})

@@ -36,7 +36,8 @@ INTRO = f"""# Configuration reference
 <!-- Generated from infra/config.py by scripts/gen_config_docs.py: do not edit by hand.
      Regenerate with `{COMMAND}` (or `make config-docs`). -->
 
-A run is configured by one YAML file (`configs/smoke.yaml`, `configs/demo.yaml`, `configs/gpu-example.yaml`).
+A run is configured by one YAML file (`configs/smoke.yaml`, `configs/demo.yaml`, `configs/gpu-1.yaml`,
+`configs/gpu-example.yaml`).
 Every field has a default except `domains`; unknown keys and wrong types are refused before anything runs, with
 the dotted path of every bad field (exit code 2). `alloy config FILE` prints a config with every default filled
 in.

@@ -3,7 +3,8 @@
 When a plan applies (`resources.gpus_per_node` set, or CUDA devices present), `trainer_lane(cmd, cfg, stage)`
 holds one free lane of `stage` (a trainer of the plan: specialists have `max_parallel` lanes, base and distill one)
 and adds to the trainer's command the environment `infra.placement.trainer_env` gives it: CUDA_VISIBLE_DEVICES of
-its GPUs, and its own rollout server's placement, which `PolicyServer.for_engine` applies inside the trainer.
+its GPUs, its own rollout server's placement, which `PolicyServer.for_engine` applies inside the trainer, and with
+`resources.share_gpus` its memory fraction (ALLOY_GPU_MEM_FRACTION, which its ranks cap their allocator at).
 `teacher_placements(cfg)` is the same for the teacher servers. Without GPUs both change nothing.
 
 A lane is held as an exclusive `flock` on a file under the temp dir, keyed by the node's visible devices: the
@@ -89,8 +90,9 @@ def trainer_lane(cmd: list[str], cfg, stage: str) -> Iterator[list[str]]:
     plan, visible = placed
     with _hold_lane(stage, len(trainers), visible) as i:
         env = trainer_env(plan, trainers[i], visible)
-        log.info("%s: lane %s on GPU(s) %s (CUDA_VISIBLE_DEVICES=%s)", stage, trainers[i].name,
-                 list(trainers[i].gpus), env["CUDA_VISIBLE_DEVICES"])
+        log.info("%s: lane %s on GPU(s) %s (CUDA_VISIBLE_DEVICES=%s%s)", stage, trainers[i].name,
+                 list(trainers[i].gpus), env["CUDA_VISIBLE_DEVICES"],
+                 f", memory fraction {trainers[i].mem_fraction:.2f}" if plan.shared else "")
         yield WorkerCommand(list(cmd), {**getattr(cmd, "env", {}), **env})
 
 

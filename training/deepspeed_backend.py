@@ -62,6 +62,7 @@ def _import_deepspeed():
 deepspeed = _import_deepspeed()
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
+from infra.placement import GPU_MEM_FRACTION_ENV  # noqa: E402
 from training.safe_load import deepspeed_allowed, safe_torch_load  # noqa: E402
 
 T = TypeVar("T")
@@ -288,6 +289,27 @@ def _skip_cpu_shm_op() -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def apply_gpu_memory_fraction() -> float | None:
+    """Cap this rank's CUDA caching allocator at the fraction of its GPU (`cuda:LOCAL_RANK`) the placement plan gave
+    its trainer, when GPUs are shared (`resources.share_gpus`: `infra.placement.trainer_env` sets
+    GPU_MEM_FRACTION_ENV), so trainers and servers sharing a GPU each stay within their planned share: an allocation
+    beyond it raises CUDA out-of-memory in this process instead of starving its neighbours. Returns the fraction
+    applied; None (nothing done) without the variable or without CUDA. Called by `init_distributed`, which every
+    trainer passes through before it allocates (DeepSpeedBackend, training.session.trainable)."""
+    raw = os.environ.get(GPU_MEM_FRACTION_ENV, "").strip()
+    if not raw or not torch.cuda.is_available():
+        return None
+    try:
+        fraction = float(raw)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{GPU_MEM_FRACTION_ENV}={raw!r}: must be a fraction of the GPU in (0, 1]")
+    device = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
 def init_distributed(backend: str | None = None) -> tuple[int, int]:
     """Join (or create) the process group; idempotent. Returns (rank, world_size).
 
@@ -297,7 +319,8 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     port number that only marks the env as ours, nothing listens on it). Launched by torchrun / the deepspeed
     launcher with more processes: their env:// rendezvous, with MASTER_ADDR defaulting to 127.0.0.1 (one machine);
     by mpirun: DeepSpeed's MPI discovery. On the CPU, DeepSpeed's shared-memory all-reduce op is not built (see
-    `_skip_cpu_shm_op`).
+    `_skip_cpu_shm_op`). A trainer on a shared GPU caps its allocator at its planned fraction
+    (`apply_gpu_memory_fraction`).
     """
     _skip_cpu_shm_op()
     if not dist.is_initialized():
@@ -319,6 +342,7 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     else:
         deepspeed.init_distributed(verbose=False)  # wraps a user-created torch group; no-op if already done
+    apply_gpu_memory_fraction()
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -36,7 +36,7 @@ PROBE = textwrap.dedent("""
         PolicyServer.for_engine(EngineConfig(), sup, "policy", model, work + "/server")
         proc = psutil.Process(sup.status()[0]["pid"])
         out = {"trainer": os.environ.get("CUDA_VISIBLE_DEVICES"), "server": proc.environ().get("CUDA_VISIBLE_DEVICES"),
-               "server_cmd": proc.cmdline()}
+               "server_cmd": proc.cmdline(), "fraction": os.environ.get("ALLOY_GPU_MEM_FRACTION")}
     from training.progress_events import report
     report(1, 1)
     open(work + "/probe.json", "w").write(json.dumps(out))
@@ -86,5 +86,27 @@ def test_launched_processes_get_their_planned_gpus(tiny_model_dir, tmp_path, mon
     probes = [json.loads((w / "probe.json").read_text()) for w in works]
     assert [(p["trainer"], p["server"]) for p in probes] == [("4", "6"), ("5", "7")]
     assert all("--base-gpu-id" not in p["server_cmd"] for p in probes)  # the embedded server takes no SGLang flags
+    assert [p["fraction"] for p in probes] == [None, None]  # GPUs not shared: no allocator cap
     # each trainer's progress reached its own events file (the lane's command kept run_worker's variable)
     assert [[e.step for e in read_events(progress_path(w / "trainer.log"))[0]] for w in works] == [[1], [1]]
+
+
+def test_shared_gpu_lanes_on_one_gpu_get_their_fractions(tiny_model_dir, tmp_path, monkeypatch):
+    """resources.share_gpus on one GPU: two specialist lanes held at once, both on the node's GPU 3; each trainer
+    (run in its lane) and its rollout server see that GPU, and the trainer gets its planned ALLOY_GPU_MEM_FRACTION
+    (what init_distributed caps its allocator at)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setenv("ALLOY_LANE_DIR", str(tmp_path / "lanes"))
+    cfg = config_from_dict({"domains": [{"name": d} for d in DOMAINS],
+                            "resources": {"gpus_per_node": 1, "share_gpus": True}, "specialists": {"max_parallel": 2}})
+    plan = make_plan(cfg, 1)
+    trainers = plan.trainers("specialists")
+    assert len(trainers) == 2 and all(p.gpus == (0,) for p in plan.processes)
+    works = [tmp_path / f"t{i}" for i in range(2)]
+    cmds = [WorkerCommand([sys.executable, "-c", PROBE, str(w), str(tiny_model_dir)]) for w in works]
+    with trainer_lane(cmds[0], cfg, "specialists") as a, trainer_lane(cmds[1], cfg, "specialists") as b:
+        for c, w in zip((a, b), works):
+            run_worker(c, w / "trainer.log", 1, w.name)
+    probes = [json.loads((w / "probe.json").read_text()) for w in works]
+    assert [(p["trainer"], p["server"]) for p in probes] == [("3", "3"), ("3", "3")]
+    assert [p["fraction"] for p in probes] == [f"{t.mem_fraction:.2f}" for t in trainers]

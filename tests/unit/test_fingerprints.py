@@ -30,6 +30,7 @@ OPS_CHANGES = {
     "specialists.threads": 2, "specialists.guard.judge_api_key": "k3y", "specialists.guard.judge_timeout_s": 3.0,
     "resources.gpus_per_node": 8, "resources.gpu_memory_gb": 40.0, "resources.model_gb": 3.0,
     "resources.kv_cache_gb": 2.0, "resources.trainer_overhead_gb": 1.0, "resources.colocate_rollout": True,
+    "resources.share_gpus": True,
 }
 
 STAGES = ("base", "specialist", "student")

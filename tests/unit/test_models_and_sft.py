@@ -51,6 +51,34 @@ def test_presets_grow():
         build_model("huge", 100, 0, 1, 2)
 
 
+def test_preset_parameter_counts_without_torch():
+    """infra.presets.preset_params (what the placement planner sizes a fresh model by) counts exactly what
+    build_model builds, for every preset and both architectures (built on the meta device: no memory, fast).
+    medium: 12 · (attention 2·1024·1024 + 2·1024·512 + MLP 3·1024·3072 + norms 2·1024) + embedding 100·1024 (tied)
+    + final norm 1024 = 151,122,944."""
+    from infra.models import model_config
+    from infra.presets import CHAR_VOCAB, preset_params
+    from infra.tokenizer import char_vocab
+
+    assert CHAR_VOCAB == len(char_vocab()) == 100
+    assert preset_params("medium") == 12 * (2 * 1024 ** 2 + 2 * 1024 * 512 + 3 * 1024 * 3072 + 2 * 1024) \
+        + 100 * 1024 + 1024 == 151_122_944
+    for arch, cls in (("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")):
+        import transformers
+
+        for name in PRESETS:
+            with torch.device("meta"):
+                model = getattr(transformers, cls)(model_config(name, 100, 0, 1, 2, arch=arch))
+            assert sum(p.numel() for p in model.parameters()) == preset_params(name, 100, arch == "qwen2"), name
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        preset_params("huge")
+    import typing
+
+    from infra.config import ModelConfig
+
+    assert typing.get_args(ModelConfig.model_fields["preset"].annotation) == tuple(PRESETS)  # model.preset takes each
+
+
 def test_encode_and_collate_masks_only_the_completion():
     tok = build_char_tokenizer()
     ids, n_ctx = encode_pair(tok, "ab=", "xy")

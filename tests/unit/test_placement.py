@@ -196,3 +196,138 @@ def test_alloy_plan_cli(tmp_path):
     assert len([p for p in procs if p["kind"] == "teacher"]) == 13
     bad = run("--gpus", "1", "--set", "specialists.max_parallel=8")
     assert bad.returncode == 2 and "specialists: 8 lanes at once" in bad.stderr, bad.stderr
+
+
+# Shared GPUs (resources.share_gpus): a 100M model (model_gb 0.2 → 1e8 params), default trainers (fp32, ZeRO-0):
+#   server: 0.2 GB + KV max(1, 0.1) = 1 GB + 1 GB = 2.2 GB = 0.0275 → 0.03
+#   specialist trainer: 16 B · 1e8 = 1.6 GB × 2 (policy, critic) + 0.4 GB fp32 reference + 4 GB = 7.6 GB → 0.10
+#   student trainer: 1.6 + 4 = 5.6 GB → 0.07; base: alone in its stage, 0.95
+SMALL_SHARED = {"gpu_memory_gb": 80, "model_gb": 0.2, "share_gpus": True}
+
+
+def test_shared_one_gpu_everything_on_gpu_0():
+    # specialists: 2 lanes, trainers 0.10 each + rollouts 0.03 each = 0.26 on GPU 0; the 0.69 left is split between
+    # the two trainers (0.34 each, in whole hundredths): 0.44 + 0.44 + 0.03 + 0.03 = 0.94.
+    # distill: student 0.07 + its rollout 0.03 + 3 teachers 0.03 = 0.19; the student gets the 0.76 left: 0.83.
+    plan = make_plan(cfg(SMALL_SHARED), 1)
+    assert table(plan) == [
+        ("base", "base", "trainer", (0,), 0.95),
+        ("specialists", "lane-0", "trainer", (0,), 0.44), ("specialists", "lane-0", "rollout", (0,), 0.03),
+        ("specialists", "lane-1", "trainer", (0,), 0.44), ("specialists", "lane-1", "rollout", (0,), 0.03),
+        ("distill", "student", "trainer", (0,), 0.83), ("distill", "student", "rollout", (0,), 0.03),
+        ("teachers", "addition", "teacher", (0,), 0.03), ("teachers", "reverse", "teacher", (0,), 0.03),
+        ("teachers", "max_list", "teacher", (0,), 0.03),
+    ]
+    assert plan.shared and plan_problems(plan) == []
+    # each trainer gets its GPU and its fraction; its ranks cap their allocator at it
+    env = trainer_env(plan, plan.get("specialists", "lane-1", "trainer"), visible_devices("3", 1))
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["ALLOY_GPU_MEM_FRACTION"] == "0.44"
+    assert rollout_placement(env)["gpus"] == [0] and rollout_placement(env)["mem_fraction"] == 0.03
+    # the default (unshared) plan gives no fraction to enforce
+    unshared = make_plan(cfg(ONE_B), 4)
+    assert "ALLOY_GPU_MEM_FRACTION" not in trainer_env(unshared, unshared.trainers("specialists")[0], "0123")
+
+
+def test_shared_spreads_before_sharing():
+    # The 1B model (ONE_B) shared on 2 GPUs: specialist trainers (0.50) spread, one per GPU; rollouts to the least
+    # used (tie at 0.50: GPU 0, then GPU 1); each trainer gets 0.95 − 0.55 left on its GPU: 0.90.
+    # distill: student 0.25 on GPU 0, its rollout to GPU 1 (0 < 0.25), the teachers to GPU 1 too (0.05, 0.10, 0.15
+    # all under 0.25); the student keeps GPU 0's rest: 0.95.
+    plan = make_plan(cfg({**ONE_B, "share_gpus": True}), 2)
+    assert [r for r in table(plan) if r[0] != "base"] == [
+        ("specialists", "lane-0", "trainer", (0,), 0.90), ("specialists", "lane-0", "rollout", (0,), 0.05),
+        ("specialists", "lane-1", "trainer", (1,), 0.90), ("specialists", "lane-1", "rollout", (1,), 0.05),
+        ("distill", "student", "trainer", (0,), 0.95), ("distill", "student", "rollout", (1,), 0.05),
+        ("teachers", "addition", "teacher", (1,), 0.05), ("teachers", "reverse", "teacher", (1,), 0.05),
+        ("teachers", "max_list", "teacher", (1,), 0.05),
+    ]
+    assert plan_problems(plan) == []
+
+
+def test_shared_refusals_name_what_fits():
+    # 1B on one shared GPU: two specialist lanes need 2 · (0.50 + 0.05) = 1.10 > 0.95: one fits
+    with pytest.raises(PlacementError) as e:
+        make_plan(cfg({**ONE_B, "share_gpus": True}), 1)
+    msg = str(e.value)
+    assert "specialists: 2 lanes at once" in msg and "shared by memory fraction (resources.share_gpus: true)" in msg
+    assert "about 40.0 GB = 0.50 of a GPU per rank" in msg and "at most 1 fit: set specialists.max_parallel=1" in msg
+    assert "colocate_rollout" not in msg and "distill" not in msg
+    # unshared, the same GPU fits nothing, and the refusal says sharing would fit the student with its teachers
+    with pytest.raises(PlacementError) as e:
+        make_plan(cfg({**ONE_B}, specialists={"enabled": False}), 1)
+    assert "distill: the student does not fit on 1 GPU(s)" in str(e.value)
+    assert "or set resources.share_gpus: true" in str(e.value)
+    # teachers beside the student: KV 20 GB → a server of 2 + 20 + 1 = 23 GB = 0.29; student 0.25 + rollout 0.29
+    # + one teacher 0.29 = 0.83; a second would make 1.12
+    with pytest.raises(PlacementError) as e:
+        make_plan(cfg({**ONE_B, "share_gpus": True, "kv_cache_gb": 20}, specialists={"enabled": False}), 1)
+    assert ("teachers: 3 teacher servers (tp 1, mem_fraction 0.29 per GPU each) do not fit on the 1 GPU(s) of 80 GB "
+            "shared by memory fraction (resources.share_gpus: true) with the student trainer (0.25 of GPUs [0]) and "
+            "its rollout server (0.29): 1 fit; add GPUs, lower resources.kv_cache_gb") in str(e.value)
+
+
+def test_plan_problems_in_a_shared_plan():
+    # two trainers and another's server on one GPU are allowed when shared; the sum over 0.95 still is not
+    procs = (Proc("s", "a", "trainer", (0,), 0.4), Proc("s", "b", "trainer", (0,), 0.4),
+             Proc("s", "a", "rollout", (0,), 0.05), Proc("s", "b", "rollout", (0,), 0.05))
+    assert plan_problems(Plan(1, 80, 1, "x", procs, shared=True)) == []
+    assert plan_problems(Plan(1, 80, 1, "x", procs)) == ["s: GPU 0 holds 2 trainers",
+                                                         "s: GPU 0 holds trainer a and another's server"]
+    over = procs + (Proc("t", "c", "teacher", (0,), 0.5), Proc("s", "d", "teacher", (0,), 0.1))
+    assert plan_problems(Plan(1, 80, 1, "x", over, shared=True)) == ["s: GPU 0 is 1.00 full"]
+
+
+def test_fresh_preset_model_size():
+    # no model.path: the preset's exact parameter count (char vocabulary) in bf16 bytes
+    plan = make_plan(config_from_dict({"domains": DOMAINS, "model": {"preset": "medium"}}), 0)
+    assert plan.model_gb == round(151_122_944 * 2 / 1e9, 3)
+    assert plan.model_source == "model.preset medium, 151.1M params in bf16"
+
+
+def test_alloy_plan_gpu_1_on_one_gpu():
+    """configs/gpu-1.yaml: every trainer, rollout server and all 12 teachers on GPU 0, each stage ≤ 0.95 (on 80 and
+    141 GB); more lanes than fit are refused naming the field and what fits."""
+    run = lambda *a: subprocess.run([sys.executable, "-m", "alloy.cli", "plan", "configs/gpu-1.yaml", "--gpus", "1",
+                                     *a], capture_output=True, text=True, cwd=REPO, timeout=120)
+    for extra in ((), ("--set", "resources.gpu_memory_gb=141")):
+        out = run("--json", *extra)
+        assert out.returncode == 0, out.stderr
+        procs = json.loads(out.stdout)["processes"]
+        assert all(p["gpus"] == [0] for p in procs)
+        kinds = {}
+        for p in procs:
+            kinds.setdefault((p["stage"], p["kind"]), []).append(p["name"])
+        assert kinds[("base", "trainer")] == ["base"] and kinds[("distill", "trainer")] == ["student"]
+        assert len(kinds[("specialists", "trainer")]) == len(kinds[("specialists", "rollout")]) == 4
+        assert kinds[("distill", "rollout")] == ["student"] and len(kinds[("teachers", "teacher")]) == 12
+        for stage in ("base", "specialists", ("distill", "teachers")):
+            total = sum(round(p["mem_fraction"] * 100) for p in procs if p["stage"] in stage)
+            assert total <= 95, (stage, total)
+        plan = Plan(1, 80, 0.3, "", tuple(Proc(**{**p, "gpus": tuple(p["gpus"])}) for p in procs), shared=True)
+        assert plan_problems(plan) == []
+    bad = run("--set", "specialists.max_parallel=8")
+    assert bad.returncode == 2
+    assert "specialists: 8 lanes at once (specialists.max_parallel" in bad.stderr, bad.stderr
+    assert "at most 6 fit: set specialists.max_parallel=6" in bad.stderr, bad.stderr
+
+
+def test_trainer_ranks_cap_their_allocator_at_the_planned_fraction(monkeypatch):
+    """training.deepspeed_backend.apply_gpu_memory_fraction (run by init_distributed, which every trainer passes
+    through before it allocates): with ALLOY_GPU_MEM_FRACTION and CUDA, the rank's device (LOCAL_RANK) is capped."""
+    import torch
+
+    from training.deepspeed_backend import apply_gpu_memory_fraction
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    monkeypatch.delenv("ALLOY_GPU_MEM_FRACTION", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert apply_gpu_memory_fraction() is None and calls == []  # not shared: nothing
+    monkeypatch.setenv("ALLOY_GPU_MEM_FRACTION", "0.44")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert apply_gpu_memory_fraction() == 0.44 and calls == [(0.44, 1)]
+    monkeypatch.setenv("ALLOY_GPU_MEM_FRACTION", "1.5")
+    with pytest.raises(ValueError, match="ALLOY_GPU_MEM_FRACTION='1.5'"):
+        apply_gpu_memory_fraction()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine: nothing
+    assert apply_gpu_memory_fraction() is None and calls == [(0.44, 1)]
