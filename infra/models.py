@@ -111,8 +111,11 @@ def init_model_dir(preset: str, out_dir: str | Path, seed: int = 0, arch: str = 
     return out
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device=None) -> PreTrainedModel:
+    """The HF causal LM at `path` in `dtype`, in eval mode; on CPU, or moved to `device` (a torch device or name)."""
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    if device is not None:
+        model.to(device)
     model.eval()
     return model
 

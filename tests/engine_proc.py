@@ -17,6 +17,51 @@ from engine.launcher import free_port, log_tail
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The engine conformance tests run on CPU in float32 by default. On a GPU machine,
+#   ALLOY_TEST_ENGINE_DEVICE=cuda [ALLOY_TEST_ENGINE_DTYPE=bfloat16|float32|float16|auto]
+# starts every test server with --device/--dtype (and in-process engines with device=/dtype=), so the same tests
+# check the engine on that device. Comparisons of exact float32 numbers against an in-process HF forward on CPU
+# (greedy ids, log-probs at 1e-4) only hold on CPU float32: they are skipped otherwise (`REFERENCE_NUMERICS`);
+# tests/integration/test_engine_device.py checks a bf16 server against HF at a derived tolerance.
+ENGINE_DEVICE = os.environ.get("ALLOY_TEST_ENGINE_DEVICE", "").strip() or "cpu"
+ENGINE_DTYPE = os.environ.get("ALLOY_TEST_ENGINE_DTYPE", "").strip() or "auto"
+REFERENCE_NUMERICS = ENGINE_DEVICE == "cpu" and ENGINE_DTYPE in ("auto", "float32")
+NOT_REFERENCE_REASON = (f"compares exact CPU float32 numbers against an in-process HF forward; the engine runs on "
+                        f"{ENGINE_DEVICE}/{ENGINE_DTYPE} (ALLOY_TEST_ENGINE_DEVICE/DTYPE)")
+
+
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}
+
+
+def logprob_tolerance(dtype: str, num_layers: int, max_abs_logit: float) -> float:
+    """How far a model's log-probs in `dtype` may be from the float32 reference: each decoder layer adds two
+    residual updates rounded to `dtype` (relative error ≤ u, the unit roundoff: 2⁻⁹ for bfloat16), the final norm
+    and LM head one more each, so |Δlogit| ≲ (2L + 2)·u·max(1, max|logit|); log_softmax is 2-Lipschitz in the max
+    norm (|Δ log p| ≤ 2·max|Δlogit|). float32 (other kernels, other summation orders): at least 1e-4."""
+    u = UNIT_ROUNDOFF[dtype]
+    return max(1e-4, 2 * (2 * num_layers + 2) * u * max(1.0, max_abs_logit))
+
+
+# the tiny test model (tests/conftest.py: 2 layers, |logits| ≤ 1.4 on the test prompts, bounded by 2 here)
+TINY_LP_TOL = 1e-4 if REFERENCE_NUMERICS else logprob_tolerance(
+    "bfloat16" if ENGINE_DTYPE == "auto" and ENGINE_DEVICE != "cpu" else
+    ("float32" if ENGINE_DTYPE == "auto" else ENGINE_DTYPE), 2, 2.0)
+
+
+def engine_flags(extra: list[str] | tuple = ()) -> list[str]:
+    """--device/--dtype of a test server (unless `extra` names them itself)."""
+    out = []
+    if "--device" not in extra:
+        out += ["--device", ENGINE_DEVICE]
+    if "--dtype" not in extra:
+        out += ["--dtype", ENGINE_DTYPE]
+    return out
+
+
+def engine_kwargs() -> dict:
+    """device=/dtype= of an in-process `engine.scheduler.Engine` in a test."""
+    return {"device": ENGINE_DEVICE, "dtype": ENGINE_DTYPE}
+
 
 def http(base: str, path: str, data: bytes | None = None, method: str = "POST", headers: dict | None = None,
          timeout: float = 60.0) -> tuple[int, bytes]:
@@ -41,7 +86,7 @@ class EngineProc:
 
     def start(self) -> "EngineProc":
         cmd = [sys.executable, "-m", "engine.server", "--model", str(self.model_dir), "--port", str(self.port),
-               "--host", "127.0.0.1", "--weight-version", "w0", *self.extra]
+               "--host", "127.0.0.1", "--weight-version", "w0", *engine_flags(self.extra), *self.extra]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
