@@ -58,6 +58,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}
+
+
+def logprob_tolerance(dtype: str, num_layers: int, max_abs_logit: float) -> float:
+    """How far a model's log-probs computed in `dtype` may be from a float32 reference: each decoder layer adds two
+    residual updates rounded to `dtype` (relative error ≤ u, the unit roundoff: 2⁻⁹ for bfloat16, 2⁻¹¹ for
+    float16), the final norm and the LM head one more each, so |Δlogit| ≲ (2L + 2)·u·max(1, max|logit|); and
+    log_softmax is 2-Lipschitz in the max norm (|Δ log p| ≤ 2·max|Δlogit|). float32 (other kernels, other
+    summation orders): at least 1e-4. Used by the tests and bench/engine_cuda_check.py."""
+    u = UNIT_ROUNDOFF[dtype]
+    return max(1e-4, 2 * (2 * num_layers + 2) * u * max(1.0, max_abs_logit))
+
+
 def check_mem_fraction(fraction: float | None) -> float | None:
     """None, or a fraction in (0, 1]; anything else raises DeviceError."""
     if fraction is None:

@@ -228,7 +228,8 @@ class Engine(WeightUpdates):
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         from engine.weight_buffer import state_bytes
 
-        self.state_bytes = state_bytes(model)  # the largest weight buffer this model takes (the body limit)
+        # the largest weight buffer this model takes (the body limit): float32 tensors even for a bf16 model
+        self.state_bytes = state_bytes(model, float_bytes=4)
         self.context_len = int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
         self.num_layers = int(cfg.num_hidden_layers)
         eos = set()

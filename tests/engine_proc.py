@@ -30,16 +30,7 @@ NOT_REFERENCE_REASON = (f"compares exact CPU float32 numbers against an in-proce
                         f"{ENGINE_DEVICE}/{ENGINE_DTYPE} (ALLOY_TEST_ENGINE_DEVICE/DTYPE)")
 
 
-UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}
-
-
-def logprob_tolerance(dtype: str, num_layers: int, max_abs_logit: float) -> float:
-    """How far a model's log-probs in `dtype` may be from the float32 reference: each decoder layer adds two
-    residual updates rounded to `dtype` (relative error ≤ u, the unit roundoff: 2⁻⁹ for bfloat16), the final norm
-    and LM head one more each, so |Δlogit| ≲ (2L + 2)·u·max(1, max|logit|); log_softmax is 2-Lipschitz in the max
-    norm (|Δ log p| ≤ 2·max|Δlogit|). float32 (other kernels, other summation orders): at least 1e-4."""
-    u = UNIT_ROUNDOFF[dtype]
-    return max(1e-4, 2 * (2 * num_layers + 2) * u * max(1.0, max_abs_logit))
+from engine.device import logprob_tolerance  # noqa: E402 - (dtype, layers, max |logit|) → log-prob tolerance
 
 
 # the tiny test model (tests/conftest.py: 2 layers, |logits| ≤ 1.4 on the test prompts, bounded by 2 here)

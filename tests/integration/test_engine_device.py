@@ -100,3 +100,25 @@ def test_device_cuda_without_cuda_is_refused(capsys):
 def test_bad_device_dtype_fraction_are_refused(argv, words, capsys):
     code, err = run_main(argv, capsys)
     assert code == 2 and all(w in err for w in words), err
+
+
+def test_bf16_server_takes_float32_weights(bf16_server, model, tiny_model_dir):
+    """Weight pushes land in the bfloat16 model in its dtype: a float32 weight buffer (as a trainer sends it, in the
+    body) and an HF dir from disk; the answers stay close to the float32 forward."""
+    from engine.weight_buffer import encode_buffer
+
+    body = encode_buffer(model.state_dict(), "fp32-push")
+    status, raw = http(bf16_server.url, "/update_weights_from_buffer", body,
+                       headers={"Content-Type": "application/octet-stream"})
+    assert status == 200 and json.loads(raw)["success"], raw
+    status, raw = http(bf16_server.url, "/update_weights_from_disk", json.dumps(
+        {"model_path": str(tiny_model_dir), "weight_version": "disk"}).encode())
+    assert status == 200 and json.loads(raw)["success"], raw
+    ids = [1, 30, 31, 32, 33]
+    o = post(bf16_server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                           "logprob_start_len": 0})
+    lp = forward_logprobs(model, ids)
+    got = [e[0] for e in o["meta_info"]["input_token_logprobs"][1:]]
+    assert max(abs(g - lp[j, ids[j + 1]].item()) for j, g in enumerate(got)) < logprob_tolerance("bfloat16", 2, 2.0)
+    info = json.loads(http(bf16_server.url, "/get_server_info", method="GET")[1])
+    assert info["dtype"] == "bfloat16" and info["weight_version"] == "disk"
