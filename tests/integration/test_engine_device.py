@@ -8,15 +8,17 @@ import json
 import pytest
 import torch
 
-from engine_proc import EngineProc, forward_logprobs, http, logprob_tolerance
+from engine_proc import ENGINE_DEVICE, EngineProc, forward_logprobs, http, logprob_tolerance
+from engine.launcher import log_tail
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def bf16_server(tiny_model_dir, tmp_path_factory):
-    # --mem-fraction-static is accepted and ignored on CPU
-    srv = EngineProc(tiny_model_dir, tmp_path_factory.mktemp("engine-bf16") / "server.log", "--device", "cpu",
+    # on CPU (or the device the conformance run asks for: ALLOY_TEST_ENGINE_DEVICE=cuda); --mem-fraction-static is
+    # accepted (and ignored on CPU)
+    srv = EngineProc(tiny_model_dir, tmp_path_factory.mktemp("engine-bf16") / "server.log", "--device", ENGINE_DEVICE,
                      "--dtype", "bfloat16", "--mem-fraction-static", "0.5").start()
     try:
         srv.wait_healthy()
@@ -34,8 +36,13 @@ def post(srv, body) -> dict | list:
 def test_bf16_server_generates_and_scores_close_to_fp32(bf16_server, model):
     status, raw = http(bf16_server.url, "/get_server_info", method="GET")
     info = json.loads(raw)
-    assert status == 200 and info["device"] == "cpu" and info["dtype"] == "bfloat16"
-    assert info["mem_fraction_static"] == 0.5 and "cuda_memory_reserved_bytes" not in info
+    assert status == 200 and info["device"].split(":")[0] == ENGINE_DEVICE.split(":")[0] and info["dtype"] == "bfloat16"
+    assert info["mem_fraction_static"] == 0.5
+    if ENGINE_DEVICE == "cpu":
+        assert "cuda_memory_reserved_bytes" not in info
+    else:  # a benchmark reads the server's peak GPU memory here
+        assert 0 < info["cuda_max_memory_allocated_bytes"] <= info["cuda_memory_reserved_bytes"]
+        assert info["cuda_memory_reserved_bytes"] <= 0.5 * info["cuda_total_memory_bytes"]
     assert "engine ready: model" in bf16_server.log_path.read_text() and " in bfloat16" in bf16_server.log_path.read_text()
     prompts = [[1, 20, 21, 22, 23, 24, 25], [1, 50, 51, 52, 53], [1, 7, 8]]
     with torch.no_grad():
@@ -122,3 +129,16 @@ def test_bf16_server_takes_float32_weights(bf16_server, model, tiny_model_dir):
     assert max(abs(g - lp[j, ids[j + 1]].item()) for j, g in enumerate(got)) < logprob_tolerance("bfloat16", 2, 2.0)
     info = json.loads(http(bf16_server.url, "/get_server_info", method="GET")[1])
     assert info["dtype"] == "bfloat16" and info["weight_version"] == "disk"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_server_past_its_memory_fraction_refuses_to_start(tiny_model_dir, tmp_path):
+    """A fraction too small for the model: the server exits 1 and says so, naming mem_fraction_static."""
+    srv = EngineProc(tiny_model_dir, tmp_path / "server.log", "--device", "cuda", "--mem-fraction-static", "0.00001")
+    srv.start()
+    try:
+        assert srv.proc.wait(120) == 1
+    finally:
+        srv.kill()
+    text = log_tail(srv.log_path)
+    assert "mem_fraction_static 1e-05" in text and "GB" in text, text
