@@ -29,10 +29,11 @@ SGLANG_OPTIONS: dict[str, type] = {
 }
 
 # Options of `python -m engine.server` (see its argparse), under the same names as SGLang's where they mean
-# the same thing.
+# the same thing (device: auto | cpu | cuda | cuda:N; dtype: auto | float32 | bfloat16 | float16;
+# mem_fraction_static: its share of the GPU, CUDA only).
 EMBEDDED_OPTIONS: dict[str, type] = {
     "max_running_requests": int, "max_total_tokens": int, "max_prefill_tokens": int, "seed": int,
-    "read_timeout_s": float, "max_body_mb": float,
+    "read_timeout_s": float, "max_body_mb": float, "device": str, "dtype": str, "mem_fraction_static": float,
 }
 
 
@@ -47,7 +48,8 @@ class ServerBackend:
     options: Mapping[str, type]  # option name → type; flag = "--" + name with "-"; bool = store_true
     seed_option: str  # the option that seeds the server's sampling stream
     api_key_in_argv: bool  # True: `--api-key KEY`; False: the key goes in the child's environment (API_KEY_ENV)
-    cpu: bool  # a CPU server: DS_ACCELERATOR=cpu and the supervisor's thread count per server
+    cpu: bool  # our own server (CPU or CUDA): DS_ACCELERATOR=cpu (it uses no DeepSpeed) and the supervisor's thread
+    # count per server (OMP_NUM_THREADS; its host-side work on a GPU too)
     takes_sglang_args: bool  # launched with `engine.sglang_args` as options
     weights_buffer_flag: str | None = None  # flag naming a weight buffer applied at start (engine/weight_buffer.py)
 

@@ -176,12 +176,15 @@ class FusedDecoder:
         Logit rows of a prompt shorter than `keep` are 0 in its padding columns (the engine reads only real ones).
         """
         lin, emb_f = torch.nn.functional.linear, torch.nn.functional.embedding
+        dev = self.embed.device  # index tensors are built on the host (small) and moved to the model's device once
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         g, L = len(prompts), int(lens.max())
         starts = lens.cumsum(0) - lens
         row = torch.repeat_interleave(torch.arange(g), lens)  # (N,) prompt of each packed token
         pos = torch.arange(row.shape[0]) - torch.repeat_interleave(starts, lens)  # (N,) 0 … L_i-1
-        h = emb_f(torch.tensor([t for p in prompts for t in p], dtype=torch.long), self.embed)  # (N, H)
+        col = pos + (L - lens)[row]  # (N,) column in a left-padded (G, L) layout
+        row, pos, col = row.to(dev), pos.to(dev), col.to(dev)
+        h = emb_f(torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev), self.embed)  # (N, H)
         cos, sin = self._cos_sin(pos, h.dtype)  # (N, 1, D): broadcast over the heads of (N, heads, D)
         n_tok = row.shape[0]
         segs, masks = [], []  # per cache: its packed tokens, their (row, column) in its left-padded layout
@@ -189,9 +192,9 @@ class FusedDecoder:
             tok, r, c, ls = left_padded(lens, torch.tensor(idx, dtype=torch.long))
             mask = torch.zeros((len(idx), ls), dtype=torch.long)
             mask[r, c] = 1
-            segs.append((tok, r, c, ls, len(idx), cache))
-            masks.append(mask)
-        groups = plan(lens.tolist())
+            segs.append((tok.to(dev), r.to(dev), c.to(dev), ls, len(idx), cache))
+            masks.append(mask.to(dev))
+        groups = plan(lens.tolist(), device=dev)
         for i, p in enumerate(self.layers):
             d = p["head_dim"]
             n = self._rms(h, p["in_norm"])
@@ -208,7 +211,6 @@ class FusedDecoder:
             h = h + lin(o.reshape(n_tok, -1), *p["o"])
             m = self._rms(h, p["post_norm"])
             h = h + lin(torch.nn.functional.silu(lin(m, *p["gate"])) * lin(m, *p["up"]), *p["down"])
-        col = pos + (L - lens)[row]  # (N,) column in a left-padded (G, L) layout
         tail = col >= L - keep  # packed tokens whose logits are kept
         logits_tail = lin(self._rms(h[tail], self.final_norm), *self.lm_head)
         logits = logits_tail.new_zeros((g, keep, logits_tail.shape[-1]))

@@ -126,7 +126,7 @@ class BatchKVCache(Cache):
         dest_a, dest_b = slice(0, ba), slice(ba, ba + bb)  # destination rows of ours and of theirs
         if order is not None:
             dest = torch.empty_like(order)
-            dest[order] = torch.arange(order.shape[0])
+            dest[order] = torch.arange(order.shape[0], device=order.device)
             dest_a, dest_b = dest[:ba], dest[ba:]
         src_a = slice(None) if keep is None else keep
         for mine, theirs in zip(self.layers, other.layers):

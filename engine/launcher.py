@@ -61,9 +61,11 @@ class ServerSpec:
 
 def launch_settings(engine_cfg, placement: dict | None = None) -> dict[str, Any]:
     """`ServerSpec` fields (backend, options, extra_args) for a server launched under `engine_cfg` (an
-    `infra.config.EngineConfig`): SGLang gets `sglang_args` as options, both get `max_running_requests`. With a
-    `placement` (a planned server of infra/placement.py plus the node's `visible` devices) also `env`, and SGLang
-    gets the plan's --base-gpu-id / --tp-size / --mem-fraction-static (over those of `sglang_args`)."""
+    `infra.config.EngineConfig`): SGLang gets `sglang_args` as options, both get `max_running_requests`, the
+    embedded server its `device` / `dtype` when they are not "auto". With a `placement` (a planned server of
+    infra/placement.py plus the node's `visible` devices) also `env`, and SGLang gets the plan's --base-gpu-id /
+    --tp-size / --mem-fraction-static (over those of `sglang_args`); the embedded server its
+    --mem-fraction-static (its share of the GPU it sees as its only one)."""
     backend = server_backend(engine_cfg.backend)
     options = dict(engine_cfg.sglang_args) if backend.takes_sglang_args else {}
     if engine_cfg.max_running_requests:
@@ -73,6 +75,10 @@ def launch_settings(engine_cfg, placement: dict | None = None) -> dict[str, Any]
             options["read_timeout_s"] = engine_cfg.read_timeout_s
         if engine_cfg.max_body_mb is not None:
             options["max_body_mb"] = engine_cfg.max_body_mb
+        for key in ("device", "dtype"):
+            value = getattr(engine_cfg, key, "auto")
+            if value != "auto":
+                options[key] = value
     if placement is None:
         return {"backend": backend.name, "options": options, "extra_args": []}
     from infra.placement import server_launch

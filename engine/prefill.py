@@ -39,8 +39,9 @@ def left_padded(lens: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, to
     return tokens, rows, local + (ln - glens)[rows], ln
 
 
-def plan(lens: list[int], long_from: int = 64) -> list[_Group]:
-    """The attention groups of prompts with lengths `lens` (packed in this order), with their gather indices."""
+def plan(lens: list[int], long_from: int = 64, device: torch.device | str | None = None) -> list[_Group]:
+    """The attention groups of prompts with lengths `lens` (packed in this order), with their gather indices and
+    masks (built on the host, then on `device`: the model's)."""
     lens_t = torch.tensor(lens, dtype=torch.long)
     out = []
     for group in attention_groups(lens, long_from):
@@ -48,14 +49,14 @@ def plan(lens: list[int], long_from: int = 64) -> list[_Group]:
         tokens, rows, cols, L = left_padded(lens_t, idx)
         g = len(group)
         if int(lens_t[idx].min()) == L:
-            out.append(_Group(tokens, g, L, None, None))
+            out.append(_Group(tokens.to(device), g, L, None, None))
             continue
         at = rows * L + cols
         real = torch.zeros((g, L), dtype=torch.bool)
         real.view(-1)[at] = True
         causal = torch.ones((L, L), dtype=torch.bool).tril_()
         mask = (causal[None] & real[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]
-        out.append(_Group(tokens, g, L, at, mask[:, None]))
+        out.append(_Group(tokens.to(device), g, L, at.to(device), mask[:, None].to(device)))
     return out
 
 

@@ -49,7 +49,7 @@ class Segment:
     def full_mask(self) -> torch.Tensor:
         """(b, T) bool, True = real token."""
         if self.mask is None:
-            return torch.ones((len(self.seqs), self.width), dtype=torch.bool)
+            return torch.ones((len(self.seqs), self.width), dtype=torch.bool, device=self.pos.device)
         return self.mask[:, : self.width]
 
     def set_mask(self, mask: torch.Tensor | None) -> None:
@@ -65,7 +65,7 @@ class Segment:
             self.mask, self.lead = None, [0] * len(self.seqs)
             return
         b, t = mask.shape
-        buf = torch.ones((b, t + _MASK_SPARE), dtype=torch.bool)
+        buf = torch.ones((b, t + _MASK_SPARE), dtype=torch.bool, device=mask.device)
         buf[:, :t] = mask
         self.mask = buf
         self.lead = row_leads(buf[:, :t]).tolist()
@@ -103,7 +103,7 @@ class Segment:
         columns that are padding in every kept row, and the kept rows' mask without them; the caller drops the
         same rows and columns from the cache, in its one copy (`select_rows` or `merge`)."""
         live = [i for i in range(len(self.seqs)) if i not in self.holes]
-        idx = torch.tensor(live, dtype=torch.long)
+        idx = torch.tensor(live, dtype=torch.long, device=self.pos.device)
         mask = self.full_mask()[idx]
         drop = leading_pad_columns(mask)
         self.seqs, self.holes = [self.seqs[i] for i in live], set()
@@ -124,7 +124,7 @@ class Segment:
         keep, drop, mine = self.take_live() if self.holes else (None, 0, self.full_mask())
         merged = merge_masks(mine, other.full_mask())
         order = torch.argsort(row_leads(merged), descending=True, stable=True)
-        if bool((order == torch.arange(order.shape[0])).all()):
+        if bool((order == torch.arange(order.shape[0], device=order.device)).all()):
             order = None
         self.cache.merge(other.cache, order=order, keep=keep, drop_left=drop)
         seqs, pos, last = self.seqs + other.seqs, torch.cat([self.pos, other.pos]), torch.cat([self.last, other.last])

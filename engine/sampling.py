@@ -61,7 +61,7 @@ def report_logprobs(logits: torch.Tensor, temperature: torch.Tensor, original: b
     T_eff = 1 for greedy rows (T < 1e-6) or when `original` (SGLANG_RETURN_ORIGINAL_LOGPROB); else T.
     Clamped to the dtype's finite minimum like SGLang, so JSON never carries -inf.
     """
-    t = temperature.to(logits.dtype)
+    t = temperature.float()  # not the logits' dtype: a bfloat16 model's T = 0.7 would become 0.69921875
     if original:
         t = torch.ones_like(t)
     else:

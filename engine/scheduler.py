@@ -37,6 +37,8 @@ import torch
 
 from engine.batching import prefill_group, width_segments
 from engine.decode import FusedDecoder
+from engine.device import (check_mem_fraction, dtype_name, limit_memory, memory_budget_error, oom_message,
+                           resolve_device, resolve_dtype)
 from engine.kv_cache import BatchKVCache
 from engine.running import RunningBatch, Segment
 from engine.protocol import ProtocolError, SeqResult, SeqSpec
@@ -73,8 +75,14 @@ class Engine(WeightUpdates):
 
     def __init__(self, model_dir: str, *, max_running_requests: int = MAX_RUNNING_REQUESTS,
                  max_total_tokens: int = MAX_TOTAL_TOKENS, max_prefill_tokens: int = MAX_PREFILL_TOKENS, threads: int | None = None, weight_version: str = "default",
-                 seed: int = 0, max_segments: int = 4, weights_buffer: str | None = None):
+                 seed: int = 0, max_segments: int = 4, weights_buffer: str | None = None, device: str = "cpu",
+                 dtype: str = "auto", mem_fraction_static: float | None = None):
         self.model_path = self.tokenizer_path = str(model_dir)
+        # where the model, its KV caches and sampling live (engine/device.py; raises DeviceError on a bad value).
+        # In process the default stays cpu (float32); the server's --device defaults to auto.
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.mem_fraction_static = check_mem_fraction(mem_fraction_static)
         self.weights_buffer = weights_buffer  # applied right after loading model_dir (its version wins)
         self.max_running_requests = max_running_requests
         self.max_total_tokens, self.max_prefill_tokens = max_total_tokens, max_prefill_tokens
@@ -157,9 +165,12 @@ class Engine(WeightUpdates):
             log.exception("failed to load model from %s", self.model_path)
             return
         self.ready.set()
-        log.info("engine ready: model %s, vocab %d, context %d, max_running_requests %d, torch threads %d",
-                 self.model_path, self.vocab_size, self.context_len, self.max_running_requests,
-                 torch.get_num_threads())
+        log.info("engine ready: model %s on %s in %s, vocab %d, context %d, max_running_requests %d, torch threads %d%s",
+                 self.model_path, self.device, dtype_name(self.dtype), self.vocab_size, self.context_len,
+                 self.max_running_requests, torch.get_num_threads(),
+                 "" if self.device.type != "cuda" else
+                 f", {torch.cuda.memory_reserved(self.device) / 1e9:.2f} GB reserved"
+                 + ("" if self.mem_fraction_static is None else f" (mem_fraction_static {self.mem_fraction_static:g})"))
         with torch.inference_mode():
             while not self._stopping:
                 try:
@@ -170,12 +181,28 @@ class Engine(WeightUpdates):
             self._fail_all("server shutting down")
 
     def _load_initial(self) -> None:
-        from infra.models import load_model, load_tokenizer
+        from infra.models import load_tokenizer
 
         if self.threads:
             torch.set_num_threads(self.threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        limit_memory(self.device, self.mem_fraction_static)
         self.tokenizer = load_tokenizer(self.model_path)
-        self._set_model(load_model(self.model_path))
+        try:
+            self._load_on_device()
+        except torch.cuda.OutOfMemoryError as e:
+            raise RuntimeError(oom_message(self.device, self.mem_fraction_static, e)) from None
+        budget = memory_budget_error(self.device, self.mem_fraction_static)
+        if budget is not None:
+            raise RuntimeError(budget)
+        gc.freeze()  # the model, torch and the libraries: never scanned by the cyclic GC again (a full collection
+        # walked them all, triggered by the millions of small objects of a log-prob answer)
+
+    def _load_on_device(self) -> None:
+        from infra.models import load_model
+
+        self._set_model(load_model(self.model_path, dtype=self.dtype, device=self.device))
         if self.weights_buffer:
             from engine.weight_buffer import copy_into, read_buffer
 
@@ -184,11 +211,9 @@ class Engine(WeightUpdates):
             self._refresh_fused()
             self.weight_version = version
             log.info("applied weight buffer %s (weight_version %s)", self.weights_buffer, version)
-        self._gen = torch.Generator().manual_seed(self._seed)
+        self._gen = torch.Generator(device=self.device).manual_seed(self._seed)
         with torch.inference_mode():  # warm-up: the first forward pays one-off allocation/dispatch costs
-            self.model(input_ids=torch.tensor([[0, 0]]), use_cache=False)
-        gc.freeze()  # the model, torch and the libraries: never scanned by the cyclic GC again (a full collection
-        # walked them all, triggered by the millions of small objects of a log-prob answer)
+            self.model(input_ids=torch.tensor([[0, 0]], device=self.device), use_cache=False)
 
     def _set_model(self, model) -> None:
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -203,7 +228,8 @@ class Engine(WeightUpdates):
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         from engine.weight_buffer import state_bytes
 
-        self.state_bytes = state_bytes(model)  # the largest weight buffer this model takes (the body limit)
+        # the largest weight buffer this model takes (the body limit): float32 tensors even for a bf16 model
+        self.state_bytes = state_bytes(model, float_bytes=4)
         self.context_len = int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
         self.num_layers = int(cfg.num_hidden_layers)
         eos = set()
@@ -224,7 +250,7 @@ class Engine(WeightUpdates):
         while self._inbox:
             s = self._inbox.popleft()
             if s.spec.sampling.seed is not None:
-                s.generator = torch.Generator().manual_seed(s.spec.sampling.seed)
+                s.generator = torch.Generator(device=self.device).manual_seed(s.spec.sampling.seed)
             (self._wait_score if s.spec.sampling.max_new_tokens == 0 else self._wait_gen).append(s)
         while self._aborts:
             self._apply_abort(*self._aborts.popleft())
@@ -297,6 +323,7 @@ class Engine(WeightUpdates):
             n = len(s.spec.input_ids)
             ids[i, L - n:] = torch.tensor(s.spec.input_ids)
             mask[i, L - n:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)  # built on the host, moved once
         pos = (mask.cumsum(dim=1) - 1).clamp_(min=0)
         cache = caches[0][1] if caches else None
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
@@ -315,7 +342,7 @@ class Engine(WeightUpdates):
             return
         rows = logits[K - n + st: K - 1]  # positions st … n-2 → tokens st+1 … n-1
         logp = raw_logprobs(rows)
-        targets = torch.tensor(spec.input_ids[st + 1:], dtype=torch.long)
+        targets = torch.tensor(spec.input_ids[st + 1:], dtype=torch.long, device=logp.device)
         res.in_logprobs = [None] + logp.gather(1, targets[:, None]).squeeze(1).tolist()
         if spec.top_logprobs_num > 0:
             vals, idx = top_logprobs(logp, spec.top_logprobs_num)
@@ -398,8 +425,8 @@ class Engine(WeightUpdates):
             if not any(alive[i] for i in idx):
                 continue
             seqs = [group[i] for i in idx]
-            pos = torch.tensor([len(s.spec.input_ids) for s in seqs], dtype=torch.long)
-            last = torch.tensor([s.result.output_ids[-1] for s in seqs], dtype=torch.long)
+            pos = torch.tensor([len(s.spec.input_ids) for s in seqs], dtype=torch.long, device=self.device)
+            last = torch.tensor([s.result.output_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
             seg = Segment(seqs, cache, mask, pos, last, buckets=self._fused is not None)
             seg.holes = {r for r, i in enumerate(idx) if not alive[i]}
             if seg.holes:  # finished at their first token: they leave before the segment joins the batch
@@ -411,13 +438,18 @@ class Engine(WeightUpdates):
     def _params(self) -> tuple:
         """Per-row sampling tensors of the running batch; rebuilt only when its membership changed."""
         if self._batch.changed:
-            sp = [s.spec.sampling for s in self._batch.seqs]
-            self._sampling = (torch.tensor([p.temperature for p in sp], dtype=torch.float32),
-                              torch.tensor([p.top_p for p in sp], dtype=torch.float32),
-                              torch.tensor([p.top_k for p in sp], dtype=torch.long),
-                              any(p.temperature >= 1e-6 for p in sp))
+            self._sampling = self._sampling_params(self._batch.seqs)
             self._batch.changed = False
         return self._sampling
+
+    def _sampling_params(self, seqs: list[Seq]) -> tuple:
+        """(temperature, top_p, top_k) per row on the engine's device, and whether any row samples."""
+        sp = [s.spec.sampling for s in seqs]
+        dev = self.device
+        return (torch.tensor([p.temperature for p in sp], dtype=torch.float32, device=dev),
+                torch.tensor([p.top_p for p in sp], dtype=torch.float32, device=dev),
+                torch.tensor([p.top_k for p in sp], dtype=torch.long, device=dev),
+                any(p.temperature >= 1e-6 for p in sp))
 
     def _decode_step(self) -> None:
         t0 = time.perf_counter()
@@ -465,27 +497,25 @@ class Engine(WeightUpdates):
         Finished sequences are finished here; returns (alive flags, sampled ids (B,)). Rows in `skip` (holes:
         already finished) record nothing and count as not alive."""
         if params is None:
-            sp = [s.spec.sampling for s in seqs]
-            params = (torch.tensor([p.temperature for p in sp], dtype=torch.float32),
-                      torch.tensor([p.top_p for p in sp], dtype=torch.float32),
-                      torch.tensor([p.top_k for p in sp], dtype=torch.long),
-                      any(p.temperature >= 1e-6 for p in sp))
+            params = self._sampling_params(seqs)
         temp, top_p, top_k, any_sampled = params
-        uniform = torch.zeros(len(seqs))
+        dev = self.device
+        uniform = torch.zeros(len(seqs), device=dev)
         if any_sampled:  # all-greedy batches draw no random numbers
-            uniform = torch.rand(len(seqs), generator=self._gen)
+            uniform = torch.rand(len(seqs), generator=self._gen, device=dev)
             for i, s in enumerate(seqs):
                 if s.generator is not None and s.spec.sampling.temperature >= 1e-6:
-                    uniform[i] = torch.rand(1, generator=s.generator)
+                    uniform[i] = torch.rand(1, generator=s.generator, device=dev)
         ids_t = sample_tokens(logits, temp, top_p, top_k, uniform)
-        ids = ids_t.tolist()
+        ids = ids_t.tolist()  # the step's one host sync for the tokens
         lp_rows = [i for i, s in enumerate(seqs) if s.spec.return_logprob]
         lp_row_of = {i: r for r, i in enumerate(lp_rows)}
         logp = None
         if lp_rows:
-            idx = torch.tensor(lp_rows, dtype=torch.long)
+            idx = torch.tensor(lp_rows, dtype=torch.long, device=dev)
             logp = report_logprobs(logits[idx], temp[idx], self.original_logprob)
-            chosen = logp.gather(1, torch.tensor([ids[i] for i in lp_rows])[:, None]).squeeze(1).tolist()
+            chosen = logp.gather(1, ids_t[idx][:, None]).squeeze(1).tolist()
+            tops = self._step_top_logprobs(seqs, lp_rows, logp)
         alive = []
         check_stop, eos = self._check_stop, self.eos_ids
         for i, s in enumerate(seqs):
@@ -499,8 +529,7 @@ class Engine(WeightUpdates):
                 r = lp_row_of[i]
                 res.out_logprobs.append(chosen[r])
                 if s.spec.top_logprobs_num > 0:
-                    vals, tix = top_logprobs(logp[r:r + 1], s.spec.top_logprobs_num)
-                    res.out_top.append((vals[0], tix[0]))
+                    res.out_top.append(tops[r])
                 if s.spec.token_ids_logprob is not None:
                     res.out_ids_logprobs.append(logp[r, list(s.spec.token_ids_logprob)].tolist())
             # fast path: most steps of most sequences hit no stop condition at all
@@ -515,6 +544,22 @@ class Engine(WeightUpdates):
                 self._finish(s, fr)
             alive.append(fr is None)
         return alive, ids_t
+
+    @staticmethod
+    def _step_top_logprobs(seqs: list[Seq], lp_rows: list[int], logp: torch.Tensor) -> dict[int, tuple]:
+        """{row of `logp`: (values, ids)} of the top-k log-probs of every row that asks for them: one `topk` and one
+        transfer to the host per distinct k in the step (not one per row)."""
+        by_k: dict[int, list[int]] = {}
+        for r, i in enumerate(lp_rows):
+            k = seqs[i].spec.top_logprobs_num
+            if k > 0:
+                by_k.setdefault(k, []).append(r)
+        out: dict[int, tuple] = {}
+        for k, rows in by_k.items():
+            sel = logp if len(rows) == logp.shape[0] else logp[torch.tensor(rows, device=logp.device)]
+            vals, tix = top_logprobs(sel, k)
+            out.update((r, (vals[j], tix[j])) for j, r in enumerate(rows))
+        return out
 
     def _check_stop(self, s: Seq, tok: int) -> dict | None:
         """SGLang `Req.check_finished` order: length first, then stop/EOS token (unless ignore_eos), then strings."""

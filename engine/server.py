@@ -1,7 +1,15 @@
-"""Alloy's embedded engine server: the SGLang native HTTP API (subset) over a HF causal LM on CPU.
+"""Alloy's embedded engine server: the SGLang native HTTP API (subset) over a HF causal LM on CPU or a CUDA GPU.
 
     python -m engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-running-requests 256]
         [--max-total-tokens N] [--log-level info] [--weight-version V] [--threads T] [--weights-buffer PATH]
+        [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--mem-fraction-static F]
+
+Device and dtype (engine/device.py): auto = CUDA in bfloat16 when torch sees a GPU, else CPU in float32; weights,
+KV cache and sampling all live there. `--mem-fraction-static F` (SGLang's name; CUDA only) caps this process's
+CUDA allocator at F of the GPU's memory, so several servers can share one GPU by the placement plan's fractions;
+a model that does not fit its fraction after load and warm-up fails to load (exit 1, a message naming
+mem_fraction_static, the GB needed and allowed). /get_server_info reports `device`, `dtype` and, on CUDA, the
+process's peak/current memory (`cuda_max_memory_allocated_bytes`, `cuda_memory_reserved_bytes`).
 
 Endpoints (docs/architecture.md, "The engine protocol"): POST /generate, GET /health, GET /health_generate,
 GET /get_model_info, GET /get_server_info, POST /update_weights_from_disk, POST /update_weights_from_buffer,
@@ -46,6 +54,7 @@ from engine.client import API_KEY_ENV
 from engine.protocol import (GC_PAUSE_PAIRS, Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output,
                                    gc_paused, logprob_pairs, parse_generate)
 # body_limit_bytes and is_loopback are part of this module's API too (imported from here by callers and tests)
+from engine.device import DTYPE_CHOICES, DeviceError, check_device_name, check_mem_fraction, dtype_name, memory_info
 from engine.request_guards import (BODY_BYTES_PER_SEQ, BODY_BYTES_PER_TOKEN, LIMITS, auth_middleware, body_limit_bytes,
                                    buffer_body, errors_middleware, is_loopback, json_body)
 from engine.scheduler import Engine, Seq
@@ -61,7 +70,8 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 # bounded by max_total_tokens (reserved prompt + max_new_tokens) anyway.
 DEFAULTS = dict(max_running_requests=MAX_RUNNING_REQUESTS, max_total_tokens=MAX_TOTAL_TOKENS,
                 max_prefill_tokens=MAX_PREFILL_TOKENS, threads=None, weight_version="default", seed=0, max_body_mb=None,
-                max_seqs=4096, read_timeout_s=READ_TIMEOUT_S, weights_buffer=None)
+                max_seqs=4096, read_timeout_s=READ_TIMEOUT_S, weights_buffer=None, device="auto", dtype="auto",
+                mem_fraction_static=None)
 
 
 def _dumps(obj: Any) -> str:
@@ -250,6 +260,8 @@ async def get_server_info(request: web.Request) -> web.Response:
         "prefill_padded_tokens": engine.prefill_padded_tokens, "prefill_seconds": round(engine.prefill_seconds, 6),
         "decode_seconds": round(engine.decode_seconds, 6), "engine_cpu_seconds": round(engine.engine_cpu_seconds, 6),
         "idle_seconds": round(engine.idle_seconds, 6),
+        "device": str(engine.device), "dtype": dtype_name(engine.dtype),
+        "mem_fraction_static": engine.mem_fraction_static, **memory_info(engine.device),
     })
 
 
@@ -348,8 +360,9 @@ async def flush_cache(request: web.Request) -> web.Response:
 # -- app ------------------------------------------------------------------------------------------------------------
 def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Application:
     """The aiohttp app. `limits`: max_running_requests, max_total_tokens, max_prefill_tokens, threads,
-    weight_version, seed, max_body_mb, max_seqs (defaults in DEFAULTS). The engine thread starts (and loads the
-    model) on app startup."""
+    weight_version, seed, max_body_mb, max_seqs, device, dtype, mem_fraction_static (defaults in DEFAULTS). The
+    engine thread starts (and loads the model) on app startup. A device/dtype/fraction the engine cannot use raises
+    `engine.device.DeviceError` here."""
     unknown = set(limits) - set(DEFAULTS)
     if unknown:
         raise TypeError(f"build_app got unknown limits {sorted(unknown)}; known: {sorted(DEFAULTS)}")
@@ -359,7 +372,8 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
     engine = Engine(str(model_dir), max_running_requests=cfg["max_running_requests"],
                     max_total_tokens=cfg["max_total_tokens"], max_prefill_tokens=cfg["max_prefill_tokens"],
                     threads=cfg["threads"], weight_version=cfg["weight_version"], seed=cfg["seed"],
-                    weights_buffer=cfg["weights_buffer"])
+                    weights_buffer=cfg["weights_buffer"], device=cfg["device"], dtype=cfg["dtype"],
+                    mem_fraction_static=cfg["mem_fraction_static"])
     middlewares = [errors_middleware] + ([auth_middleware(api_key)] if api_key else [])
     app = web.Application(client_max_size=cfg["body_limit"], middlewares=middlewares)
     app[ENGINE] = engine
@@ -431,6 +445,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.server") -
     p.add_argument("--read-timeout-s", type=float, default=DEFAULTS["read_timeout_s"],
                    help="seconds a client gets to send a request's headers (from connect or its previous response) "
                         "and again for its body; a stalled request is dropped (the response time is not limited)")
+    p.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU, else cpu) | cpu | cuda | cuda:N: "
+                   "where the weights, KV cache and sampling live")
+    p.add_argument("--dtype", default="auto", help=f"{' | '.join(DTYPE_CHOICES)}: the weights' dtype (auto: bfloat16 "
+                   "on cuda, float32 on cpu)")
+    p.add_argument("--mem-fraction-static", type=float, default=None, metavar="F",
+                   help="CUDA only (SGLang's name): cap this process at F of the GPU's memory (several servers share "
+                        "one GPU by the placement plan's fractions); refuse to start if the model and warm-up need "
+                        "more. Ignored on cpu")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -438,12 +460,36 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.server") -
         p.error("--max-running-requests, --max-total-tokens and --max-prefill-tokens must be positive")
     if not args.read_timeout_s > 0 or (args.max_body_mb is not None and not args.max_body_mb > 0):
         p.error("--read-timeout-s and --max-body-mb must be positive")
+    if args.dtype not in DTYPE_CHOICES:
+        p.error(f"--dtype must be one of {' | '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
+    try:
+        check_device_name(args.device)
+        check_mem_fraction(args.mem_fraction_static)
+    except DeviceError as e:
+        p.error(str(e).replace("mem_fraction_static", "--mem-fraction-static (mem_fraction_static)", 1)
+                .replace("device must", "--device must", 1))
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(args.model, api_key=args.api_key, max_running_requests=args.max_running_requests,
+    try:
+        app = _build_main_app(args)
+    except DeviceError as e:  # e.g. --device cuda on a machine without CUDA: fail fast, before binding the port
+        p.exit(2, f"{prog}: error: {e}\n")
+    engine = app[ENGINE]
+    if engine.mem_fraction_static is not None and engine.device.type != "cuda":
+        log.info("--mem-fraction-static %g ignored: the engine runs on %s", engine.mem_fraction_static, engine.device)
+    _serve(app, args)
+
+
+def _build_main_app(args) -> web.Application:
+    return build_app(args.model, api_key=args.api_key, max_running_requests=args.max_running_requests,
                     max_total_tokens=args.max_total_tokens, max_prefill_tokens=args.max_prefill_tokens,
                     threads=args.threads or _default_threads(), weight_version=args.weight_version, seed=args.seed,
                     max_body_mb=args.max_body_mb, read_timeout_s=args.read_timeout_s,
-                    weights_buffer=args.weights_buffer)
+                    weights_buffer=args.weights_buffer, device=args.device, dtype=args.dtype,
+                    mem_fraction_static=args.mem_fraction_static)
+
+
+def _serve(app: web.Application, args) -> None:
+    """Run `app` until SIGTERM/SIGINT; exit 1 if the model failed to load."""
     engine = app[ENGINE]
     watchers: list[asyncio.Task] = []
 
@@ -464,9 +510,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.server") -
         watchers.append(asyncio.create_task(watch()))  # keep a reference: the loop holds tasks only weakly
 
     app.on_startup.append(exit_on_load_failure)
-    log.info("alloy engine server on http://%s:%d (model %s, api key %s, body limit %d bytes, read timeout %g s)",
-             args.host, args.port, args.model, "on" if args.api_key else "off", app[LIMITS]["body_limit"],
-             args.read_timeout_s)
+    log.info("alloy engine server on http://%s:%d (model %s on %s in %s, api key %s, body limit %d bytes, "
+             "read timeout %g s)", args.host, args.port, args.model, engine.device, dtype_name(engine.dtype),
+             "on" if args.api_key else "off", app[LIMITS]["body_limit"], args.read_timeout_s)
     if not args.api_key and not is_loopback(args.host):
         log.warning("listening on %s:%d, which is not a loopback address, WITHOUT an API key: anyone who can reach "
                     "it can generate, abort requests and load weights from any path (/update_weights_from_disk). "

@@ -195,11 +195,13 @@ def read_buffer(source: str | Path | bytes | bytearray | memoryview) -> tuple[st
     return version, _views(buf, entries, start, where)
 
 
-def state_bytes(model: torch.nn.Module) -> int:
+def state_bytes(model: torch.nn.Module, float_bytes: int = 0) -> int:
     """Bytes of a buffer holding every entry of `model.state_dict()` in its own dtype (tied names counted each
-    time), plus its header: the largest buffer a server for `model` needs to accept."""
+    time), plus its header: the largest buffer a server for `model` needs to accept. `float_bytes`: floating-point
+    entries count at least this many bytes each (4: a bfloat16 server still takes a trainer's float32 buffer)."""
     sd = model.state_dict()
-    data = sum(_align(t.numel() * t.element_size()) for t in sd.values())
+    data = sum(_align(t.numel() * (max(t.element_size(), float_bytes) if t.is_floating_point() else t.element_size()))
+               for t in sd.values())
     header = _align(_PREFIX.size + 64 * 2**10 + 256 * len(sd) + sum(len(k) for k in sd))
     return header + data
 

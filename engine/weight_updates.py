@@ -10,7 +10,7 @@ copies refreshed). The job's future gets (success, message).
 
 `WeightUpdates` is a mixin of `Engine`, split out of engine/scheduler.py to keep it readable: its methods use the
 engine's state (`_lock`, `_serial`, `_updates`, `_wake`, the wait queues, the running batch, the model) and its
-`_apply_abort` and `_set_model`. It imports no torch itself (the engine does).
+`_apply_abort` and `_set_model`. It imports no torch at module level (the engine does).
 """
 from __future__ import annotations
 
@@ -107,13 +107,23 @@ class WeightUpdates:
         if job.tensors is not None:
             return self._copy_weights(job)
         t0 = time.perf_counter()
-        try:
-            model = load_model(job.model_path)
+        try:  # on the host in the engine's dtype first: a bad dir never touches the device
+            model = load_model(job.model_path, dtype=self.dtype)
         except Exception as e:  # noqa: BLE001 - a bad path is the client's error, reported as success=false
             return False, f"Failed to load weights from {job.model_path}: {type(e).__name__}: {e}"
         vocab = int(model.get_input_embeddings().weight.shape[0])
         if vocab != self.vocab_size:
             return False, f"Failed to update weights: {job.model_path} has vocab {vocab}, the server's tokenizer {self.vocab_size}"
+        if self.device.type != "cpu":
+            try:
+                model.to(self.device)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory next to the old model: keep serving the old one
+                import torch
+
+                model = None
+                torch.cuda.empty_cache()
+                return False, (f"Failed to move the weights of {job.model_path} to {self.device} "
+                               f"({type(e).__name__}: {e}); the old weights stay")
         self._set_model(model)
         self.model_path = job.model_path
         if job.weight_version is not None:

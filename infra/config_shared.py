@@ -250,8 +250,13 @@ class TrackingConfig(_Strict):
 
 class EngineConfig(_Strict):
     """Engine servers the run launches (rollout servers of the trainers, teacher servers)."""
-    backend: Literal[values(Backend)] = Field(Backend.EMBEDDED.value, description="embedded = Alloy's CPU server; "
-                                              "sglang = real SGLang (infra/choices.py; launched as engine/backends.py says).")
+    backend: Literal[values(Backend)] = Field(Backend.EMBEDDED.value, description="embedded = Alloy's own server (CPU, "
+                                              "or CUDA: see device); sglang = real SGLang (infra/choices.py; launched "
+                                              "as engine/backends.py says).")
+    device: str = ops_field("auto", description="Embedded servers: auto | cpu | cuda | cuda:N, where the weights, KV "
+                            "cache and sampling live (--device; auto = cuda when the server sees a GPU, else cpu).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = ops_field(
+        "auto", description="Embedded servers: the weights' dtype (--dtype; auto = bfloat16 on cuda, float32 on cpu).")
     host: str = ops_field("127.0.0.1", description="Bind address of launched servers (loopback unless told otherwise).")
     api_key: Secret = ops_field(None, description="Bearer key for launched servers and the client (or ALLOY_ENGINE_API_KEY).")
     threads: int = ops_field(1, ge=1, description="Torch threads per embedded server.")
@@ -275,6 +280,15 @@ class EngineConfig(_Strict):
     max_body_mb: float | None = ops_field(None, gt=0, description="Embedded servers: larger request bodies get HTTP 413. "
                                           "None = the largest request the protocol accepts (6 MiB at the default "
                                           "max_total_tokens).")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        import re
+
+        if not re.fullmatch(r"auto|cpu|cuda|cuda:\d+", v.strip().lower()):
+            raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {v!r}")
+        return v.strip().lower()
 
 
 class ResourcesConfig(_Strict):

@@ -543,9 +543,12 @@ def rollout_placement(environ: dict[str, str] | Any) -> dict | None:
 def server_launch(proc: dict, visible: Sequence[str], takes_sglang_args: bool) -> dict[str, Any]:
     """{"env": ..., "options": ...} for a server placed as `proc` (a `Proc.to_json()`). SGLang sees the node's
     devices and gets --base-gpu-id (first GPU) --tp-size (GPU count) --mem-fraction-static; a server that takes no
-    SGLang options (the embedded CPU server) gets CUDA_VISIBLE_DEVICES = its own GPUs."""
+    SGLang options (the embedded server, CPU or CUDA) gets CUDA_VISIBLE_DEVICES = its own GPUs and, placed on
+    some, --mem-fraction-static (its share of each: several embedded servers share one GPU by the plan's fractions;
+    ignored by a server that runs on CPU)."""
     gpus = list(proc["gpus"])
     if takes_sglang_args:
         return {"env": {"CUDA_VISIBLE_DEVICES": ",".join(visible)},
                 "options": {"base_gpu_id": gpus[0], "tp_size": len(gpus), "mem_fraction_static": proc["mem_fraction"]}}
-    return {"env": {"CUDA_VISIBLE_DEVICES": ",".join(visible[g] for g in gpus)}, "options": {}}
+    options = {"mem_fraction_static": proc["mem_fraction"]} if gpus else {}
+    return {"env": {"CUDA_VISIBLE_DEVICES": ",".join(visible[g] for g in gpus)}, "options": options}

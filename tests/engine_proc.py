@@ -17,6 +17,42 @@ from engine.launcher import free_port, log_tail
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The engine conformance tests run on CPU in float32 by default. On a GPU machine,
+#   ALLOY_TEST_ENGINE_DEVICE=cuda [ALLOY_TEST_ENGINE_DTYPE=bfloat16|float32|float16|auto]
+# starts every test server with --device/--dtype (and in-process engines with device=/dtype=), so the same tests
+# check the engine on that device. Comparisons of exact float32 numbers against an in-process HF forward on CPU
+# (greedy ids, log-probs at 1e-4) only hold on CPU float32: they are skipped otherwise (`REFERENCE_NUMERICS`);
+# tests/integration/test_engine_device.py checks a bf16 server against HF at a derived tolerance.
+ENGINE_DEVICE = os.environ.get("ALLOY_TEST_ENGINE_DEVICE", "").strip() or "cpu"
+ENGINE_DTYPE = os.environ.get("ALLOY_TEST_ENGINE_DTYPE", "").strip() or "auto"
+REFERENCE_NUMERICS = ENGINE_DEVICE == "cpu" and ENGINE_DTYPE in ("auto", "float32")
+NOT_REFERENCE_REASON = (f"compares exact CPU float32 numbers against an in-process HF forward; the engine runs on "
+                        f"{ENGINE_DEVICE}/{ENGINE_DTYPE} (ALLOY_TEST_ENGINE_DEVICE/DTYPE)")
+
+
+from engine.device import logprob_tolerance  # noqa: E402 - (dtype, layers, max |logit|) → log-prob tolerance
+
+
+# the tiny test model (tests/conftest.py: 2 layers, |logits| ≤ 1.4 on the test prompts, bounded by 2 here)
+TINY_LP_TOL = 1e-4 if REFERENCE_NUMERICS else logprob_tolerance(
+    "bfloat16" if ENGINE_DTYPE == "auto" and ENGINE_DEVICE != "cpu" else
+    ("float32" if ENGINE_DTYPE == "auto" else ENGINE_DTYPE), 2, 2.0)
+
+
+def engine_flags(extra: list[str] | tuple = ()) -> list[str]:
+    """--device/--dtype of a test server (unless `extra` names them itself)."""
+    out = []
+    if "--device" not in extra:
+        out += ["--device", ENGINE_DEVICE]
+    if "--dtype" not in extra:
+        out += ["--dtype", ENGINE_DTYPE]
+    return out
+
+
+def engine_kwargs() -> dict:
+    """device=/dtype= of an in-process `engine.scheduler.Engine` in a test."""
+    return {"device": ENGINE_DEVICE, "dtype": ENGINE_DTYPE}
+
 
 def http(base: str, path: str, data: bytes | None = None, method: str = "POST", headers: dict | None = None,
          timeout: float = 60.0) -> tuple[int, bytes]:
@@ -41,7 +77,7 @@ class EngineProc:
 
     def start(self) -> "EngineProc":
         cmd = [sys.executable, "-m", "engine.server", "--model", str(self.model_dir), "--port", str(self.port),
-               "--host", "127.0.0.1", "--weight-version", "w0", *self.extra]
+               "--host", "127.0.0.1", "--weight-version", "w0", *engine_flags(self.extra), *self.extra]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

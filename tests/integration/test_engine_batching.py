@@ -22,6 +22,7 @@ from engine.kv_cache import BatchKVCache
 from engine.protocol import SamplingSpec, SeqSpec
 from engine import running
 from engine.scheduler import Engine, Seq
+from engine_proc import REFERENCE_NUMERICS, TINY_LP_TOL, engine_kwargs
 
 pytestmark = pytest.mark.integration
 
@@ -161,7 +162,7 @@ def _run_engine(model_dir, monkeypatch, fused: bool, waves=None, max_segments: i
     The fused run also shrinks the mask buffer's head-room to 4 columns, so decode steps keep regrowing it."""
     monkeypatch.setenv("ALLOY_ENGINE_FUSED_DECODE", "1" if fused else "0")
     monkeypatch.setattr(running, "_MASK_SPARE", 4 if fused else 64)
-    eng = Engine(str(model_dir), max_running_requests=16, max_segments=max_segments)
+    eng = Engine(str(model_dir), max_running_requests=16, max_segments=max_segments, **engine_kwargs())
     eng.start()
     assert eng.ready.wait(60), eng.load_error
     assert (eng._fused is not None) == fused
@@ -199,9 +200,10 @@ def _assert_single_sequence_outputs(model, seqs):
         with torch.inference_mode():  # teacher-forced single-row forward over prompt + output: no padding, no cache
             logits = model(input_ids=torch.tensor([prompt + out])).logits[0, len(prompt) - 1: -1]
         logp = torch.log_softmax(logits.float(), -1)
-        assert out == logits.argmax(-1).tolist(), s.spec.rid
+        if REFERENCE_NUMERICS:  # another dtype/device may break near-ties differently: log-probs only
+            assert out == logits.argmax(-1).tolist(), s.spec.rid
         want = logp.gather(1, torch.tensor(out)[:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(s.result.out_logprobs), want, rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(s.result.out_logprobs), want, rtol=0, atol=TINY_LP_TOL)
 
 
 def test_staggered_padded_batch_matches_single_sequence_forward(tiny_model_dir, model, monkeypatch):
@@ -209,7 +211,8 @@ def test_staggered_padded_batch_matches_single_sequence_forward(tiny_model_dir, 
     assert eng.steps >= 89  # the first token of each sequence comes from its prefill
     _assert_single_sequence_outputs(model, seqs)
     _, plain = _run_engine(tiny_model_dir, monkeypatch, fused=False)
-    for a, b in zip(seqs, plain):
+    _assert_single_sequence_outputs(model, plain)
+    for a, b in zip(seqs if REFERENCE_NUMERICS else (), plain):  # exact agreement: CPU float32 only
         assert a.spec.input_ids == b.spec.input_ids and a.result.output_ids == b.result.output_ids
         torch.testing.assert_close(torch.tensor(a.result.out_logprobs), torch.tensor(b.result.out_logprobs),
                                    rtol=0, atol=1e-5)
@@ -229,7 +232,8 @@ def test_long_and_short_rows_decode_in_segments_or_width_buckets(tiny_model_dir,
         assert eng.decode_segments == eng.steps and eng.bucketed_steps > 20, eng.bucketed_steps
     _assert_single_sequence_outputs(model, seqs)
     _, plain = _run_engine(tiny_model_dir, monkeypatch, fused=False, waves=waves)  # HF forward: one segment
-    for a, b in zip(seqs, plain):
+    _assert_single_sequence_outputs(model, plain)
+    for a, b in zip(seqs if REFERENCE_NUMERICS else (), plain):  # exact agreement: CPU float32 only
         assert a.result.output_ids == b.result.output_ids
         torch.testing.assert_close(torch.tensor(a.result.out_logprobs), torch.tensor(b.result.out_logprobs),
                                    rtol=0, atol=1e-5)
@@ -238,7 +242,7 @@ def test_long_and_short_rows_decode_in_segments_or_width_buckets(tiny_model_dir,
 def test_rows_finished_by_their_first_token_leave_before_joining(tiny_model_dir, model):
     """A one-token request finishes in its prefill: its segment drops it (and the padding columns only it used)
     before joining the batch, so no hole is decoded for it; the others get their single-sequence greedy tokens."""
-    eng = Engine(str(tiny_model_dir), max_running_requests=16)
+    eng = Engine(str(tiny_model_dir), max_running_requests=16, **engine_kwargs())
     eng._load_initial()  # driven step by step, so the batch is checked right after the prefill
     g = torch.Generator().manual_seed(7)
 
@@ -263,7 +267,7 @@ def test_rows_finished_by_their_first_token_leave_before_joining(tiny_model_dir,
 def test_an_abort_never_hits_requests_submitted_after_it(tiny_model_dir):
     """`abort_all` queued while the engine thread is busy: the sequence submitted right after it (the next APRIL
     step's fresh request) must run to its end, the one submitted before it is aborted."""
-    eng = Engine(str(tiny_model_dir), max_running_requests=16)
+    eng = Engine(str(tiny_model_dir), max_running_requests=16, **engine_kwargs())
     eng._load_initial()  # no thread: the test drives the engine loop itself, so the interleaving is exact
 
     def seq(rid: str) -> Seq:
@@ -284,7 +288,7 @@ def test_finished_rows_leave_in_the_same_copy_as_a_merge(tiny_model_dir, model, 
     """A row that finished (a hole in the batch) when new rows arrive: the merge drops it and the padding columns
     only it used in the one cache copy it makes (no compaction first), keeps the rows sorted by padding, and every
     sequence still gets exactly its single-sequence greedy tokens and log-probs."""
-    eng = Engine(str(tiny_model_dir), max_running_requests=16)
+    eng = Engine(str(tiny_model_dir), max_running_requests=16, **engine_kwargs())
     eng._load_initial()  # driven step by step, so the batch state is checked at the exact merge
     g = torch.Generator().manual_seed(5)
 

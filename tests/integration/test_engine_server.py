@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_proc import EngineProc, forward_logprobs, http, json_body
+from engine_proc import REFERENCE_NUMERICS, TINY_LP_TOL, EngineProc, forward_logprobs, http, json_body
 from engine.launcher import log_tail
 
 pytestmark = pytest.mark.integration
@@ -71,14 +71,15 @@ def test_single_input_ids_response_shape_and_greedy_matches_forward(server, mode
     assert m["id"] == "shape-1" and m["weight_version"] == "w0"
     assert m["finish_reason"] == {"type": "length", "length": 8}
     assert m["prompt_tokens"] == 5 and m["completion_tokens"] == 8 == len(out["output_ids"])
-    assert out["output_ids"] == greedy_reference(model, prompt, 8)
+    if REFERENCE_NUMERICS:  # CPU float32 only: another dtype/device may break near-ties differently
+        assert out["output_ids"] == greedy_reference(model, prompt, 8)
     # logprob_start_len = -1 on a generation: one input entry, the last prompt token, with a null log-prob
     assert m["input_token_logprobs"] == [[None, 43, None]] and m["input_top_logprobs"] == [None]
     lp = forward_logprobs(model, prompt + out["output_ids"])
     for t, (triple, top) in enumerate(zip(m["output_token_logprobs"], m["output_top_logprobs"])):
         tok = out["output_ids"][t]
         assert triple[1:] == [tok, None]
-        assert abs(triple[0] - lp[len(prompt) - 1 + t, tok].item()) < 1e-4
+        assert abs(triple[0] - lp[len(prompt) - 1 + t, tok].item()) < TINY_LP_TOL
         vals = [e[0] for e in top]
         assert len(top) == 3 and vals == sorted(vals, reverse=True) and all(e[2] is None for e in top)
         assert top[0][1] == tok  # greedy: the chosen token is the top-1
@@ -105,7 +106,8 @@ def test_text_and_batches_keep_order(server, model):
     for t, o in zip(texts, batch):  # padded batch decoding equals each prompt alone (order preserved)
         ids = tok(t).input_ids
         assert o["meta_info"]["prompt_tokens"] == len(ids)
-        assert o["output_ids"] == greedy_reference(model, ids, 6)
+        if REFERENCE_NUMERICS:
+            assert o["output_ids"] == greedy_reference(model, ids, 6)
     by_ids = gen(server, {"input_ids": [tok(t).input_ids for t in texts], "sampling_params": sp, "rid": ["a", "b", "c"]})
     assert [o["output_ids"] for o in by_ids] == [o["output_ids"] for o in batch]
     assert [o["meta_info"]["id"] for o in by_ids] == ["a", "b", "c"]
@@ -182,13 +184,13 @@ def test_scoring_matches_forward(server, model, starts):
         for j in range(1, len(ids) - s):
             row = lp[s + j - 1]
             assert itl[j][1:] == [ids[s + j], None]
-            assert abs(itl[j][0] - row[ids[s + j]].item()) < 1e-4
+            assert abs(itl[j][0] - row[ids[s + j]].item()) < TINY_LP_TOL
             vals = [e[0] for e in itop[j]]
             assert len(vals) == k and vals == sorted(vals, reverse=True)
             ref = torch.topk(row, k).values
-            assert torch.allclose(torch.tensor(vals), ref, atol=1e-4)
+            assert torch.allclose(torch.tensor(vals), ref, atol=TINY_LP_TOL)
             assert [e[1] for e in iids[j]] == [2, 5, 50]
-            assert max(abs(e[0] - row[e[1]].item()) for e in iids[j]) < 1e-4
+            assert max(abs(e[0] - row[e[1]].item()) for e in iids[j]) < TINY_LP_TOL
 
 
 def test_scoring_start_out_of_range_is_400(server):

@@ -95,6 +95,15 @@ def test_launch_settings_follow_the_engine_config():
     assert build_command(ServerSpec("t", "/m", **limits), 30000)[-4:] == ["--read-timeout-s", "5.0", "--max-body-mb",
                                                                         "64.0"]
     assert launch_settings(EngineConfig(backend="sglang", read_timeout_s=5))["options"] == {}  # SGLang: no such flag
+    # the embedded server's device and dtype: flags only where not "auto"; SGLang takes its own (sglang_args)
+    dev = launch_settings(EngineConfig(device="cuda:1", dtype="float16"))
+    assert dev["options"] == {"device": "cuda:1", "dtype": "float16"}
+    assert build_command(ServerSpec("t", "/m", **dev), 30000)[-4:] == ["--device", "cuda:1", "--dtype", "float16"]
+    assert launch_settings(EngineConfig(device="cpu"))["options"] == {"device": "cpu"}
+    assert launch_settings(EngineConfig(backend="sglang", device="cuda", dtype="bfloat16"))["options"] == {}
+    for bad in ({"device": "gpu"}, {"device": "cuda:x"}, {"dtype": "float64"}):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
 
 
 def test_engine_backend_names_come_from_the_backend_registry():

@@ -173,7 +173,14 @@ def test_launch_environment_and_sglang_flags():
     assert server_launch(rollout, visible, True) == {
         "env": {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
         "options": {"base_gpu_id": 3, "tp_size": 1, "mem_fraction_static": 0.05}}
-    assert server_launch(rollout, visible, False) == {"env": {"CUDA_VISIBLE_DEVICES": "7"}, "options": {}}
+    # the embedded server (CPU or CUDA) gets its own GPU and its share of it, as SGLang does
+    assert server_launch(rollout, visible, False) == {"env": {"CUDA_VISIBLE_DEVICES": "7"},
+                                                      "options": {"mem_fraction_static": 0.05}}
+    embedded = launch_settings(cfg({**ONE_B}, engine={"device": "cuda", "dtype": "bfloat16"}).engine, rollout)
+    assert embedded["options"] == {"device": "cuda", "dtype": "bfloat16", "mem_fraction_static": 0.05}
+    argv = build_command(ServerSpec("e", "/m", options=embedded["options"]), 1234)
+    assert argv[-6:] == ["--device", "cuda", "--dtype", "bfloat16", "--mem-fraction-static", "0.05"]
+    assert embedded["env"] == {"CUDA_VISIBLE_DEVICES": "7"}
     sg = cfg({**ONE_B}, engine={"backend": "sglang", "sglang_args": {"mem_fraction_static": 0.5}}).engine
     settings = launch_settings(sg, rollout)  # the plan wins over sglang_args
     argv = build_command(ServerSpec("x", "/m", backend="sglang", options=settings["options"]), 1234)

@@ -30,9 +30,12 @@ def test_with_a_config_and_gpus_each_teacher_gets_its_planned_gpu(monkeypatch):
     assert set(specs) == set(planned) == set(ckpts)
     for d, s in specs.items():
         assert s.env == {"CUDA_VISIBLE_DEVICES": ",".join(map(str, planned[d]))}, (d, s.env)
-        assert s.options == {"read_timeout_s": 45.0} and s.model_path == ckpts[d]
+        # the embedded server gets its planned share of its GPU, as SGLang would
+        share = next(p.mem_fraction for p in make_plan(cfg, 3).processes if p.kind == "teacher" and p.name == d)
+        assert s.options == {"read_timeout_s": 45.0, "mem_fraction_static": share} and s.model_path == ckpts[d]
         cmd = build_command(s, 31000)
         assert cmd[cmd.index("--read-timeout-s") + 1] == "45.0"
+        assert cmd[cmd.index("--mem-fraction-static") + 1] == str(share)
         assert server_env(s, {})["CUDA_VISIBLE_DEVICES"] == s.env["CUDA_VISIBLE_DEVICES"]
 
 

@@ -1,0 +1,120 @@
+"""Where the embedded engine runs: the `--device` / `--dtype` / `--mem-fraction-static` values of
+`python -m engine.server`, checked and resolved (auto: CUDA in bfloat16 when torch sees a GPU, else CPU in float32),
+and the CUDA memory budget of a server that shares its GPU with others (SGLang's `mem_fraction_static`)."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+DEVICES = "auto | cpu | cuda | cuda:N"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+GB = 1e9
+
+
+class DeviceError(ValueError):
+    """A device, dtype or memory fraction the engine cannot use; the message says why."""
+
+
+def check_device_name(device: str) -> str:
+    """`device` if it is one of auto, cpu, cuda, cuda:N (syntax only; no CUDA needed), else DeviceError."""
+    if not isinstance(device, str) or not _DEVICE_RE.match(device.strip().lower()):
+        raise DeviceError(f"device must be one of {DEVICES}, got {device!r}")
+    return device.strip().lower()
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """The torch device for `device` (auto = cuda when `torch.cuda.is_available()`, else cpu). Asking for CUDA on a
+    machine without it (or for a GPU index it does not have) raises DeviceError naming what torch sees."""
+    name = check_device_name(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {name!r} asked for, but torch sees no CUDA GPU on this machine "
+                              f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use --device cpu or auto")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise DeviceError(f"device {name!r} asked for, but torch sees {n} CUDA GPU(s) (cuda:0 … cuda:{n - 1}; "
+                              "CUDA_VISIBLE_DEVICES renumbers them from 0)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The torch dtype for `dtype` (auto = bfloat16 on CUDA, float32 on CPU)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise DeviceError(f"dtype must be one of {' | '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}
+
+
+def logprob_tolerance(dtype: str, num_layers: int, max_abs_logit: float) -> float:
+    """How far a model's log-probs computed in `dtype` may be from a float32 reference: each decoder layer adds two
+    residual updates rounded to `dtype` (relative error ≤ u, the unit roundoff: 2⁻⁹ for bfloat16, 2⁻¹¹ for
+    float16), the final norm and the LM head one more each, so |Δlogit| ≲ (2L + 2)·u·max(1, max|logit|); and
+    log_softmax is 2-Lipschitz in the max norm (|Δ log p| ≤ 2·max|Δlogit|). float32 (other kernels, other
+    summation orders): at least 1e-4. Used by the tests and bench/engine_cuda_check.py."""
+    u = UNIT_ROUNDOFF[dtype]
+    return max(1e-4, 2 * (2 * num_layers + 2) * u * max(1.0, max_abs_logit))
+
+
+def check_mem_fraction(fraction: float | None) -> float | None:
+    """None, or a fraction in (0, 1]; anything else raises DeviceError."""
+    if fraction is None:
+        return None
+    if not isinstance(fraction, (int, float)) or not 0.0 < float(fraction) <= 1.0:
+        raise DeviceError(f"mem_fraction_static must be a fraction in (0, 1], got {fraction!r}")
+    return float(fraction)
+
+
+def limit_memory(device: torch.device, fraction: float | None) -> None:
+    """Cap this process's CUDA caching allocator at `fraction` of `device`'s memory (no-op on CPU / None)."""
+    if fraction is not None and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+
+def memory_budget_error(device: torch.device, fraction: float | None) -> str | None:
+    """After load and warm-up: a message if the memory this process reserved on `device` exceeds its
+    `mem_fraction_static` share of the GPU (the server must not start), else None."""
+    if fraction is None or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    reserved = torch.cuda.memory_reserved(device)
+    if reserved <= fraction * total:
+        return None
+    return (f"mem_fraction_static {fraction:g} of {device} ({total / GB:.2f} GB) allows {fraction * total / GB:.2f} GB, "
+            f"but the model and warm-up need {reserved / GB:.2f} GB reserved: raise mem_fraction_static (the "
+            "placement plan's share of this GPU) or serve a smaller model")
+
+
+def oom_message(device: torch.device, fraction: float | None, err: BaseException) -> str:
+    """A CUDA out-of-memory error while loading, rewritten to name the memory fraction (when one was set)."""
+    if fraction is None or device.type != "cuda":
+        return f"{type(err).__name__}: {err}"
+    total = torch.cuda.get_device_properties(device).total_memory
+    return (f"out of CUDA memory under mem_fraction_static {fraction:g} of {device}: allowed "
+            f"{fraction * total / GB:.2f} GB, reserved {torch.cuda.memory_reserved(device) / GB:.2f} GB when the "
+            f"allocation failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+
+
+def memory_info(device: torch.device) -> dict:
+    """Peak/current CUDA memory of this process on `device` for /get_server_info ({} on CPU)."""
+    if device.type != "cuda":
+        return {}
+    return {"cuda_max_memory_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "cuda_memory_reserved_bytes": int(torch.cuda.memory_reserved(device)),
+            "cuda_max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "cuda_total_memory_bytes": int(torch.cuda.get_device_properties(device).total_memory)}
