@@ -55,10 +55,10 @@ ABSENT = ("mlflow", "sglang")
 SAMPLE_S = 1.0  # nvidia-smi sampling period
 # dense bf16 tensor-core peak per card, TFLOP/s (vendor data sheets, SXM parts); MFU is null for other cards
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "B200": 2250.0}
-QUICK = ["base.steps=60", "base.n_train_per_domain=300", "specialists.steps=4", "specialists.batch_size=32",
-         "specialists.val_every=2", "specialists.checkpoint_every=2", "specialists.critic_warmup_steps=1",
-         "specialists.eval_n=32", "distill.steps=6", "distill.batch_size=48", "distill.eval_every=3",
-         "distill.eval_n=16", "distill.checkpoint_every=3", "eval.n_eval=32"]
+QUICK = ["base.steps=100", "base.n_train_per_domain=500", "specialists.steps=4", "specialists.batch_size=64",
+         "specialists.max_parallel=6", "specialists.val_every=2", "specialists.checkpoint_every=2",
+         "specialists.critic_warmup_steps=1", "specialists.eval_n=32", "distill.steps=8", "distill.batch_size=96",
+         "distill.eval_every=4", "distill.eval_n=16", "distill.checkpoint_every=4", "eval.n_eval=64"]
 
 
 # ------------------------------------------------------------------------------------------ Prefect stand-in
@@ -213,7 +213,7 @@ def process_name(pid: int) -> str:
 # ------------------------------------------------------------------------------------------ reading the run
 
 
-READY = re.compile(r"engine ready: .*?device (\S+?),? .*?dtype (\S+?)[,\s]")
+READY = re.compile(r"engine ready: model .* on (\S+) in (\w+),")  # engine/scheduler.py's line
 
 
 def server_devices(root: Path) -> dict[str, dict]:
@@ -223,12 +223,8 @@ def server_devices(root: Path) -> dict[str, dict]:
         text = log_path.read_text(errors="replace")
         if "engine ready" not in text:
             continue
-        for line in text.splitlines():
-            if "engine ready" in line:
-                dev = re.search(r"device[= ]([\w:]+)", line)
-                dt = re.search(r"dtype[= ](?:torch\.)?(\w+)", line)
-                out[str(log_path.relative_to(root))] = {"device": dev.group(1) if dev else None,
-                                                        "dtype": dt.group(1) if dt else None}
+        for m in READY.finditer(text):  # the last start wins (a restarted server logs again)
+            out[str(log_path.relative_to(root))] = {"device": m.group(1), "dtype": m.group(2)}
     return out
 
 
