@@ -37,6 +37,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -375,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     prefect_stand_in()
+    # `timeout` (a device lease) sends SIGTERM: stop the flow as a Ctrl-C would, and still write the JSON
+    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
     import torch
 
     import training  # noqa: F401  (DeepSpeed's accelerator: cuda when torch sees a GPU)
