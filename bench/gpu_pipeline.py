@@ -56,10 +56,11 @@ ABSENT = ("mlflow", "sglang")
 SAMPLE_S = 1.0  # nvidia-smi sampling period
 # dense bf16 tensor-core peak per card, TFLOP/s (vendor data sheets, SXM parts); MFU is null for other cards
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "B200": 2250.0}
-QUICK = ["base.steps=100", "base.n_train_per_domain=500", "specialists.steps=4", "specialists.batch_size=64",
-         "specialists.max_parallel=6", "specialists.val_every=2", "specialists.checkpoint_every=2",
-         "specialists.critic_warmup_steps=1", "specialists.eval_n=32", "distill.steps=8", "distill.batch_size=96",
-         "distill.eval_every=4", "distill.eval_n=16", "distill.checkpoint_every=4", "eval.n_eval=64"]
+QUICK = ["base.steps=100", "base.train.warmup_steps=10", "base.n_train_per_domain=500", "specialists.steps=4",
+         "specialists.batch_size=64", "specialists.max_parallel=6", "specialists.val_every=2",
+         "specialists.checkpoint_every=100", "specialists.critic_warmup_steps=1", "specialists.eval_n=32",
+         "distill.steps=8", "distill.batch_size=96", "distill.train.warmup_steps=2", "distill.eval_every=4",
+         "distill.eval_n=16", "distill.checkpoint_every=100", "eval.n_eval=64"]
 
 
 # ------------------------------------------------------------------------------------------ Prefect stand-in
@@ -148,6 +149,42 @@ def prefect_stand_in() -> None:
 
 
 # ------------------------------------------------------------------------------------------ GPU memory sampler
+
+
+class ResumePruner:
+    """Deletes a specialist's or the student's resume checkpoints (`step-*` under its storage prefix) once its
+    `final/` is committed (a rerun reuses `final/`, never `step-*`). The lent machine has 64 GB of disk and a 151M
+    model's PPO checkpoint (policy + critic with their fp32 Adam states) is ~4.8 GB: twelve would not fit."""
+
+    def __init__(self, root: Path):
+        self.root, self.freed_bytes, self.pruned = root, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(10)
+        self.sweep()
+
+    def _run(self) -> None:
+        while not self._stop.wait(2.0):
+            self.sweep()
+
+    def sweep(self) -> None:
+        from infra.storage import MANIFEST
+
+        for final in list(self.root.glob("*/specialist-*/final")) + list(self.root.glob("*/student-*/final")):
+            if not (final / MANIFEST).is_file():
+                continue
+            for step in final.parent.glob("step-*"):
+                size = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
+                shutil.rmtree(step, ignore_errors=True)
+                self.freed_bytes += size
+                self.pruned.append(str(step.relative_to(self.root)))
 
 
 class GpuSampler:
@@ -395,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
            "stand_in": "prefect: pass-through stand-ins; mlflow, sglang: absent (see the module docstring)"}
     report, error = None, None
     t0 = time.perf_counter()
-    with GpuSampler() as sampler:
+    with GpuSampler() as sampler, ResumePruner(root) as pruner:
         try:
             from flows.pipeline import pipeline
 
@@ -408,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         out["flow_process_torch_peak_bytes"] = torch.cuda.max_memory_allocated()
     params = model_params(root)
     out.update(summarize(report, root, device, params, card_peak(info.get("gpu")), sampler))
+    out["pruned_resume_checkpoints"] = {"n": len(pruner.pruned), "gb": round(pruner.freed_bytes / 1e9, 2)}
     out["report"] = {k: (report or {}).get(k) for k in ("summary", "timings_s", "throughput", "domains")}
     out["error"] = error
     out["ok"] = error is None and report is not None and all(s["ok"] for s in out["stages"].values())

@@ -30,7 +30,7 @@ def resolve_device(device: str = "auto") -> torch.device:
     machine without it (or for a GPU index it does not have) raises DeviceError naming what torch sees."""
     name = check_device_name(device)
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():

@@ -111,6 +111,24 @@ class AlloyConfig(_Strict):
             raise ValueError(f"specialists.per_domain names domains that are not configured: {unknown}")
         return self
 
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "AlloyConfig":
+        """A cosine schedule decays over the steps after its warm-up: a warm-up as long as the stage is refused here,
+        when the config loads (`alloy config`, `--dry-run`), not minutes later in the stage's trainer."""
+        checks = [("base", "train", self.base.train, self.base.steps),
+                  ("distill", "train", self.distill.train, self.distill.steps)]
+        if self.specialists.enabled:
+            for d in self.domain_names():
+                sc = self.specialists.for_domain(d)
+                where = f"specialists.per_domain.{d}" if d in self.specialists.per_domain else "specialists"
+                checks += [(where, "policy_train", sc.policy_train, sc.steps),
+                           (where, "critic_train", sc.critic_train, sc.steps)]
+        for where, name, t, steps in checks:
+            if t.lr_schedule == "cosine" and t.warmup_steps >= max(steps, 1):
+                raise ValueError(f"{where}.{name}.warmup_steps={t.warmup_steps} must be below {where}.steps={steps} "
+                                 "with lr_schedule cosine (it decays over the steps after the warm-up)")
+        return self
+
     @property
     def storage_url(self) -> str:
         if self.run.storage:

@@ -151,3 +151,19 @@ def test_every_shipped_config_validates(name, tmp_path):
     cfg = load_config(path, overrides)
     for d in cfg.domain_names():
         cfg.specialists.for_domain(d)  # per-domain overrides merge into valid settings
+
+
+def test_a_cosine_warmup_as_long_as_its_stage_is_refused_when_the_config_loads():
+    """The first GPU run of configs/gpu-1.yaml died in base SFT on `base.steps=100` with a 100-step warm-up; the
+    config now says so when it loads, naming the section."""
+    root = Path(__file__).resolve().parents[2]
+    gpu1 = str(root / "configs" / "gpu-1.yaml")
+    with pytest.raises(ConfigError, match=r"base\.train\.warmup_steps=100 must be below base\.steps=100"):
+        load_config(gpu1, ["base.steps=100"])
+    with pytest.raises(ConfigError, match=r"distill\.train\.warmup_steps=50 must be below distill\.steps=8"):
+        load_config(gpu1, ["distill.steps=8"])
+    with pytest.raises(ConfigError, match=r"specialists\.per_domain\.copy\.critic_train\.warmup_steps=5"):
+        load_config(gpu1, ["specialists.per_domain={copy: {steps: 5, critic_train: {lr_schedule: cosine, "
+                           "warmup_steps: 5}}}"])
+    assert load_config(gpu1, ["base.steps=101", "distill.steps=51"]).base.steps == 101
+    load_config(gpu1, ["base.steps=100", "base.train.lr_schedule=constant"])  # no decay, no constraint

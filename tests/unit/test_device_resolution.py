@@ -20,7 +20,11 @@ def test_resolve_device_and_dtype(monkeypatch):
             D.resolve_device(bad)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert D.resolve_device("auto").type == "cuda" and D.resolve_device("cuda:1") == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # always with an index: torch.cuda.set_device / set_per_process_memory_fraction refuse a bare "cuda" (the first
+    # GPU run of the engine failed on exactly that)
+    assert D.resolve_device("auto") == torch.device("cuda", 0) and D.resolve_device("cuda") == torch.device("cuda", 0)
+    assert D.resolve_device("cuda:1") == torch.device("cuda", 1)
     with pytest.raises(D.DeviceError, match="sees 2 CUDA GPU"):
         D.resolve_device("cuda:2")
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
