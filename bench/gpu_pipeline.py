@@ -175,6 +175,12 @@ class ResumePruner:
             self.sweep()
 
     def sweep(self) -> None:
+        try:
+            self._sweep()
+        except Exception as e:  # noqa: BLE001 - disk housekeeping must never fail the run
+            print(f"[resume pruner] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def _sweep(self) -> None:
         from infra.storage import MANIFEST
 
         for final in list(self.root.glob("*/specialist-*/final")) + list(self.root.glob("*/student-*/final")):
