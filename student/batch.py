@@ -9,6 +9,7 @@ in no loss and no metric (the teacher still scored it as context; the tokens aft
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,6 +37,11 @@ class OPDBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum().item())
+
+    def to(self, device: torch.device) -> "OPDBatch":
+        """This batch with every tensor on `device` (the student's logits' device: its GPU in a GPU run)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def reward_advantage(rewards: Sequence[float], groups: Sequence[str]) -> list[float]:
@@ -109,6 +115,7 @@ def opd_loss(logits: torch.Tensor, batch: OPDBatch, *, loss: OPDLoss | str, dire
     # slice, so backward allocates one logits-sized gradient; training/logprobs.py): column 0 the sampled token, then
     # the teacher's top-k ids. The last position predicts nothing: it gets a target 0 and stays off the mask.
     B, T, V = logits.shape
+    batch = batch.to(logits.device)  # collated on the host; the losses run where the logits are
     mask = batch.mask
     off = torch.zeros((B, 1), dtype=torch.long, device=batch.input_ids.device)
     ids = torch.cat([batch.input_ids[:, 1:], off], dim=1).unsqueeze(-1)  # (B, T, 1): position t predicts token t+1

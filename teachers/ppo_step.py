@@ -223,7 +223,7 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
     with torch.no_grad():
         old_logp = (first_pi[0].detach() if reuse_pi else token_logprobs(policy, batch, temperature)).cpu()
         old_values = (first_v.detach() if reuse_v else _values(critic, batch)).cpu()
-        kl = None if ref_logprobs is None else ppo_math.kl_estimator(old_logp, ref_logprobs.float(), "k1")
+        kl = None if ref_logprobs is None else ppo_math.kl_estimator(old_logp, ref_logprobs.float().cpu(), "k1")
         # a fully masked batch: a rank without rows of the global batch (teachers/specialist.ppo_shard); it adds 0
         r = ppo_math.token_rewards(rewards, mask, kl, kl_coef) if mask.any() else torch.zeros_like(mask)
         advantages, returns = ppo_math.compute_gae(r, old_values, mask, gamma, lam)
