@@ -30,7 +30,8 @@ import torch
 from domains.tools import ANSWER_FILE, TURN_END, CallRecord, run_episode
 from infra.chat import PromptRenderer, system_of, token_budget, token_ids_containing
 from infra.generation import generate_ids
-from infra.models import load_model, load_tokenizer, model_device, pick_device, pick_dtype
+from infra.devices import resolve_device, resolve_dtype
+from infra.models import load_model, load_tokenizer, model_device
 
 COLUMNS = ["domain", "stage", "score", "n_eval", "checkpoint"]
 
@@ -245,8 +246,8 @@ def evaluate(checkpoint_dir: str, domains: Mapping[str, object], n_eval: int, se
              chat_template: str = "auto", device: str = "auto", dtype: str = "auto") -> pd.DataFrame:
     """Load an HF checkpoint directory on `device` in `dtype` (`eval.device` / `eval.dtype`; auto: a GPU in
     bfloat16 when torch sees one, else the CPU in float32) and evaluate it (see `evaluate_model`)."""
-    dev = pick_device(device)
-    model = load_model(checkpoint_dir, dtype=pick_dtype(dtype, dev), device=dev)
+    dev = resolve_device(device)
+    model = load_model(checkpoint_dir, dtype=resolve_dtype(dtype, dev), device=dev)
     tok = load_tokenizer(checkpoint_dir)
     try:
         return evaluate_model(model, tok, domains, n_eval, seed, stage, max_new_tokens, batch_size,

@@ -1,61 +1,15 @@
 """Where the embedded engine runs: the `--device` / `--dtype` / `--mem-fraction-static` values of
-`python -m engine.server`, checked and resolved (auto: CUDA in bfloat16 when torch sees a GPU, else CPU in float32),
-and the CUDA memory budget of a server that shares its GPU with others (SGLang's `mem_fraction_static`)."""
+`python -m engine.server`, checked and resolved by `infra.devices` (auto: CUDA in bfloat16 when torch sees a GPU,
+else CPU in float32), and the CUDA memory budget of a server that shares its GPU with others (SGLang's
+`mem_fraction_static`)."""
 from __future__ import annotations
-
-import re
 
 import torch
 
-DEVICES = "auto | cpu | cuda | cuda:N"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+from infra.devices import (DTYPE_CHOICES, DTYPES, DeviceError, check_device_name, dtype_name,  # noqa: F401
+                           resolve_device, resolve_dtype)
+
 GB = 1e9
-
-
-class DeviceError(ValueError):
-    """A device, dtype or memory fraction the engine cannot use; the message says why."""
-
-
-def check_device_name(device: str) -> str:
-    """`device` if it is one of auto, cpu, cuda, cuda:N (syntax only; no CUDA needed), else DeviceError."""
-    if not isinstance(device, str) or not _DEVICE_RE.match(device.strip().lower()):
-        raise DeviceError(f"device must be one of {DEVICES}, got {device!r}")
-    return device.strip().lower()
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """The torch device for `device` (auto = cuda when `torch.cuda.is_available()`, else cpu). Asking for CUDA on a
-    machine without it (or for a GPU index it does not have) raises DeviceError naming what torch sees."""
-    name = check_device_name(device)
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceError(f"device {name!r} asked for, but torch sees no CUDA GPU on this machine "
-                              f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use --device cpu or auto")
-        n = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= n:
-            raise DeviceError(f"device {name!r} asked for, but torch sees {n} CUDA GPU(s) (cuda:0 … cuda:{n - 1}; "
-                              "CUDA_VISIBLE_DEVICES renumbers them from 0)")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The torch dtype for `dtype` (auto = bfloat16 on CUDA, float32 on CPU)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise DeviceError(f"dtype must be one of {' | '.join(DTYPE_CHOICES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}

@@ -93,35 +93,6 @@ def init_model_dir(preset: str, out_dir: str | Path, seed: int = 0, arch: str = 
     return out
 
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                                   "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def pick_device(name: str | torch.device | None = "auto") -> torch.device:
-    """`auto` (or None): the current CUDA device when torch sees one, else the CPU; `cpu`, `cuda`, `cuda:N` as
-    named (a CUDA device on a machine without CUDA raises, naming it)."""
-    if isinstance(name, torch.device):
-        return name
-    if name in (None, "", "auto"):
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r}: torch sees no CUDA device here (torch {torch.__version__})")
-    return dev
-
-
-def pick_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """`auto` (or None): bfloat16 on a GPU, float32 on the CPU; else the named dtype (fp32/float32, bf16/bfloat16,
-    fp16/float16)."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name in (None, "", "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)} or 'auto'")
-    return DTYPES[name]
-
-
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None
                ) -> PreTrainedModel:
     """An HF causal LM from the local dir `path`, in eval mode, its weights in `dtype` on `device` (None: the CPU),

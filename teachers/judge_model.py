@@ -194,10 +194,11 @@ def judge_predictions(model_dir: str | Path, calls: list[LabelledCall], max_char
                       batch_size: int = 64) -> list[bool]:
     """The judge's greedy verdict on each call, in-process: its first answer token, `Y` (YES) or `N` (NO), whichever
     it ranks higher after the prompt (one batched forward pass per `batch_size` calls)."""
-    from infra.models import load_model, load_tokenizer, pick_device, pick_dtype
+    from infra.devices import resolve_device, resolve_dtype
+    from infra.models import load_model, load_tokenizer
 
-    dev = pick_device("auto")
-    return predict(load_model(model_dir, dtype=pick_dtype("auto", dev), device=dev), load_tokenizer(model_dir), calls,
+    dev = resolve_device("auto")
+    return predict(load_model(model_dir, dtype=resolve_dtype("auto", dev), device=dev), load_tokenizer(model_dir), calls,
                    max_chars, batch_size)
 
 

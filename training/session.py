@@ -20,7 +20,8 @@ import torch
 
 from training.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed
 from engine.launcher import Supervisor
-from infra.models import DTYPES, load_model, load_tokenizer
+from infra.devices import resolve_dtype
+from infra.models import load_model, load_tokenizer
 from training.policy_server import PolicyServer
 from training.ranks import process_world_size
 from infra.storage import join, save_checkpoint
@@ -55,7 +56,7 @@ def frozen_copy(model_dir: str | Path, beside: DeepSpeedBackend) -> torch.nn.Mod
     """The HF dir `model_dir` as a frozen model next to `beside`'s: on its device, in its training dtype (bf16 or
     fp16 as it trains, fp32 otherwise): the specialists' KL reference and the selected best policy. No float32
     host copy of a model that trains on a GPU."""
-    return load_model(model_dir, dtype=DTYPES[beside.settings.dtype], device=beside.device)
+    return load_model(model_dir, dtype=resolve_dtype(beside.settings.dtype, beside.device), device=beside.device)
 
 
 def serve_and_run(engine_cfg, work: Path, name: str, model_dir: str | Path, *, version: int, seed: int,

@@ -31,6 +31,7 @@ def fake_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", record)
     monkeypatch.setattr(critic.AutoModel, "from_pretrained", record)
     return asked
@@ -91,13 +92,16 @@ def test_judge_predictions_on_the_gpu(fake_gpu, tmp_path):
 
 
 def test_cpu_defaults_unchanged():
-    assert models.pick_device("auto") == torch.device("cpu")
-    assert models.pick_dtype("auto", torch.device("cpu")) == torch.float32
-    assert models.pick_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
-    with pytest.raises(ValueError, match="no CUDA device"):
-        models.pick_device("cuda")
-    with pytest.raises(ValueError, match="unknown dtype 'int4'"):
-        models.pick_dtype("int4", torch.device("cpu"))
+    from infra.devices import resolve_device, resolve_dtype
+
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16  # the trainers' names
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="dtype must be one of auto"):
+        resolve_dtype("int4", torch.device("cpu"))
 
 
 def test_bf16_evaluation_runs_on_the_cpu(tmp_path):
