@@ -30,6 +30,7 @@ from pathlib import Path
 
 from alloy.detached import (HOST, REPO_ROOT, StackError, http_get, is_alive, log_tail, pick_port, read_state, spawn,
                             stack_env, stop_entries, write_state)
+from infra.names import local_path
 
 STATE_FILE = "teachers.json"
 
@@ -149,7 +150,7 @@ def teachers_up(home: Path, checkpoints: dict[str, str], port_start: int = 30000
             port = pick_port(0 if port_start == 0 else port_start + i, f"teacher {domain}, --port-start")
             spec = specs[domain]
             cmd = build_command(spec, port)
-            entry = spawn(f"teacher-{domain}", cmd, home / "logs" / f"teacher-{domain}.log",
+            entry = spawn(f"teacher-{domain}", cmd, local_path(home, "logs", f"teacher-{domain}.log"),
                           server_env(spec, env, threads), REPO_ROOT)
             host = HOST if spec.host in ("0.0.0.0", "::") else spec.host
             entry.update(port=port, url=f"http://{host}:{port}", model_path=ckpt, backend=str(spec.backend),

@@ -11,6 +11,12 @@ JSONL). Numbers in the answer column become strings (42.0 → "42", 3.5 → "3.5
 (the first kept) and split train/val/eval by the sha256 of the prompt (`domains.base.prompt_split`), as the
 generator domains are. Prompts are kept as they are: multi-line, any Unicode.
 
+Limits (issue 34): a file over `dataset.max_file_mb` is refused before it is read (`infra.datasets`); a row whose
+cells the domain reads (prompt, answer, fields: text as UTF-8, anything else as JSON) weigh more than
+`dataset.max_row_kb`, or a cell nested deeper than MAX_JSON_DEPTH, is a bad row named by number (and line), like the
+others; JSON nested past what the parsers take (pandas' 1024 levels, Python's recursion limit) is a DatasetError
+naming the line, never a RecursionError.
+
 The reward is the configured verifier (`domains.verifiers.get_verifier`), and the 0/1 accuracy is reward == 1.0.
 """
 from __future__ import annotations
@@ -19,15 +25,21 @@ import io
 import json
 import math
 import random
+import reprlib
 from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
 from domains.base import MAX_BAD_ROWS, SPLITS, Domain, Example, prompt_split
 from domains.verifiers import answer_problem, get_verifier
-from infra.datasets import BoundedCache, cache_budget_bytes, read_dataset
+from infra.datasets import (DEFAULT_MAX_FILE_MB, DEFAULT_MAX_ROW_KB, BoundedCache, DatasetLimitError,
+                            cache_budget_bytes, read_dataset)
 
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+MAX_JSON_DEPTH = 64  # nesting levels of one cell (lists/objects); deeper rows are refused, not recursed into
+_SHORT = reprlib.Repr()  # a cell in an error message: bounded in length and depth (an 8 MB or 10,000-deep cell)
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlevel = 3
 
 class DatasetError(ValueError):
     """A dataset that cannot be used; `field` is the `dataset` setting at fault ("path" for a file that cannot be
@@ -57,13 +69,18 @@ def _jsonl_lines(data: bytes) -> list[int]:
 
 
 def _first_bad_json_line(data: bytes) -> str:
+    row = -1
     for i, line in enumerate(data.split(b"\n")):
         if not line.strip():
             continue
+        row += 1
         try:
             obj = json.loads(line)
         except ValueError as exc:
             return f"line {i + 1} is not valid JSON ({exc})"
+        except RecursionError:
+            return (f"row {row} (line {i + 1}) nests its JSON too deeply to parse (a cell may nest "
+                    f"{MAX_JSON_DEPTH} levels)")
         if not isinstance(obj, dict):
             return f"line {i + 1} is a JSON {type(obj).__name__}, not an object"
     return ""
@@ -81,8 +98,8 @@ def read_table(path: str, data: bytes):
             return pd.read_parquet(io.BytesIO(data)), None
         # every CSV cell as text: "007" stays "007", and an empty cell is "" (refused as empty where it matters)
         return pd.read_csv(io.BytesIO(data), dtype=str, keep_default_na=False, encoding="utf-8-sig"), None
-    except Exception as exc:
-        why = (_first_bad_json_line(data) if fmt == "jsonl" else "") or f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # RecursionError included
+        why = (_first_bad_json_line(data) if fmt == "jsonl" else "") or f"{type(exc).__name__}: {str(exc)[:300]}"
         raise DatasetError(f"dataset {path}: cannot read it as {fmt}: {why}") from exc
 
 
@@ -103,6 +120,37 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def _depth(v: Any) -> int:
+    """Nesting levels of a cell (a scalar 0, [1] 1, [[1]] 2…), without recursion; counting stops past
+    MAX_JSON_DEPTH."""
+    deepest, stack = 0, [(v, 0)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict):
+            x = list(x.values())
+        elif hasattr(x, "tolist") and getattr(x, "ndim", 0):  # a numpy array from a Parquet list column
+            x = list(x)
+        if isinstance(x, (list, tuple)):
+            deepest = max(deepest, d + 1)
+            if deepest > MAX_JSON_DEPTH:
+                return deepest
+            stack.extend((y, d + 1) for y in x)
+    return deepest
+
+
+def _cell_bytes(v: Any) -> int:
+    """A cell's weight toward `dataset.max_row_kb`: text as UTF-8, anything else as JSON."""
+    if _missing(v):
+        return 0
+    if isinstance(v, str):
+        return len(v.encode("utf-8", "surrogatepass"))
+    return len(json.dumps(_plain(v), ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"
+
+
 def answer_text(v: Any) -> str | None:
     """The answer cell as the reference string, or None if it cannot be one: a str stripped of surrounding space,
     an int as is, a finite float without a needless ".0" (42.0 → "42", 3.5 → "3.5")."""
@@ -117,20 +165,30 @@ def answer_text(v: Any) -> str | None:
     return None
 
 
-def _row_problems(row: Mapping[str, Any], prompt: str, answer: str, fields: Sequence[str]) -> list[str]:
+def _row_problems(row: Mapping[str, Any], prompt: str, answer: str, fields: Sequence[str],
+                  max_row_bytes: int | None = None) -> list[str]:
+    deep = [c for c, v in row.items() if _depth(v) > MAX_JSON_DEPTH]
+    if deep:  # nothing else is looked at: even its repr would recurse that deep
+        return [f"field {c!r} nests more than {MAX_JSON_DEPTH} levels deep" for c in deep]
+    if max_row_bytes is not None:
+        size = sum(_cell_bytes(v) for v in row.values())
+        if size > max_row_bytes:
+            return [f"the row is {_kib(size)}, over the limit of {_kib(max_row_bytes)} (dataset.max_row_kb; raise "
+                    f"it or shorten the row)"]
     out = []
     p = row.get(prompt)
     if _missing(p):
         out.append(f"field {prompt!r} (the prompt) is missing")
     elif not isinstance(p, str):
-        out.append(f"field {prompt!r} (the prompt) is {type(p).__name__} {p!r}, not a string")
+        out.append(f"field {prompt!r} (the prompt) is {type(p).__name__} {_SHORT.repr(p)}, not a string")
     elif not p.strip():
         out.append(f"field {prompt!r} (the prompt) is empty")
     a = row.get(answer)
     if _missing(a):
         out.append(f"field {answer!r} (the answer) is missing")
     elif answer_text(a) is None:
-        out.append(f"field {answer!r} (the answer) is {type(a).__name__} {a!r}, not a string or a finite number")
+        out.append(f"field {answer!r} (the answer) is {type(a).__name__} {_SHORT.repr(a)}, not a string or a finite "
+                   "number")
     elif not answer_text(a):
         out.append(f"field {answer!r} (the answer) is empty")
     for f in fields:
@@ -141,10 +199,12 @@ def _row_problems(row: Mapping[str, Any], prompt: str, answer: str, fields: Sequ
 
 
 def parse_rows(path: str, data: bytes, name: str, prompt: str, answer: str, fields: Sequence[str],
-               verifier: str = "exact") -> tuple[list[Example], int]:
+               verifier: str = "exact", max_row_bytes: int | None = None) -> tuple[list[Example], int]:
     """(the valid, deduplicated examples in file order, the number of data rows) of a dataset file's bytes; a
     DatasetError naming every bad row (up to MAX_BAD_ROWS) if any row is bad, including a row whose answer the
-    `verifier` cannot use (`domains.verifiers.answer_problem`: no number for numeric, no such option for choice…)."""
+    `verifier` cannot use (`domains.verifiers.answer_problem`: no number for numeric, no such option for choice…),
+    a row over `max_row_bytes` (None: no limit) and a cell nested deeper than MAX_JSON_DEPTH. Only oversized rows:
+    the error's `field` is "max_row_kb"."""
     df, lines = read_table(path, data)
     columns = [str(c) for c in df.columns]
     absent = [c for c in (prompt, answer, *fields) if c not in columns]
@@ -154,17 +214,18 @@ def parse_rows(path: str, data: bytes, name: str, prompt: str, answer: str, fiel
     cols = {c: df[c].tolist() for c in dict.fromkeys((prompt, answer, *fields))}
     n = len(df)
     bad: list[str] = []
-    n_bad = 0
+    n_bad = n_big = 0
     out: list[Example] = []
     seen: set[str] = set()
     for i in range(n):
         row = {c: v[i] for c, v in cols.items()}
-        problems = _row_problems(row, prompt, answer, fields)
-        extra = {f: _plain(row[f]) for f in fields}
+        problems = _row_problems(row, prompt, answer, fields, max_row_bytes)
+        extra = {} if problems else {f: _plain(row[f]) for f in fields}
         if not problems and (why := answer_problem(verifier, answer_text(row[answer]), extra)):
             problems = [f"field {answer!r} (the answer): {why} (verifier {verifier!r})"]
         if problems:
             n_bad += 1
+            n_big += "dataset.max_row_kb" in problems[0]
             if len(bad) < MAX_BAD_ROWS:
                 where = f"row {i}" + (f" (line {lines[i]})" if lines is not None and i < len(lines) else "")
                 bad.append(f"  {where}: " + "; ".join(problems))
@@ -178,7 +239,8 @@ def parse_rows(path: str, data: bytes, name: str, prompt: str, answer: str, fiel
         more = f"\n  … and {n_bad - len(bad)} more (the first {MAX_BAD_ROWS} shown)" if n_bad > len(bad) else ""
         lines_note = ", lines 1-based" if lines is not None else ""
         raise DatasetError(f"domain {name!r}: dataset {path} has {n_bad} bad row(s) of {n} (rows are 0-based data rows"
-                           f"{lines_note}); fix or drop them:\n" + "\n".join(bad) + more)
+                           f"{lines_note}); fix or drop them:\n" + "\n".join(bad) + more,
+                           "max_row_kb" if n_big == n_bad else "")
     return out, n
 
 
@@ -190,20 +252,24 @@ class DatasetDomain(Domain):
 
     def __init__(self, name: str, path: str, prompt: str = "prompt", answer: str = "answer",
                  fields: Sequence[str] = (), system: str = "", max_new_tokens: int | None = None,
-                 verifier: str = "exact"):
+                 verifier: str = "exact", max_file_mb: float = DEFAULT_MAX_FILE_MB,
+                 max_row_kb: float = DEFAULT_MAX_ROW_KB):
         self.name = name
         self.path, self.prompt_field, self.answer_field = str(path), prompt, answer
         self.fields = tuple(fields)
         self.system = system or ""
         self.max_new_tokens = max_new_tokens
         self.verifier_spec = verifier
+        self.max_file_bytes, self.max_row_bytes = int(max_file_mb * 2 ** 20), int(max_row_kb * 2 ** 10)
         self.verifier: Callable[[str, str, Mapping[str, Any]], float] = get_verifier(verifier)
         super().__init__(difficulty=1)
 
     def setup(self) -> None:
         dataset_format(self.path)  # an unknown suffix fails before any download
         try:
-            data, digest = read_dataset(self.path)
+            data, digest = read_dataset(self.path, self.max_file_bytes)
+        except DatasetLimitError as exc:
+            raise DatasetError(f"domain {self.name!r}: {exc}", exc.field) from None
         except FileNotFoundError:
             raise DatasetError(f"domain {self.name!r}: dataset {self.path} not found", "path") from None
         except OSError as exc:
@@ -211,7 +277,7 @@ class DatasetDomain(Domain):
                                "path") from exc
         self.sha256 = digest
         self._key = (digest, dataset_format(self.path), self.name, self.prompt_field, self.answer_field, self.fields,
-                     self.verifier_spec)
+                     self.verifier_spec, self.max_row_bytes)
         examples, n_rows, _ = self._parsed(data)
         if not examples:
             raise DatasetError(f"domain {self.name!r}: dataset {self.path} has no rows")
@@ -224,9 +290,9 @@ class DatasetDomain(Domain):
         hit = _PARSED.get(self._key)
         if hit is None:
             if data is None:
-                data, _ = read_dataset(self.path)
+                data, _ = read_dataset(self.path, self.max_file_bytes)
             examples, n_rows = parse_rows(self.path, data, self.name, self.prompt_field, self.answer_field,
-                                          self.fields, self.verifier_spec)
+                                          self.fields, self.verifier_spec, self.max_row_bytes)
             by_split: dict[str, list[Example]] = {s: [] for s in SPLITS}
             for ex in examples:
                 by_split[prompt_split(ex.prompt)].append(ex)

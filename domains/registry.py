@@ -113,7 +113,7 @@ def load_dataset_domain(d, i: int, cfg=None) -> Domain:
     try:
         domain = DatasetDomain(d.name, ds.path, prompt=ds.prompt, answer=ds.answer, fields=ds.fields,
                                system=ds.system or d.system or "", max_new_tokens=ds.max_new_tokens,
-                               verifier=d.verifier)
+                               verifier=d.verifier, max_file_mb=ds.max_file_mb, max_row_kb=ds.max_row_kb)
     except ValueError as exc:  # DatasetError (file, suffix, columns, bad rows) or a verifier's refusal
         where = f"dataset.{exc.field}" if isinstance(exc, DatasetError) and exc.field else "dataset"
         raise ConfigError(f"domains.{i}.{where}: {exc}") from exc

@@ -370,8 +370,11 @@ class _MathWorker:
         return line
 
     def _start(self) -> None:
+        from infra.secrets import scrubbed_env  # the helper parses untrusted text: no credentials in its environment
+
         self.proc = subprocess.Popen([sys.executable, "-c", _MATH_WORKER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+                                     env=scrubbed_env())
         self.pid, self.buf = os.getpid(), b""
         if self._read_line(120.0) != b"ready":
             self._stop()

@@ -14,7 +14,7 @@ from flows.handoff import (DEPLOYMENT_POLL_S, dispatch_overrides, fetch_checkpoi
                            where_am_i)
 from infra.choices import StageMode
 from infra.config import refuse_secret_overrides
-from infra.storage import join, read_json, write_json
+from infra.storage import join, local_path, read_json, write_json
 from tasks.context import RunContext, open_context, stage_timer
 from tasks.distill import register_student, student_prefix, train_student
 from tasks.teachers import serve_teachers
@@ -82,7 +82,7 @@ def distill(config: str, student_init: str, teachers: dict[str, str], overrides:
         local = {}
         for d, u in teachers.items():
             if u not in pulled:
-                pulled[u] = fetch_checkpoint(u, ctx.work_dir / "teachers" / d, f"distill: teacher {d}")
+                pulled[u] = fetch_checkpoint(u, local_path(ctx.work_dir, "teachers", d), f"distill: teacher {d}")
             local[d] = pulled[u]
         out = distill_stage(ctx, init, local)
         write_json(join(student_prefix(ctx), SUMMARY_FILE), {k: v for k, v in out.items() if k != "student_dir"})

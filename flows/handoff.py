@@ -13,6 +13,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from infra.secrets import mask_secrets
 from infra.storage import is_local, load_checkpoint, verify_checkpoint
 from tasks.context import RunContext
 
@@ -70,4 +71,4 @@ def fetch_checkpoint(url_or_dir: str, local: Path, what: str) -> str:
 def where_am_i(flow: str, ctx: RunContext) -> str:
     """One line for the flow run's log: which code (this repository copy) and which work dir it runs with."""
     code = Path(__file__).resolve().parents[1]
-    return f"{flow}: code {code}, work dir {ctx.work_dir}, storage {ctx.storage_url}"
+    return f"{flow}: code {code}, work dir {ctx.work_dir}, storage {mask_secrets(ctx.storage_url)}"

@@ -26,6 +26,7 @@ from flows.handoff import (DEPLOYMENT_POLL_S, dispatch_overrides, fetch_checkpoi
 from infra.choices import StageMode
 from infra.config import refuse_secret_overrides
 from infra.procs import stop_requested
+from infra.storage import local_path
 from tasks.context import RunContext, open_context, stage_timer
 from tasks.judge import serve_judge
 from tasks.specialist import specialist_prefix, train_specialist
@@ -81,7 +82,7 @@ def _deployments(ctx: RunContext, base_url: str) -> dict[str, dict]:
                         attempts - 1)
         prefix = specialist_prefix(ctx, domain)
         summary = read_json(join(prefix, "result.json"))
-        local = fetch_checkpoint(join(prefix, "final"), ctx.work_dir / "specialists" / domain / "final-local",
+        local = fetch_checkpoint(join(prefix, "final"), local_path(ctx.work_dir, "specialists", domain, "final-local"),
                                  f"specialist {domain}")
         return {**summary, "specialist_dir": local, "checkpoint": join(prefix, "final"), "domain": domain,
                 "flow_run_id": str(fr.id)}
@@ -132,7 +133,7 @@ def specialist(config: str, domain: str, base_url: str, overrides: list[str] | N
         if domain not in ctx.domains:
             raise ValueError(f"domain {domain!r} is not configured in {config}; configured: {sorted(ctx.domains)}")
         # its own copy: several specialist flow runs on one worker (same run.root) must not share one directory
-        base_dir = fetch_checkpoint(base_url, ctx.work_dir / "specialists" / domain / "base",
+        base_dir = fetch_checkpoint(base_url, local_path(ctx.work_dir, "specialists", domain, "base"),
                                     f"specialist {domain}: base checkpoint")
         with concurrency("gpu", occupy=1, strict=False), serve_judge(ctx, [domain]) as run_ctx:  # its judge
             out = train_specialist(run_ctx, domain, base_dir)

@@ -51,3 +51,7 @@ MAX_RUNNING_REQUESTS = 256
 MAX_TOTAL_TOKENS = 65536  # KV-cache tokens of all running sequences together
 MAX_PREFILL_TOKENS = 16384  # prompt tokens prefilled in one forward
 READ_TIMEOUT_S = 30.0  # a client gets this long for a request's headers, and again for its body
+
+# dataset limits (`dataset.max_file_mb`, `dataset.max_row_kb`): read by infra.datasets and domains/dataset.py
+DEFAULT_MAX_FILE_MB = 512.0  # the largest dataset file read (the whole file stays in a per-process cache)
+DEFAULT_MAX_ROW_KB = 1024.0  # the largest row: the UTF-8 bytes of the cells a domain reads

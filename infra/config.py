@@ -34,7 +34,8 @@ from infra.config_shared import (ConfigError, DatasetConfig, DomainConfig, Engin
                                  ops_field)
 from infra.config_stages import (OPD_LOSSES, STAGE_WIDE, BaseConfig, DistillConfig, GuardConfig, SpecialistsConfig,
                                  TeachersConfig)
-from infra.tracking import flatten_config, is_secret
+from infra.secrets import is_secret
+from infra.tracking import flatten_config
 
 __all__ = [
     # sections and their pieces (infra.config_shared, infra.config_stages)
@@ -239,7 +240,7 @@ SECRET_OVERRIDES_ENV = "ALLOY_SECRET_OVERRIDES"  # JSON list of "a.b=value" over
 
 def is_secret_override(item: str) -> bool:
     """Whether an `a.b=value` override sets a secret: its key, or a key inside a mapping value, names one (the
-    rule MLflow redaction uses, `infra.tracking.is_secret`), e.g. `engine.api_key=…` or `engine={api_key: …}`."""
+    rule MLflow redaction uses, `infra.secrets.is_secret`), e.g. `engine.api_key=…` or `engine={api_key: …}`."""
     path, value = _parse_override(item)
     key = ".".join(path)
     flat = flatten_config(value, key) if isinstance(value, (dict, list)) and value else {key: value}

@@ -18,8 +18,10 @@ from typing import Annotated, Any, Literal, Mapping
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
-from infra.choices import MAX_RUNNING_REQUESTS, READ_TIMEOUT_S, Backend, SglangWeightSync, WeightSync, values
-from infra.tracking import REDACTED
+from infra.choices import (DEFAULT_MAX_FILE_MB, DEFAULT_MAX_ROW_KB, MAX_RUNNING_REQUESTS, READ_TIMEOUT_S, Backend,
+                           SglangWeightSync, WeightSync, values)
+from infra.names import NAME_RULE, check_name
+from infra.secrets import REDACTED
 
 
 class ConfigError(ValueError):
@@ -53,7 +55,8 @@ def _problem(err: Mapping) -> str:
 
 class RunConfig(_Strict):
     """Run identity and where its files go."""
-    name: str = Field("alloy", description="Run name; used for the run directory and the MLflow parent run.")
+    name: str = Field("alloy", description="Run name; used for the run directory and the MLflow parent run: "
+                      f"{NAME_RULE}.")
     root: str = ops_field("runs", description="Local working directory for runs (logs, local copies of checkpoints).")
     storage: str | None = ops_field(None, description="fsspec URL where checkpoints and reports go: file://… or s3://bucket/prefix. "
                                                  "Default: file://<root>/<name>.")
@@ -63,9 +66,7 @@ class RunConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
-        if not v or any(c in v for c in "/\\ \t\n") or v.startswith("."):
-            raise ValueError("must be a non-empty name without slashes or whitespace")
-        return v
+        return check_name(v, "")  # the run's directory: one safe path segment (infra/names.py)
 
 
 class ModelConfig(_Strict):
@@ -122,6 +123,20 @@ class DatasetConfig(_Strict):
                               "tests), passed along with each row.")
     max_new_tokens: int | None = Field(None, ge=1, description="Response budget in tokens; None: twice the longest "
                                        "train answer in the model's tokens, plus 8.")
+    max_file_mb: float = ops_field(DEFAULT_MAX_FILE_MB, gt=0, description="Largest dataset file read, in MiB: a "
+                                   "larger file is refused before it is read (the whole file stays in a per-process "
+                                   "cache).")
+    max_row_kb: float = ops_field(DEFAULT_MAX_ROW_KB, gt=0, description="Largest row, in KiB: the UTF-8 bytes of the "
+                                  "cells the domain reads (prompt, answer, fields; non-text cells as JSON). Larger "
+                                  "rows are refused by row number (and line, for JSONL).")
+
+    @property
+    def max_file_bytes(self) -> int:
+        return int(self.max_file_mb * 2 ** 20)
+
+    @property
+    def max_row_bytes(self) -> int:
+        return int(self.max_row_kb * 2 ** 10)
 
     @field_validator("path")
     @classmethod
@@ -141,17 +156,20 @@ class DatasetConfig(_Strict):
     def content_sha256(self, where: str = "dataset.path") -> str:
         """The sha256 of the file's bytes (read once per process: infra/datasets.py); a ConfigError naming `where`
         if it cannot be read."""
-        from infra.datasets import dataset_sha256
+        from infra.datasets import DatasetLimitError, dataset_sha256
 
         try:
-            return dataset_sha256(self.path)
+            return dataset_sha256(self.path, self.max_file_bytes)
+        except DatasetLimitError as exc:
+            raise ConfigError(f"{where.rsplit('.', 1)[0]}.{exc.field}: {exc}") from None
         except OSError as exc:
             raise ConfigError(f"{where}: cannot read {self.path}: {type(exc).__name__}: {exc}") from exc
 
 
 class DomainConfig(_Strict):
     """One domain of the run: a built-in by name, a plugin class, or a dataset file (domains/README.md)."""
-    name: str = Field(..., description="Built-in domain name, or the name of a plugin or dataset domain.")
+    name: str = Field(..., description="Built-in domain name, or the name of a plugin or dataset domain: "
+                      f"{NAME_RULE}.")
     impl: str | None = Field(None, description='Plugin class as "package.module:ClassName" (any importable module).')
     difficulty: int = Field(1, ge=1, le=10, description="Difficulty knob of the domain's generator.")
     params: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the domain class.")
@@ -160,6 +178,11 @@ class DomainConfig(_Strict):
     verifier: str = Field("exact", description="A dataset domain's reward: exact, numeric[:REL_TOL], choice, "
                           "regex:PATTERN, math or code (domains/verifiers.py).")
     system: str | None = Field(None, description="System message of the domain's prompts (used with a chat template).")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        return check_name(v, "")  # a work dir, log file and storage prefix (infra/names.py)
 
     @field_validator("impl")
     @classmethod
@@ -245,7 +268,12 @@ class TrackingConfig(_Strict):
     enabled: bool = ops_field(True, description="Log to MLflow; false = no tracking at all.")
     uri: str | None = ops_field(None, description="MLflow tracking URI; default sqlite:///<root>/mlflow.db. "
                                               "MLFLOW_TRACKING_URI in the environment wins.")
-    experiment: str = ops_field("alloy", description="MLflow experiment of the parent run.")
+    experiment: str = ops_field("alloy", description=f"MLflow experiment of the parent run: {NAME_RULE}.")
+
+    @field_validator("experiment")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        return check_name(v, "")
 
 
 class EngineConfig(_Strict):

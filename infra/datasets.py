@@ -9,6 +9,9 @@ and credentials from the standard AWS environment variables, as for `run.storage
 The caches are bounded (`BoundedCache`): least recently used files go first once the cached bytes pass
 `ALLOY_DATASET_CACHE_MB` (default 1024), the newest entry always stays (a file larger than the budget is still read
 once per process, not once per access). domains/dataset.py bounds its parsed rows the same way.
+
+A file larger than `max_bytes` (`dataset.max_file_mb`, default DEFAULT_MAX_FILE_MB) is refused before it is read
+(its size from the storage's listing) with a `DatasetLimitError` naming the file, its size and the setting to raise.
 """
 from __future__ import annotations
 
@@ -18,9 +21,30 @@ import threading
 from collections import OrderedDict
 from typing import Any, Hashable
 
+from infra.choices import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_ROW_KB  # noqa: F401  (re-exported)
 from infra.storage import get_fs, read_bytes
 
 CACHE_ENV = "ALLOY_DATASET_CACHE_MB"
+
+
+class DatasetLimitError(ValueError):
+    """A dataset over one of its limits; `field` names the `dataset` setting that raises it (e.g. "max_file_mb")."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB" if n >= 2 ** 20 // 10 else f"{n} bytes"
+
+
+def check_file_size(url: str, size: int, max_bytes: int | None) -> None:
+    """DatasetLimitError if `size` bytes is over `max_bytes` (None: no limit)."""
+    if max_bytes is not None and size > max_bytes:
+        raise DatasetLimitError(f"dataset {url} is {_mib(size)}, over the limit of {_mib(max_bytes)} "
+                                f"(dataset.max_file_mb); raise dataset.max_file_mb or use a smaller file",
+                                "max_file_mb")
 
 
 def cache_budget_bytes() -> int:
@@ -86,19 +110,24 @@ def _stamp(url: str) -> tuple[str, tuple]:
                                                                        "etag", "last_modified"))
 
 
-def read_dataset(url: str) -> tuple[bytes, str]:
+def read_dataset(url: str, max_bytes: int | None = None) -> tuple[bytes, str]:
     """(the file's bytes, their sha256 hex) of a local path or fsspec URL, from the process cache while the file's
-    size/mtime/ETag is unchanged."""
+    size/mtime/ETag is unchanged. A file over `max_bytes` is a DatasetLimitError, before it is read when its
+    listing gives its size."""
     key, stamp = _stamp(str(url))
+    if stamp[0].isdigit():  # the listed size
+        check_file_size(str(url), int(stamp[0]), max_bytes)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] == stamp:
+        check_file_size(str(url), len(hit[1]), max_bytes)
         return hit[1], hit[2]
     data = read_bytes(key)
+    check_file_size(str(url), len(data), max_bytes)  # a store that lists no size, or a file grown since
     digest = hashlib.sha256(data).hexdigest()
     _CACHE.put(key, (stamp, data, digest), len(data))
     return data, digest
 
 
-def dataset_sha256(url: str) -> str:
+def dataset_sha256(url: str, max_bytes: int | None = None) -> str:
     """The sha256 hex of a dataset file's bytes (cached as `read_dataset`)."""
-    return read_dataset(url)[1]
+    return read_dataset(url, max_bytes)[1]

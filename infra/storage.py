@@ -40,6 +40,8 @@ from typing import Any, Callable
 import fsspec
 from fsspec.utils import get_protocol
 
+from infra.names import key, local_path  # noqa: F401  (local_path: re-exported)
+
 log = logging.getLogger("alloy.storage")
 
 MANIFEST = "COMPLETE"
@@ -95,13 +97,12 @@ def is_local(url: str) -> bool:
 
 
 def join(url: str, *parts: str) -> str:
-    """Join parts onto a URL with '/', keeping its scheme: join("s3://b/p", "step-1", "x") == "s3://b/p/step-1/x"."""
+    """Join parts onto a URL with '/', keeping its scheme: join("s3://b/p", "step-1", "x") == "s3://b/p/step-1/x".
+    Empty parts are skipped; the others form a relative key (`infra.names.key`): '..', '.', empty segments and
+    absolute parts are a ValueError, so a key built from a name stays under `url`."""
     out = str(url).rstrip("/")
-    for p in parts:
-        p = str(p).strip("/")
-        if p:
-            out = f"{out}/{p}"
-    return out
+    parts = tuple(p for p in parts if str(p) != "")
+    return f"{out}/{key(*parts)}" if parts else out
 
 
 def to_local(url: str) -> str:

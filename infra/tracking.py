@@ -18,27 +18,19 @@ import contextlib
 import copy
 import logging
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from infra.secrets import REDACTED, is_secret, mask_secrets  # noqa: F401  (REDACTED, is_secret: re-exported)
+
 log = logging.getLogger("alloy.tracking")
 
-REDACTED = "***"
 CHILD_TAG = "alloy.child"
 PARENT_TAG = "mlflow.parentRunId"
 _STATUSES = ("FINISHED", "FAILED", "KILLED")
 _MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 _BATCH = 100  # MLflow's limit on params/tags per log_batch call (metrics: 1000)
-# A key names a secret if it contains key/secret/password/token (any case). Two deliberate exceptions, because hiding
-# hyperparameters makes runs incomparable: "tokeniz…" (a tokenizer path) is no credential, and a token key whose value
-# is a number is a count (max_new_tokens=16), never a credential. Anything else, e.g. auth.tokens.0, is redacted.
-_ALWAYS_SECRET = re.compile(r"key|secret|passw", re.IGNORECASE)
-_TOKEN = re.compile(r"token", re.IGNORECASE)
-_TOKENIZER = re.compile(r"tokeniz", re.IGNORECASE)
-_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
-_URL_PASSWORD = re.compile(r"(?P<pre>[a-zA-Z][a-zA-Z0-9+.-]*://[^/:@\s]*:)[^/@\s]+(?=@)")
 STARTED_PARENTS: list[tuple[str, str]] = []  # (tracking URI, run id) of every parent run this process started
 
 
@@ -73,31 +65,18 @@ def flatten_config(d: dict, prefix: str = "") -> dict[str, str]:
 
 
 def mask_url(text: str) -> str:
-    """Replace the password of any user:password@ URL in text with ***."""
-    return _URL_PASSWORD.sub(lambda m: m.group("pre") + REDACTED, text)
-
-
-def is_secret(key: str, value: Any) -> bool:
-    """Whether key names a secret: it contains key/secret/password, or token with a non-numeric value (see above)."""
-    k = _TOKENIZER.sub("", str(key))
-    if _ALWAYS_SECRET.search(k):
-        return True
-    if _TOKEN.search(k):
-        if value is None or value == "null":  # an unset budget (max_new_tokens: null) holds no credential
-            return False
-        numeric = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
-            isinstance(value, str) and _NUMBER.fullmatch(value.strip()) is not None)
-        return not numeric
-    return False
+    """Credentials in text masked: `infra.secrets.mask_secrets` (URL user info, query tokens, auth headers)."""
+    return mask_secrets(text)
 
 
 def redact(flat: dict[str, Any]) -> dict[str, Any]:
-    """Values of keys naming a secret (key/secret/token/password, any case) become "***"; URL passwords are masked.
+    """Values of keys naming a secret (`infra.secrets.is_secret`) become "***"; credentials inside other values
+    (URL user info, query tokens, auth headers) are masked (`mask_secrets`).
 
     redact({"engine.api_key": "sk-1", "eval.max_new_tokens": "16", "db": "pg://u:pw@h/x"})
         == {"engine.api_key": "***", "eval.max_new_tokens": "16", "db": "pg://u:***@h/x"}
     """
-    return {k: REDACTED if is_secret(k, v) else (mask_url(v) if isinstance(v, str) else v) for k, v in flat.items()}
+    return {k: REDACTED if is_secret(k, v) else (mask_secrets(v) if isinstance(v, str) else v) for k, v in flat.items()}
 
 
 def resolve_tracking_uri(runs_root: str | os.PathLike = "runs", uri: str | None = None) -> str:
@@ -141,10 +120,10 @@ class Tracker:
         self.experiment_id = self._ensure_experiment(experiment, artifact_location
                                                      or _default_artifact_location(self.tracking_uri))
         self.run_id: str | None = None
-        log.info("MLflow tracking at %s, experiment %r", mask_url(self.tracking_uri), experiment)
+        log.info("MLflow tracking at %s, experiment %r", mask_secrets(self.tracking_uri), experiment)
 
     def __repr__(self) -> str:
-        return (f"Tracker(uri={mask_url(self.tracking_uri)!r}, experiment={self.experiment_name!r}, "
+        return (f"Tracker(uri={mask_secrets(self.tracking_uri)!r}, experiment={self.experiment_name!r}, "
                 f"run_id={self.run_id!r})")
 
     def _ensure_experiment(self, name: str, artifact_location: str | None) -> str:

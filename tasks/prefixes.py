@@ -6,6 +6,7 @@ complete checkpoint. Kept free of heavy imports: `alloy run --dry-run` computes 
 """
 from __future__ import annotations
 
+from infra.names import check_name
 from infra.storage import join
 
 BASE_SECTIONS = ("run", "model", "domains", "base")
@@ -24,6 +25,7 @@ def base_prefix(cfg, storage_url: str) -> str:
 def specialist_prefix_of(cfg, storage_url: str, domain: str) -> str:
     """Storage prefix of `domain`'s specialist: its own settings count (`specialists.per_domain[domain]` merged in),
     another domain's overrides do not."""
+    check_name(domain, "domain name")  # one path segment (the config checked it; a caller's string is checked here too)
     own = cfg.specialists.for_domain(domain).model_copy(update={"per_domain": {}})
     fp = cfg.model_copy(update={"specialists": own}).fingerprint(*SPECIALIST_SECTIONS)
     return join(storage_url, f"specialist-{domain}-{fp[:10]}")

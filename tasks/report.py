@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.charts import mlflow_run_url
 from infra.report import build_report, render_table
 from infra.storage import join, write_json
-from infra.tracking import mask_url
+from infra.secrets import mask_secrets
 from tasks.context import RunContext
 from tasks.dashboard import annotate_registered_student, log_charts, mlflow_ui_url
 
@@ -29,7 +29,7 @@ def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | Non
     tracker = ctx.tracker
     report = build_report(
         config=ctx.config_path, run_id=ctx.parent_run_id or "", scores=scores, domains=list(ctx.domains),
-        mlflow={"tracking_uri": mask_url(getattr(tracker, "tracking_uri", None) or ""), "experiment": ctx.cfg.tracking.experiment,
+        mlflow={"tracking_uri": mask_secrets(getattr(tracker, "tracking_uri", None) or ""), "experiment": ctx.cfg.tracking.experiment,
                 "parent_run_id": ctx.parent_run_id},
         n_teachers=n_teachers, timings_s=ctx.timings, throughput=throughput, guard=guard, artifacts=artifacts,
         resources=resources,

@@ -12,6 +12,7 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from infra.storage import local_path
 from tasks.context import RunContext
 from tasks.prefixes import specialist_prefix_of
 from tasks.stage import reuse_or_train, run_trainer
@@ -29,7 +30,7 @@ def specialist_prefix(ctx: RunContext, domain: str) -> str:
 def specialist_command(ctx: RunContext, domain: str, base_dir: str, out_url: str, result, run_id) -> WorkerCommand:
     """The trainer's argv; secret overrides ride in its environment (`worker_command`), never in argv."""
     cmd = SPECIALIST_WORKER.argv(config=ctx.config_path, domain=domain, init=base_dir, out=out_url,
-                                 work_dir=ctx.work_dir / "specialists" / domain, result=result, mlflow_run_id=run_id)
+                                 work_dir=local_path(ctx.work_dir, "specialists", domain), result=result, mlflow_run_id=run_id)
     ranks = ctx.cfg.specialists.for_domain(domain).policy_train.world_size  # = critic_train's (one process group)
     return on_ranks(worker_command(cmd, ctx.overrides), ranks)
 
@@ -49,8 +50,8 @@ def train_specialist(ctx: RunContext, domain: str, base_dir: str) -> dict:
     """Train (or resume, or reuse) `domain`'s specialist from `base_dir`. Returns its summary with `specialist_dir`
     (local HF dir), `checkpoint` (committed final/ URL), `score` (own-domain eval), `guard` and `april` totals."""
     cfg, prefix = ctx.cfg, specialist_prefix(ctx, domain)
-    local = ctx.work_dir / "specialists" / domain / "final-local"
-    result = ctx.work_dir / "specialists" / domain / "result.json"
+    local = local_path(ctx.work_dir, "specialists", domain, "final-local")
+    result = local_path(ctx.work_dir, "specialists", domain, "result.json")
     with ctx.tracker.child(f"specialist/{domain}", tags={"stage": "specialist", "domain": domain}) as run:
         def train() -> None:
             art = _progress_artifact(domain)
@@ -61,7 +62,7 @@ def train_specialist(ctx: RunContext, domain: str, base_dir: str) -> dict:
                     update_progress_artifact(art, progress=100.0 * step / max(steps, 1))
 
             cmd = specialist_command(ctx, domain, base_dir, prefix, result, getattr(run, "run_id", None))
-            run_trainer(cmd, ctx, "specialists", ctx.work_dir / "logs" / f"specialist-{domain}.log", steps,
+            run_trainer(cmd, ctx, "specialists", local_path(ctx.work_dir, "logs", f"specialist-{domain}.log"), steps,
                         f"specialist {domain}", on_step)
             if art is not None:
                 update_progress_artifact(art, progress=100.0)

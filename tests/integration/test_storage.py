@@ -56,7 +56,10 @@ def warned(caplog, name: str) -> list[str]:
 
 
 def test_join_to_local_and_get_fs(tmp_path):
-    assert join("s3://b/p/", "/step-1/", "x.json") == "s3://b/p/step-1/x.json"
+    assert join("s3://b/p/", "step-1/", "x.json") == "s3://b/p/step-1/x.json"
+    for bad in ("/step-1", "../x", "a/../../x", ".", "a//b", "s3://other/k", "~/x", "a\\b"):  # issue 34
+        with pytest.raises(ValueError, match="storage key part"):
+            join("s3://b/p", bad)
     assert join("file:///a", "b", "") == "file:///a/b"
     assert to_local("file:///tmp/a/b") == "/tmp/a/b"
     assert to_local(str(tmp_path / "x")) == str(tmp_path / "x")

@@ -127,3 +127,31 @@ def test_collecting_bad_rows_is_bounded():
     rows = [int(n) for n in re.findall(r"^  row (\d+): None: generate\(\) returned NoneType, not Example$", msg,
                                        re.MULTILINE)]
     assert rows == list(range(MAX_BAD_ROWS)), msg
+
+
+def test_a_hostile_dataset_file_gets_a_dataset_error_naming_each_row(tmp_path):
+    """Issue 34: a dataset whose rows nest 10,000 deep or weigh more than `dataset.max_row_kb`, and a domain name that
+    is a path, are refused when the config and domains load, by row/line and field, never with a RecursionError and
+    before any directory is made from the name."""
+    import json
+
+    from domains.registry import load_domains
+    from infra.config import ConfigError, config_from_dict
+
+    good = [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(200)]
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("\n".join(good[:3] + ['{"prompt": ' + "[" * 10_000 + "]" * 10_000 + ', "answer": "1"}'] + good[3:]))
+    big = tmp_path / "big.jsonl"
+    big.write_text("\n".join(good[:9] + [json.dumps({"prompt": "x" * 40_000, "answer": "1"})] + good[9:]))
+    small = {"eval": {"n_eval": 5}, "base": {"n_train_per_domain": 20},
+             "specialists": {"n_prompts": 20, "val_n": 2}, "distill": {"n_prompts_per_domain": 20, "eval_n": 5}}
+    for path, extra, pattern in [
+            (deep, {}, r"^domains\.0\.dataset: dataset .*deep\.jsonl: cannot read it as jsonl: row 3 \(line 4\) nests"),
+            (big, {"max_row_kb": 32}, r"^domains\.0\.dataset\.max_row_kb: .*\n  row 9 \(line 10\): the row is 39\.1 KiB")]:
+        cfg = config_from_dict({"domains": [{"name": "ds", "dataset": {"path": str(path), **extra}}], **small})
+        with pytest.raises(ConfigError, match=pattern):
+            load_domains(cfg)
+    with pytest.raises(ConfigError, match=r"domains\.0\.name: must be 1 to 64 characters"):
+        config_from_dict({"domains": [{"name": "../../../../tmp/x", "dataset": {"path": str(big)}}],
+                          "run": {"root": str(tmp_path / "runs")}})
+    assert not (tmp_path / "runs").exists()

@@ -312,3 +312,53 @@ def test_the_dataset_caches_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setenv(datasets.CACHE_ENV, "lots")
     with pytest.raises(ValueError, match="ALLOY_DATASET_CACHE_MB must be a number of MiB, got 'lots'"):
         datasets.cache_budget_bytes()
+
+
+# --------------------------------------------------------------------------------------------- limits (issue 34)
+
+
+def test_a_file_over_max_file_mb_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from infra import datasets
+
+    path = write(tmp_path / "d.jsonl", rows(300))
+    read = []
+    monkeypatch.setattr(datasets, "read_bytes", lambda url: read.append(url) or b"")
+    cfg = config_from_dict(config(path, dataset={"path": str(path), "prompt": "q", "answer": "a",
+                                                 "max_file_mb": 0.001}))
+    with pytest.raises(ConfigError, match=rf"domains\.0\.dataset\.max_file_mb: domain 'ds': dataset {path} is "
+                                          rf"{path.stat().st_size} bytes, over the limit of 1048 bytes "
+                                          r"\(dataset\.max_file_mb\)"):
+        load_domains(cfg)
+    with pytest.raises(ConfigError, match=r"domains\.0\.dataset\.max_file_mb: dataset .* over the limit"):
+        base_prefix(cfg, "s3://b/run")  # the fingerprint reads the file too
+    assert read == []
+
+
+def test_a_row_over_max_row_kb_is_named_by_row_and_line(tmp_path):
+    data = rows(300)
+    data[7]["q"] = "x" * (2 << 20)  # a 2 MiB prompt
+    path = write(tmp_path / "d.jsonl", data)
+    with pytest.raises(ConfigError) as err:
+        load_domains(config_from_dict(config(path)))
+    msg = str(err.value)
+    assert msg.startswith("domains.0.dataset.max_row_kb: domain 'ds': dataset") and "1 bad row(s) of 300" in msg
+    assert "row 7 (line 8): the row is 2048.0 KiB, over the limit of 1024.0 KiB (dataset.max_row_kb" in msg
+    big = {"path": str(path), "prompt": "q", "answer": "a", "max_row_kb": 3000}
+    assert len(load_domains(config_from_dict(config(path, dataset=big)))["ds"].examples) == 300
+    csv = write(tmp_path / "d.csv", data)  # the same rule for every format (no line numbers)
+    with pytest.raises(DatasetError, match=r"row 7: the row is 2048\.0 KiB"):
+        DatasetDomain("ds", str(csv), prompt="q", answer="a")
+
+
+def test_deeply_nested_json_is_a_dataset_error_naming_the_row(tmp_path):
+    lines = [json.dumps(r) for r in rows(300)]
+    deep = tmp_path / "deep.jsonl"  # past every parser's depth: pandas refuses, json.loads would recurse
+    deep.write_text("\n".join(lines[:5] + ['{"q": "p", "a": "1", "x": ' + "[" * 10_000 + "]" * 10_000 + "}"]
+                              + lines[5:]) + "\n")
+    with pytest.raises(DatasetError, match=r"row 5 \(line 6\) nests its JSON too deeply"):
+        DatasetDomain("ds", str(deep), prompt="q", answer="a")
+    mid = tmp_path / "mid.jsonl"  # parsed, but deeper than a cell may nest: a bad row, its repr never taken
+    nested = "[" * 500 + "]" * 500
+    mid.write_text("\n".join(lines[:5] + ['{"q": ' + nested + ', "a": "1", "x": ' + nested + "}"] + lines[5:]) + "\n")
+    with pytest.raises(DatasetError, match=r"row 5 \(line 6\): field 'q' nests more than 64 levels deep"):
+        DatasetDomain("ds", str(mid), prompt="q", answer="a")

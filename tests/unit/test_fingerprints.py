@@ -82,6 +82,24 @@ def test_an_ops_setting_moves_no_prefix(key):
     assert cfg.fingerprint() == load_config(SMOKE).fingerprint()
 
 
+# the ops fields of a dataset domain's `dataset` section (inside the domains list, which ops_paths does not walk)
+DATASET_OPS = {"max_file_mb": 64.0, "max_row_kb": 16.0}
+
+
+def test_dataset_limits_move_no_prefix(tmp_path):
+    from infra.config import DatasetConfig, config_from_dict
+
+    assert ops_paths(DatasetConfig) == set(DATASET_OPS)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(50)))
+
+    def dataset_prefixes(**ds):
+        cfg = config_from_dict({"domains": [{"name": "ds", "dataset": {"path": str(data), **ds}}]})
+        return base_prefix(cfg, STORAGE), specialist_prefix_of(cfg, STORAGE, "ds"), student_prefix_of(cfg, STORAGE)
+
+    assert dataset_prefixes(**DATASET_OPS) == dataset_prefixes()
+
+
 def test_all_ops_settings_at_once_and_per_domain_ones_move_no_prefix():
     before = prefixes([])
     sets = [f"{k}={json.dumps(v)}" for k, v in OPS_CHANGES.items()]
