@@ -147,7 +147,8 @@ def test_a_hostile_dataset_file_gets_a_dataset_error_naming_each_row(tmp_path):
              "specialists": {"n_prompts": 20, "val_n": 2}, "distill": {"n_prompts_per_domain": 20, "eval_n": 5}}
     for path, extra, pattern in [
             (deep, {}, r"^domains\.0\.dataset: dataset .*deep\.jsonl: cannot read it as jsonl: row 3 \(line 4\) nests"),
-            (big, {"max_row_kb": 32}, r"^domains\.0\.dataset\.max_row_kb: .*\n  row 9 \(line 10\): the row is 39\.1 KiB")]:
+            (big, {"max_row_kb": 32},
+             r"^domains\.0\.dataset\.max_row_kb: .*\n  row 9 \(line 10\): the row is 39\.1 KiB")]:
         cfg = config_from_dict({"domains": [{"name": "ds", "dataset": {"path": str(path), **extra}}], **small})
         with pytest.raises(ConfigError, match=pattern):
             load_domains(cfg)
