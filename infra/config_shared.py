@@ -169,7 +169,7 @@ class DatasetConfig(_Strict):
 class DomainConfig(_Strict):
     """One domain of the run: a built-in by name, a plugin class, or a dataset file (domains/README.md)."""
     name: str = Field(..., description="Built-in domain name, or the name of a plugin or dataset domain: "
-                      f"{NAME_RULE}.")
+                      f"{NAME_RULE} (it names work dirs, logs and storage prefixes).")
     impl: str | None = Field(None, description='Plugin class as "package.module:ClassName" (any importable module).')
     difficulty: int = Field(1, ge=1, le=10, description="Difficulty knob of the domain's generator.")
     params: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the domain class.")

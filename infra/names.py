@@ -18,8 +18,7 @@ from pathlib import Path
 
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 _NAME = re.compile(NAME_PATTERN)
-NAME_RULE = ("1 to 64 characters of letters, digits, '.', '_' or '-', starting with a letter or digit, without '..' "
-             "(it becomes a directory and a storage key)")
+NAME_RULE = "1 to 64 characters of letters, digits, '.', '_' or '-', starting with a letter or digit, without '..'"
 
 
 def name_problem(name: object) -> str | None:
@@ -27,7 +26,7 @@ def name_problem(name: object) -> str | None:
     if not isinstance(name, str):
         return f"must be a string, got {type(name).__name__}"
     if not _NAME.fullmatch(name) or ".." in name:
-        return f"must be {NAME_RULE}"
+        return f"must be {NAME_RULE} (names become directories and storage keys)"
     return None
 
 
