@@ -77,8 +77,8 @@ def choose_sync(backend: str, mode: str, same_machine: bool, has_cuda: bool) -> 
 
     `backend`, `mode`: `engine.backend` and `engine.sglang_weight_sync` (infra.choices).
     auto: no CUDA → disk; same machine → tensor (CUDA IPC); otherwise → distributed (NCCL). An explicit choice that
-    cannot work here raises, naming the field. Not SGLang (`engine.backend: embedded`) → "disk": the embedded server
-    has its own in-memory path, not this module's.
+    cannot work here raises, naming the field. Not SGLang (`engine.backend: embedded`) → "disk": the embedded
+    server's choice is `engine.weight_sync` (`choose_embedded_sync`).
     """
     if mode not in values(SglangWeightSync):
         raise ValueError(f"{SYNC_FIELD} must be one of {list(values(SglangWeightSync))}, got {mode!r}")

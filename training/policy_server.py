@@ -5,7 +5,11 @@ Used by both RL trainers (specialist PPO, OPD student). A push has two halves:
      optimizer step may touch them;
   2. the load: the live server takes them as `weight_version = version`, and the supervisor records them so
      that a restarted server comes back with the latest weights and the same version.
-`weight_sync: memory` (the default for the embedded server): the snapshot is a weight buffer
+`engine.weight_sync` picks the path for the embedded server (`auto`, the default: `tensor` when the trainer has
+CUDA, else `memory`). `tensor` / `distributed` (and any SGLang server with `engine.sglang_weight_sync`): SGLang's
+own update endpoints through engine/sglang_sync.py (CUDA IPC or shm-file handles of the live tensors; a broadcast
+over NCCL or gloo), the push waiting for the load; a failed one falls back to a weight buffer (embedded) or disk
+(SGLang) for the rest of the run. `memory`: the snapshot is a weight buffer
 (engine/weight_buffer.py: `DeepSpeedBackend.named_weights` as raw tensors) in /dev/shm when it has room,
 else under the work dir, two files alternating by version (A/B: the server may still read one while the next is
 written); the load is `update_weights_from_buffer`, an in-place copy into the server's model. `disk` (and any

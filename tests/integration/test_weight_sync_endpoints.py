@@ -165,3 +165,35 @@ def test_malicious_payload_is_refused_and_nothing_runs(server, tmp_path):
                         "backend": "nccl"})
     assert status == 400 and "backend nccl needs the server on CUDA" in out["message"]
     assert call(server.url, "/get_model_info", method="GET")[1]["weight_version"] != "evil"
+
+
+def test_policy_server_pushes_by_tensor_and_distributed(tiny_model_dir, tmp_path):
+    """`engine.weight_sync: tensor | distributed` for the embedded server: a trainer's PolicyServer pushes a
+    DeepSpeedBackend's weights through the SGLang client (CPU: shm files / gloo); both servers then serve them."""
+    from engine.launcher import Supervisor
+    from infra.models import init_model_dir, load_model, load_tokenizer
+    from training.deepspeed_backend import DeepSpeedBackend, TrainSettings
+    from training.policy_server import PolicyServer
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    other_dir = init_model_dir("tiny", tmp_path / "seed7", seed=7)
+    backend = DeepSpeedBackend(load_model(other_dir), TrainSettings())
+    tok = load_tokenizer(tiny_model_dir)
+    with Supervisor(tmp_path / "logs") as sup:
+        servers = [PolicyServer(sup, name, str(tiny_model_dir), tmp_path / name, weight_sync=name)
+                   for name in ("tensor", "distributed")]
+        assert [s.sync for s in servers] == ["tensor", "distributed"] and not any(s.memory for s in servers)
+
+        async def push(server):
+            try:
+                how = await server.push(backend, tok, 1)
+                info = await server.client.model_info()
+                (out,) = await server.client.generate([GREEDY["input_ids"]], max_new_tokens=6, temperature=0.0)
+                return how, server.loaded_version, info["weight_version"], out.output_ids
+            finally:
+                await server.aclose()
+
+        got = [asyncio.run(push(s)) for s in servers]
+    backend.close()
+    assert [g[:3] for g in got] == [("tensor", 1, "1"), ("distributed", 1, "1")]
+    assert got[0][3] == got[1][3]
