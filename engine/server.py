@@ -13,7 +13,9 @@ process's peak/current memory (`cuda_max_memory_allocated_bytes`, `cuda_memory_r
 
 Endpoints (docs/architecture.md, "The engine protocol"): POST /generate, GET /health, GET /health_generate,
 GET /get_model_info, GET /get_server_info, POST /update_weights_from_disk, POST /update_weights_from_buffer,
-POST /abort_request, POST /flush_cache.
+POST /abort_request, POST /flush_cache, and SGLang's in-memory weight updates (engine/sglang_updates.py): POST
+/update_weights_from_tensor (CUDA IPC / shared-memory handles), POST /init_weights_update_group, POST
+/update_weights_from_distributed, POST /destroy_weights_update_group.
 The port is bound at once; /health and /health_generate answer 503 until the model is loaded (then 200), and
 /generate answers 503 meanwhile (clients retry 503). If the model fails to load, the process exits with status 1
 (as SGLang does), so a launcher sees the failure instead of a server that answers 503 forever.
@@ -58,6 +60,7 @@ from engine.device import DTYPE_CHOICES, DeviceError, check_device_name, check_m
 from engine.request_guards import (BODY_BYTES_PER_SEQ, BODY_BYTES_PER_TOKEN, LIMITS, auth_middleware, body_limit_bytes,
                                    buffer_body, errors_middleware, is_loopback, json_body)
 from engine.scheduler import Engine, Seq
+from engine.sglang_updates import add_routes as add_sglang_update_routes
 from infra.choices import MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS, READ_TIMEOUT_S
 
 log = logging.getLogger("alloy.engine.server")
@@ -391,6 +394,7 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/update_weights_from_buffer", update_weights_from_buffer)
+    add_sglang_update_routes(app, _engine_ready)  # SGLang's tensor / distributed weight updates
 
     async def on_startup(_app):
         engine.start()

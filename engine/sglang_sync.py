@@ -1,4 +1,6 @@
-"""Weight sync from a trainer to a real SGLang rollout server without the disk (`engine.backend: sglang`, GPU).
+"""Weight sync from a trainer to its rollout server without the disk, in SGLang's formats: to a real SGLang server
+(`engine.backend: sglang`, GPU) and to the embedded one, which implements the same endpoints
+(engine/sglang_updates.py), so this client is exercised on every run that picks it, CPU tests included.
 
 Three strategies, picked by `choose_sync` (pure) from `engine.sglang_weight_sync` (auto | tensor | distributed |
 disk), where the server runs and whether the trainer has CUDA:
@@ -7,9 +9,11 @@ disk), where the server runs and whether the trainer has CUDA:
   handles: SGLang's own `MultiprocessingSerializer` (a `ForkingPickler` dump; `output_str=True` = base64, as JSON
   needs) in `POST /update_weights_from_tensor`, one entry of `serialized_named_tensors` per server TP rank (each rank
   reads entry `[tp_rank]`). No copy of the weights is made; the trainer keeps them alive until the server answers.
-  The serializer is imported from `sglang.srt.utils` on first use, so sglang must be importable in the trainer's
-  environment for this strategy (a clear error otherwise, and the push falls back to disk).
-- **distributed** (`SGLangDistributedSync`): trainer and server share a NCCL group. Once, `POST
+  The serializer is SGLang's (`sglang.srt.utils`) when sglang is importable, else ours (engine/tensor_payload.py:
+  the same format, the device as a GPU UUID as SGLang's patch writes it). With `cpu_tensors` (the embedded server,
+  which reads them) CPU tensors travel too, as named shared-memory files (always our serializer then).
+- **distributed** (`SGLangDistributedSync`): trainer and server share a NCCL group (gloo for a trainer without
+  CUDA and the embedded server: CPU tensors). Once, `POST
   /init_weights_update_group` (master address/port, `rank_offset` 1, `world_size` = 1 trainer + the server's TP
   ranks, backend nccl, group name) while the trainer joins the same group as rank 0; then per push `POST
   /update_weights_from_distributed` with names / dtypes / shapes while rank 0 broadcasts every tensor, in the same
@@ -48,11 +52,12 @@ from urllib.parse import urlparse
 
 import orjson
 
-from infra.choices import Backend, SglangWeightSync, values
+from infra.choices import Backend, SglangWeightSync, WeightSync, values
 
 log = logging.getLogger("alloy.sglang_sync")
 
 SYNC_FIELD = "engine.sglang_weight_sync"
+EMBEDDED_FIELD = "engine.weight_sync"
 DEFAULT_GROUP = "alloy_weight_update"
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "0.0.0.0"})
 
@@ -72,8 +77,8 @@ def choose_sync(backend: str, mode: str, same_machine: bool, has_cuda: bool) -> 
 
     `backend`, `mode`: `engine.backend` and `engine.sglang_weight_sync` (infra.choices).
     auto: no CUDA → disk; same machine → tensor (CUDA IPC); otherwise → distributed (NCCL). An explicit choice that
-    cannot work here raises, naming the field. Not SGLang (`engine.backend: embedded`) → "disk": the embedded server
-    has its own in-memory path, not this module's.
+    cannot work here raises, naming the field. Not SGLang (`engine.backend: embedded`) → "disk": the embedded
+    server's choice is `engine.weight_sync` (`choose_embedded_sync`).
     """
     if mode not in values(SglangWeightSync):
         raise ValueError(f"{SYNC_FIELD} must be one of {list(values(SglangWeightSync))}, got {mode!r}")
@@ -93,6 +98,23 @@ def choose_sync(backend: str, mode: str, same_machine: bool, has_cuda: bool) -> 
     if not has_cuda:
         return SglangWeightSync.DISK
     return SglangWeightSync.TENSOR if same_machine else SglangWeightSync.DISTRIBUTED
+
+
+def choose_embedded_sync(mode: str, same_machine: bool, has_cuda: bool) -> WeightSync:
+    """`engine.weight_sync` for an embedded rollout server → MEMORY | TENSOR | DISTRIBUTED | DISK (`mode` resolved).
+
+    auto: TENSOR (CUDA IPC, /update_weights_from_tensor) when the trainer has CUDA and the server is on its machine,
+    else MEMORY (the weight buffer: today's CPU default). An explicit tensor needs the same machine (CUDA IPC handles
+    or shm files are local); distributed works anywhere (NCCL with CUDA, gloo without)."""
+    if mode not in values(WeightSync):
+        raise ValueError(f"{EMBEDDED_FIELD} must be one of {list(values(WeightSync))}, got {mode!r}")
+    mode = WeightSync(mode)
+    if mode == WeightSync.AUTO:
+        return WeightSync.TENSOR if (has_cuda and same_machine) else WeightSync.MEMORY
+    if mode == WeightSync.TENSOR and not same_machine:
+        raise ValueError(f"{EMBEDDED_FIELD}: tensor sends CUDA IPC / shared-memory handles and needs the server on "
+                         "the trainer's machine; use distributed")
+    return mode
 
 
 def is_local_url(url: str) -> bool:
@@ -303,34 +325,39 @@ class SGLangTensorSync(_Sync):
     """CUDA IPC handles of the trainer's tensors in one `POST /update_weights_from_tensor` per push (same machine).
 
     `tp_size`: the server's TP ranks (one payload entry each). `serializer`: an object with SGLang's
-    `MultiprocessingSerializer.serialize(obj, output_str=True)`; None → imported from sglang on first push."""
+    `MultiprocessingSerializer.serialize(obj, output_str=True)`; None → sglang's when importable, else ours
+    (engine/tensor_payload.py). `cpu_tensors`: CPU tensors may travel too (as shm files; the embedded server reads
+    them, a real SGLang server does not), always with our serializer."""
 
     name = SglangWeightSync.TENSOR
-    options = ("timeout_s", "serializer")
+    options = ("timeout_s", "serializer", "cpu_tensors")
 
-    def __init__(self, base_url: str, fallback: DiskPush, *, tp_size: int = 1, serializer=None, **kw):
+    def __init__(self, base_url: str, fallback: DiskPush, *, tp_size: int = 1, serializer=None,
+                 cpu_tensors: bool = False, **kw):
         super().__init__(base_url, fallback, **kw)
-        self.tp_size, self._serializer = int(tp_size), serializer
+        self.tp_size, self._serializer, self.cpu_tensors = int(tp_size), serializer, bool(cpu_tensors)
 
     def serializer(self):
         if self._serializer is None:
             try:
                 from sglang.srt.utils import MultiprocessingSerializer
-            except ImportError as e:
-                raise WeightSyncError(
-                    f"{SYNC_FIELD}=tensor serializes CUDA tensors with SGLang's MultiprocessingSerializer, so sglang "
-                    f"must be importable in the trainer's environment ({e}); install it there or use "
-                    "distributed / disk") from e
+            except ImportError:
+                from engine.tensor_payload import Serializer as MultiprocessingSerializer
             self._serializer = MultiprocessingSerializer
         return self._serializer
 
     async def _push(self, named_tensors: Iterable, version: str, flush_cache: bool) -> None:
         named = [(name, t.detach()) for name, t in named_tensors]
-        bad = [name for name, t in named if not t.is_cuda]
-        if bad:
-            raise WeightSyncError(f"tensor sync sends CUDA IPC handles; {len(bad)} tensors are not on a CUDA device "
-                                  f"(first: {bad[0]!r})")
-        payload = self.serializer().serialize(named, output_str=True)
+        cpu = [name for name, t in named if not t.is_cuda]
+        if cpu and not self.cpu_tensors:
+            raise WeightSyncError(f"tensor sync sends CUDA IPC handles; {len(cpu)} tensors are not on a CUDA device "
+                                  f"(first: {cpu[0]!r})")
+        if cpu:
+            from engine.tensor_payload import Serializer
+            serializer = Serializer
+        else:
+            serializer = self.serializer()
+        payload = await asyncio.to_thread(serializer.serialize, named, True)
         # `named` stays referenced until the server has answered (it has copied the weights by then)
         await self.post("/update_weights_from_tensor",
                         tensor_update_body(payload, self.tp_size, version=version, flush_cache=flush_cache))
@@ -384,6 +411,8 @@ class SGLangDistributedSync(_Sync):
             if bad:
                 raise WeightSyncError(f"NCCL broadcasts CUDA tensors; {len(bad)} are not on a CUDA device "
                                       f"(first: {bad[0]!r})")
+        if self.backend == "gloo":  # gloo broadcasts host tensors
+            named = [(name, t.cpu()) for name, t in named]
         named = [(name, t if t.is_contiguous() else t.contiguous()) for name, t in named]
         await self.connect()
         buckets = plan_buckets([t.numel() * t.element_size() for _, t in named], self.bucket_bytes)

@@ -206,13 +206,15 @@ def state_bytes(model: torch.nn.Module, float_bytes: int = 0) -> int:
     return header + data
 
 
-def copy_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], where: str = "the buffer") -> int:
+def copy_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], where: str = "the buffer", *,
+              complete: bool = True) -> int:
     """Copy `tensors` (HF state-dict names) into `model`'s parameters and buffers in place (`param.data.copy_`),
     casting to each parameter's dtype. Everything is checked before anything is copied, so a refused set leaves
     the model as it was: every name must be one of the model's state-dict names, with the same shape and the
     same kind (floating point or not), and the set must cover every parameter. Tied parameters (an LM head tied
     to the input embeddings) are one tensor under two names: either name covers both. Returns the number of
-    tensors copied; raises ValueError naming the first offending tensor."""
+    tensors copied; raises ValueError naming the first offending tensor. `complete=False` accepts a subset (SGLang's
+    update endpoints take a push split over several requests); every other check stays."""
     sd = model.state_dict(keep_vars=True)
     for name, t in tensors.items():
         if name not in sd:
@@ -225,10 +227,13 @@ def copy_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], where
             raise ValueError(f"{where}: tensor {name!r} has dtype {t.dtype}, the model's {dst.dtype}")
     covered = {sd[n].data_ptr() for n in tensors}
     missing = [n for n, p in model.named_parameters() if p.numel() and p.data_ptr() not in covered]
-    if missing:
+    if missing and complete:
         raise ValueError(f"{where}: a partial set of weights ({len(tensors)} tensors): missing {len(missing)} "
                          f"parameter(s) of the model, e.g. {missing[:3]}")
     with torch.no_grad():
         for name, t in tensors.items():
             sd[name].data.copy_(t)
+    for dev in {sd[n].device for n in tensors} | {t.device for t in tensors.values()}:
+        if dev.type == "cuda":  # the sources may be another process's memory (CUDA IPC): copied before answering
+            torch.cuda.synchronize(dev)
     return len(tensors)

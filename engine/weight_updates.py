@@ -31,6 +31,8 @@ class UpdateJob:
     cutoff: int = 0  # sequences submitted before the job (serial < cutoff) still run on the old weights
     aborted: bool = False
     tensors: dict | None = None  # {HF name: tensor}: copied into the live model in place (weight_buffer.copy_into)
+    partial: bool = False  # `tensors` may be a subset of the weights (SGLang's update endpoints)
+    endpoint: str = "update_weights_from_buffer"  # for the abort message
 
 
 class WeightUpdates:
@@ -49,13 +51,17 @@ class WeightUpdates:
         return fut
 
     def update_weights_from_tensors(self, tensors: dict, weight_version: str | None, abort_all: bool = False,
-                                    source: str = "a weight buffer") -> concurrent.futures.Future:
-        """Copy `tensors` ({HF name: tensor}, e.g. `weight_buffer.read_buffer`) into the live model in place, with
-        the ordering of `update_weights`. Future → (success, message)."""
+                                    source: str = "a weight buffer", *, partial: bool = False,
+                                    endpoint: str = "update_weights_from_buffer") -> concurrent.futures.Future:
+        """Copy `tensors` ({HF name: tensor}, e.g. `weight_buffer.read_buffer`, or the tensors of SGLang's
+        update_weights_from_tensor / _from_distributed) into the live model in place, all or none of them, with the
+        ordering of `update_weights`. `partial`: a subset of the weights is fine (else every parameter must be
+        there). Future → (success, message)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             cutoff = self._serial
-        self._updates.append(UpdateJob(source, weight_version, abort_all, fut, cutoff, tensors=tensors))
+        self._updates.append(UpdateJob(source, weight_version, abort_all, fut, cutoff, tensors=tensors,
+                                       partial=partial, endpoint=endpoint))
         self._wake.set()
         return fut
 
@@ -68,7 +74,7 @@ class WeightUpdates:
         job = self._updates[0]
         if job.abort_all and not job.aborted:
             job.aborted = True
-            what = "update_weights_from_buffer" if job.tensors is not None else "update_weights_from_disk"
+            what = job.endpoint if job.tensors is not None else "update_weights_from_disk"
             self._apply_abort(None, True, f"Aborted by {what} (abort_all_requests).", job.cutoff)
         pending_old = any(s.serial < job.cutoff for s in self._wait_gen) or any(s.serial < job.cutoff for s in self._wait_score)
         if not self._batch and not pending_old:
@@ -86,13 +92,14 @@ class WeightUpdates:
 
         t0 = time.perf_counter()
         try:
-            n = copy_into(self.model, job.tensors, job.model_path)
+            n = copy_into(self.model, job.tensors, job.model_path, complete=not job.partial)
         except ValueError as e:  # names/shapes refused before anything was copied: the old weights stay
             return False, f"Failed to update weights: {e}"
         except Exception as e:  # noqa: BLE001 - reported as success=false (a copy that failed midway)
             log.exception("in-place weight copy from %s failed", job.model_path)
             return False, (f"Failed to update weights from {job.model_path} midway ({type(e).__name__}: {e}); "
                            "the model may hold a mix of old and new weights: push a full set again")
+        job.tensors = None  # let go of the sources (CUDA IPC memory is the sender's until released)
         self._refresh_fused()
         if job.weight_version is not None:
             self.weight_version = job.weight_version

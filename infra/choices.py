@@ -19,7 +19,10 @@ class Backend(StrEnum):
 
 class WeightSync(StrEnum):
     """`engine.weight_sync`: how a trainer pushes new weights to an embedded rollout server."""
+    AUTO = "auto"  # TENSOR when the trainer has CUDA (the server is its own, on its machine), else MEMORY
     MEMORY = "memory"  # a weight buffer copied into the live model in place (/update_weights_from_buffer)
+    TENSOR = "tensor"  # SGLang's /update_weights_from_tensor: CUDA IPC (or shared-memory) handles, same machine
+    DISTRIBUTED = "distributed"  # SGLang's /update_weights_from_distributed: a broadcast (NCCL, or gloo without CUDA)
     DISK = "disk"  # an HF dir loaded with /update_weights_from_disk
 
 

@@ -293,10 +293,14 @@ class EngineConfig(_Strict):
                                              f"embedded {MAX_RUNNING_REQUESTS}, SGLang sized from GPU memory.")
     sglang_args: dict[str, Any] = Field(default_factory=dict, description="Extra sglang.launch_server options (GPU).")
     weight_sync: Literal[values(WeightSync)] = ops_field(
-        WeightSync.MEMORY.value, description="How a trainer pushes new weights to its rollout server. memory: a weight buffer in "
-        "/dev/shm (or the work dir) copied into the embedded server's model in place (the load can overlap the next "
-        "step); disk: an HF dir loaded with update_weights_from_disk. Embedded servers only: an SGLang server takes "
-        "no weight buffers (see sglang_weight_sync).")
+        WeightSync.AUTO.value, description="How a trainer pushes new weights to its embedded rollout server. auto: "
+        "tensor when the trainer has CUDA, else memory (CPU runs keep memory). memory: a weight buffer in /dev/shm (or "
+        "the work dir) copied into the model in place (update_weights_from_buffer; the load can overlap the next "
+        "step); tensor: SGLang's update_weights_from_tensor, CUDA IPC handles of the trainer's tensors (CPU tensors "
+        "as shared-memory files), same machine; distributed: SGLang's init_weights_update_group + "
+        "update_weights_from_distributed, a broadcast over NCCL (gloo when the trainer has no CUDA); disk: an HF dir "
+        "loaded with update_weights_from_disk. A failed tensor/distributed push falls back to memory for the rest of "
+        "the run. An SGLang server uses sglang_weight_sync instead.")
     sglang_weight_sync: Literal[values(SglangWeightSync)] = ops_field(
         SglangWeightSync.AUTO.value, description="How a trainer pushes weights to its SGLang rollout server: tensor = CUDA IPC "
         "(update_weights_from_tensor, same machine), distributed = NCCL broadcast (update_weights_from_distributed), "

@@ -5,7 +5,11 @@ Used by both RL trainers (specialist PPO, OPD student). A push has two halves:
      optimizer step may touch them;
   2. the load: the live server takes them as `weight_version = version`, and the supervisor records them so
      that a restarted server comes back with the latest weights and the same version.
-`weight_sync: memory` (the default for the embedded server): the snapshot is a weight buffer
+`engine.weight_sync` picks the path for the embedded server (`auto`, the default: `tensor` when the trainer has
+CUDA, else `memory`). `tensor` / `distributed` (and any SGLang server with `engine.sglang_weight_sync`): SGLang's
+own update endpoints through engine/sglang_sync.py (CUDA IPC or shm-file handles of the live tensors; a broadcast
+over NCCL or gloo), the push waiting for the load; a failed one falls back to a weight buffer (embedded) or disk
+(SGLang) for the rest of the run. `memory`: the snapshot is a weight buffer
 (engine/weight_buffer.py: `DeepSpeedBackend.named_weights` as raw tensors) in /dev/shm when it has room,
 else under the work dir, two files alternating by version (A/B: the server may still read one while the next is
 written); the load is `update_weights_from_buffer`, an in-place copy into the server's model. `disk` (and any
@@ -51,13 +55,12 @@ class PolicyServer:
     def __init__(self, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path, *,
                  backend: str = Backend.EMBEDDED, api_key: str | None = None, host: str = "127.0.0.1",
                  extra_args: list[str] | None = None, options: dict | None = None, keep: int = 2, version: int = 0,
-                 seed: int | None = None, env: dict[str, str] | None = None, weight_sync: str = WeightSync.MEMORY,
+                 seed: int | None = None, env: dict[str, str] | None = None, weight_sync: str = WeightSync.AUTO,
                  sglang_weight_sync: str = SglangWeightSync.AUTO):
         if weight_sync not in values(WeightSync):
             raise ValueError(f"PolicyServer: weight_sync must be one of {list(values(WeightSync))}, got {weight_sync!r}")
-        self.supervisor, self.name = supervisor, name
-        # memory needs a server that takes weight buffers (the embedded one); SGLang keeps the disk path
-        self.memory = weight_sync == WeightSync.MEMORY and server_backend(backend).weights_buffer_flag is not None
+        self.supervisor, self.name, self.backend = supervisor, name, backend
+        self.memory = False  # set by `_fast_sync` (the weight-buffer path of the embedded server)
         extra, options = list(extra_args or []), dict(options or {})
         if seed is not None:  # the sampling stream follows the run's seed (and differs after a resume at `version`)
             stream = (seed * 1_000_003 + version) % 2 ** 31
@@ -78,22 +81,33 @@ class PolicyServer:
         self._buffer_dir: Path | None = None  # chosen at the first memory push (by then the size is known)
         self._buffers: set[Path] = set()
         atexit.register(self._remove_buffers)
-        self._sglang = self._sglang_sync(backend, sglang_weight_sync, options, api_key)
-        self._pushing: tuple | None = None  # (train_backend, tokenizer) of the push in progress (the disk fallback)
+        self.sync = WeightSync.DISK  # the strategy in use (`_fast_sync`): memory | tensor | distributed | disk
+        self._sglang = self._fast_sync(backend, weight_sync, sglang_weight_sync, options, api_key)
+        self._pushing: tuple | None = None  # (train_backend, tokenizer) of the push in progress (the fallback)
 
-    def _sglang_sync(self, backend: str, mode: str, options: dict, api_key: str | None):
-        """SGLang's tensor / NCCL weight update (engine/sglang_sync.py), or None (disk, or not SGLang)."""
-        if backend != Backend.SGLANG:
-            return None
+    def _fast_sync(self, backend: str, embedded_mode: str, sglang_mode: str, options: dict, api_key: str | None):
+        """SGLang's tensor / distributed weight update (engine/sglang_sync.py) for either engine, or None (the
+        embedded server's weight buffer, or disk). Sets `self.sync` and `self.memory`."""
         import torch
 
-        from engine.sglang_sync import choose_sync, is_local_url, make_sync, server_tp_size
+        from engine.sglang_sync import choose_embedded_sync, choose_sync, is_local_url, make_sync, server_tp_size
 
-        strategy = choose_sync(backend, mode, same_machine=is_local_url(self.url), has_cuda=torch.cuda.is_available())
-        if strategy == SglangWeightSync.DISK:
+        cuda, local = torch.cuda.is_available(), is_local_url(self.url)
+        if backend == Backend.SGLANG:
+            strategy, field, mode = choose_sync(backend, sglang_mode, local, cuda), "sglang_weight_sync", sglang_mode
+            fallback = self._disk_fallback
+        else:
+            strategy, field, mode = choose_embedded_sync(embedded_mode, local, cuda), "weight_sync", embedded_mode
+            if server_backend(backend).weights_buffer_flag is None and strategy == WeightSync.MEMORY:
+                strategy = WeightSync.DISK
+            fallback = self._memory_fallback
+        self.sync = strategy
+        self.memory = strategy == WeightSync.MEMORY
+        if strategy in (WeightSync.MEMORY, WeightSync.DISK):
             return None
-        log.info("%s: SGLang weight sync %s (engine.sglang_weight_sync=%s)", self.name, strategy, mode)
-        return make_sync(strategy, self.url, self._disk_fallback, tp_size=server_tp_size(options), api_key=api_key)
+        log.info("%s: weight sync %s (engine.%s=%s)", self.name, strategy, field, mode)
+        return make_sync(strategy, self.url, fallback, tp_size=server_tp_size(options), api_key=api_key,
+                         cpu_tensors=backend != Backend.SGLANG, backend="nccl" if cuda else "gloo")
 
     @classmethod
     def for_engine(cls, engine_cfg, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path,
@@ -113,7 +127,7 @@ class PolicyServer:
         `wait=False`: returns after the snapshot (the caller may step its optimizer) and the load runs as a task
         (`wait_loaded`). Returns the buffer file or weight dir."""
         await self.wait_loaded()
-        if self._sglang is not None:  # the server reads the live tensors (IPC / NCCL): the load is never deferred
+        if self._sglang is not None:  # the server reads the live tensors (IPC / broadcast): the load is never deferred
             self._pushing = (train_backend, tokenizer)
             try:
                 weights = await asyncio.to_thread(train_backend.named_weights, True)
@@ -224,6 +238,13 @@ class PolicyServer:
         self._pushed.append(path)
         while len(self._pushed) > self.keep:
             shutil.rmtree(self._pushed.pop(0), ignore_errors=True)
+
+    async def _memory_fallback(self, version: str, flush_cache: bool) -> None:
+        """The embedded server's fast path failed: the full weights of the push in progress as a weight buffer
+        (a restarted server comes back with these too)."""
+        train_backend, _tokenizer = self._pushing
+        path = await asyncio.to_thread(self._snapshot_buffer, train_backend, int(version))
+        await self._load_buffer(path, int(version))
 
     async def _disk_fallback(self, version: str, flush_cache: bool) -> None:
         """SGLang's fast path failed: the full weights of the push in progress through disk (a restarted server
