@@ -11,7 +11,9 @@ forked child just before exec (`apply`), with two system calls that allocate not
   bind/connect, with ABI ≥ 6 signals to processes outside the sandbox and abstract unix sockets outside it.
   Landlock needs no privilege; `landlock_restrict_self` needs no_new_privs, which the child sets first.
 - `seccomp_program()`: a classic BPF filter built once with libseccomp (`seccomp_export_bpf`), default allow, with a
-  deny list answered EPERM (so a tool sees an ordinary error, never a kill): sockets of any family but AF_UNIX,
+  deny list answered EPERM (so a tool sees an ordinary error, never a kill): `socket()` of any family, AF_UNIX
+  included (so no connect to a unix socket with a path, which neither a network namespace nor Landlock ≤ 7 covers,
+  nor to an abstract one), `socketpair()` but AF_UNIX (a connected pair reaches only itself),
   ptrace and process_vm_readv/writev, mount and the new mount API, unshare/setns and clone with namespace flags,
   keyctl, bpf, perf_event_open, kexec, module loading, reboot, swapon/off, io_uring (which bypasses seccomp),
   userfaultfd, open_by_handle_at, chroot/pivot_root, clock/time setting. clone3 answers ENOSYS (its flags live in
@@ -189,8 +191,8 @@ def seccomp_program() -> SeccompProgram:
         eperm = scmp_act_errno(errno.EPERM)
         for sc in DENIED_SYSCALLS:
             rule(eperm, sc)
-        for sc in ("socket", "socketpair"):
-            rule(eperm, sc, _ArgCmp(0, SCMP_CMP_NE, AF_UNIX, 0))
+        rule(eperm, "socket")  # every family, AF_UNIX included: a path socket cannot be reached (no fd to connect)
+        rule(eperm, "socketpair", _ArgCmp(0, SCMP_CMP_NE, AF_UNIX, 0))  # a connected pair reaches only itself
         for flag in NAMESPACE_FLAGS:
             rule(eperm, "clone", _ArgCmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
         rule(scmp_act_errno(errno.ENOSYS), "clone3")

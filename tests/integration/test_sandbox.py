@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from sandbox.accounting import UID_BASE, UID_RANGE
 from sandbox.runner import NOBODY, PROGRAMS, check_command, isolation_support, run_tool, safe_calc
 
 pytestmark = pytest.mark.integration
@@ -149,7 +150,7 @@ def test_environment_is_scrubbed_and_uid_dropped(workdir, monkeypatch):
     uid, pid = map(int, ids.split())
     assert pid == 1  # its own PID namespace
     if os.geteuid() == 0:
-        assert uid == NOBODY
+        assert UID_BASE <= uid < UID_BASE + UID_RANGE  # a uid of its own for this call
         r = run_tool(py("open('x', 'w')"), workdir, allowed=PY)  # the work dir is not writable for nobody
         assert r.exit_code == 1 and "Permission denied" in r.stderr and not (workdir / "x").exists()
 
@@ -160,39 +161,40 @@ def test_infinite_loop_hits_the_time_limit(workdir):
     assert r.timed_out and r.exit_code < 0 and 0.9 < r.elapsed_s < 3.0
 
 
-def _nobody_processes() -> list[str]:
+def _sandbox_processes() -> list[str]:
     pids = []
     for p in filter(str.isdigit, os.listdir("/proc")):
         try:
             uid_line = next(ln for ln in open(f"/proc/{p}/status") if ln.startswith("Uid:"))
         except (OSError, StopIteration):
             continue
-        if int(uid_line.split()[1]) == NOBODY:
+        uid = int(uid_line.split()[1])
+        if uid == NOBODY or UID_BASE <= uid < UID_BASE + UID_RANGE:
             pids.append(p)
     return pids
 
 
 @needs_ns
-@pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC per uid needs the drop to nobody")
+@pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC per uid needs the drop to a sandbox uid")
 def test_fork_bomb_is_contained_and_fully_reaped(workdir):
-    before = _nobody_processes()
+    before = _sandbox_processes()
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     r = run_tool(py(bomb), workdir, allowed=PY, timeout_s=1.0, max_procs=16)
     assert r.timed_out and r.elapsed_s < 4.0
-    assert _nobody_processes() == before  # no process and no zombie left behind
+    assert _sandbox_processes() == before  # no process and no zombie left behind
 
 
 @needs_ns
-@pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC per uid needs the drop to nobody")
+@pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC per uid needs the drop to a sandbox uid")
 def test_process_limit_and_children_die_with_the_program(workdir):
     code = ("import os, time\nok = fail = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
             "    except OSError:\n        fail += 1\n        continue\n    if pid == 0:\n        time.sleep(30)\n"
             "        os._exit(0)\n    ok += 1\nprint(ok, fail)")
-    before = _nobody_processes()
+    before = _sandbox_processes()
     r = run_tool(py(code), workdir, allowed=PY, max_procs=8)
     ok, fail = map(int, r.stdout.split())
     assert r.exit_code == 0 and ok < 8 and ok + fail == 40 and not r.timed_out
-    assert _nobody_processes() == before  # the sleeping children died with their namespace's PID 1
+    assert _sandbox_processes() == before  # the sleeping children died with their namespace's PID 1
 
 
 @needs_ns
