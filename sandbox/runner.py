@@ -11,12 +11,19 @@ Layers, outermost first (each one alone stops a different escape):
      loopback interface that is down, so no connection anywhere, 127.0.0.1 included;
    - new PID namespace: the program runs as PID 1 of its own namespace under a tiny waiting parent, so when it
      ends or is killed, the kernel kills and reaps everything it forked (no orphans, no zombies left to a PID 1
-     that does not reap);
+     that does not reap). The waiting parent (the supervisor) is a child subreaper in every mode, so in mode
+     "none" too every descendant, detached or daemonized, is reparented to it, and it kills and reaps them all
+     before it exits (as root with `kill(-1)` from the call's own uid);
+   - accounting per call (`sandbox.accounting`): as root a uid of its own (so RLIMIT_NPROC is per call and one
+     call's fork bomb cannot starve another), and a cgroup of its own wherever a hierarchy is writable (pids.max,
+     the whole call's memory, cgroup.kill);
    - rlimits: CPU seconds, address space (`memory_mb`), process count, open files, file size (caps the output
      files), no core dumps;
-   - as root: drop to `nobody` (no capabilities, so the namespaces cannot be undone, and RLIMIT_NPROC is enforced,
-     which it is not for root) and `PR_SET_NO_NEW_PRIVS` (setuid binaries gain nothing). As non-root the
-     namespaces come from an unprivileged user namespace, when the kernel allows it;
+   - as root, in every mode: drop to the call's uid, gid nobody, no supplementary groups (no capabilities, so the
+     namespaces cannot be undone, and RLIMIT_NPROC is enforced, which it is not for root); in modes "userns" and
+     "none" before anything else, so the user namespace belongs to that uid; `PR_SET_NO_NEW_PRIVS` (setuid
+     binaries gain nothing). As non-root the namespaces come from an unprivileged user namespace, when the kernel
+     allows it;
    - parent-death signal, a fresh session (so a wall-clock timeout kills the whole process group);
    - a scrubbed environment: `PATH`, `HOME` = work dir, `LANG=C`; no proxies, tokens or keys are inherited;
    - Landlock (`sandbox.confine`, any uid, no privilege needed): the program can open, list and execute only beneath
@@ -26,13 +33,16 @@ Layers, outermost first (each one alone stops a different escape):
      beneath its own work dir (never another episode's), and /dev/null, /dev/zero, /dev/urandom. It also refuses
      TCP bind/connect and signals or abstract unix sockets beyond the sandbox. Metadata (`stat`) is not covered,
      and `ls -l` shows numeric owners (no /etc/passwd);
-   - seccomp (last, just before exec): EPERM for sockets other than AF_UNIX, ptrace, process_vm_readv/writev,
+   - seccomp (last, just before exec): EPERM for `socket()` of every family (AF_UNIX included, so no unix
+     socket with a path is reachable: a network namespace and Landlock do not cover those), ptrace, process_vm_readv/writev,
      mount, unshare/setns/namespace clones, keyctl, bpf, perf_event_open, kexec, module loading, reboot, swapon,
      io_uring and a few more (`sandbox.confine.DENIED_SYSCALLS`); other ABIs (i386, x32) are killed.
    Both are prepared in the parent (the ruleset fd per call, the BPF program once) and only applied in the child.
    Without Landlock (kernel < 5.13 or disabled) or libseccomp, `run_tool` raises `SandboxUnavailable` (fail
-   closed) unless the environment sets `ALLOY_SANDBOX_ALLOW_UNCONFINED=1`, which runs without the missing layer;
-   results carry `fs_isolated` and `syscall_filtered`.
+   closed) unless the environment sets `ALLOY_SANDBOX_ALLOW_UNCONFINED=1`, which runs without the missing layer
+   and logs a warning once per process, but still refuses arbitrary code (`python`) unless
+   `ALLOY_SANDBOX_ALLOW_UNCONFINED_CODE=1` is set too; results carry `fs_isolated`, `syscall_filtered`,
+   `isolation` (the mode) and `limits` (the per-call limits that held).
 4. Output: stdout/stderr go to temp files capped by RLIMIT_FSIZE (a flood is killed by SIGXFSZ) and are read
    back up to `max_output_bytes`.
 
