@@ -49,6 +49,44 @@ class CallUid:
             return
         raise OSError(errno.EAGAIN, "sandbox: no free per-call uid")
 
+    def alive(self) -> list[int]:
+        """Pids of processes still running as this uid (a stat per /proc entry)."""
+        out = []
+        if self.uid is None:
+            return out
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    if os.stat(f"/proc/{p}").st_uid == self.uid:
+                        out.append(int(p))
+                except OSError:
+                    pass
+        return out
+
+    def kill_all(self) -> bool:
+        """SIGKILL every process of this uid: a forked helper drops to it and calls `kill(-1)` (which no fork can
+        race). Only when `alive()` finds one, so a clean call costs one /proc scan. True when none is left."""
+        if self.uid is None or self.uid < UID_BASE or not self.alive():
+            return True
+        pid = os.fork()
+        if pid == 0:  # only system calls here: the parent may have threads
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(self.uid)
+                for _ in range(3):
+                    try:
+                        os.kill(-1, signal.SIGKILL)
+                    except OSError:
+                        break
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        deadline = time.monotonic() + 1.0
+        while (left := self.alive()) and time.monotonic() < deadline:
+            time.sleep(0.01)  # killed, not yet reaped by whoever their parent is now
+        return not left
+
     def release(self) -> None:
         if self._fd is not None:
             try:

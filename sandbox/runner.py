@@ -611,7 +611,9 @@ def run_tool(command: str, workdir: Path | str, timeout_s: float = 2.0, memory_m
                 _kill_group(proc.pid)
             _kill_group(proc.pid)  # anything the program left running in its session
             code = proc.wait()
-            if not cgroup.kill():  # whatever escaped the supervisor (e.g. a non-root call in mode "none")
+            # whatever escaped the supervisor (it can be killed by its own call in mode "none" where Landlock has no
+            # signal scope): the call's cgroup, then every process of the call's uid
+            if not cgroup.kill() or not uid.kill_all():
                 sandbox_error = "sandbox: processes of the call survived it"
             stdout, trunc_out = _read_capped(out, max_output_bytes)
             stderr, trunc_err = _read_capped(err, max_output_bytes)
