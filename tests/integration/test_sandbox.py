@@ -535,3 +535,70 @@ def test_unconfined_opt_out_warns_once_and_refuses_code(workdir, monkeypatch, ca
     warnings = [rec for rec in caplog.records if sandbox.UNCONFINED_ENV in rec.getMessage()]
     assert len(warnings) == 1 and "WITHOUT Landlock" in warnings[0].getMessage(), warnings
     sandbox._warn_unconfined.cache_clear()
+
+
+NOBODY_SUITE = r'''import json, os, shlex, sys, threading, time
+spec = json.load(sys.stdin)
+sys.path.insert(0, spec["repo"])
+from sandbox import runner  # imported as root (the venv may be root's), probed after the drop
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+out = {"modes": runner.available_modes()}
+for m in out["modes"]:
+    res = {}
+    r = runner.run_tool(shlex.join(["python", "-c", spec["escapes"], *spec["escape_args"]]), spec["workdir"],
+                        allowed={"python"}, isolation=m)
+    res["escapes"] = r.stdout
+    r = runner.run_tool(shlex.join(["python", "-c", spec["detach"], spec["token"] + m + "-detach"]), spec["workdir"],
+                        allowed={"python"}, isolation=m)
+    res["detach"] = [r.ok, r.stdout]
+    other = []
+    t = threading.Thread(target=lambda: (time.sleep(0.4), other.append(runner.run_tool("echo hi", spec["workdir"],
+                                                                                      isolation=m))))
+    t.start()
+    r = runner.run_tool(shlex.join(["python", "-c", spec["bomb"], spec["token"] + m + "-bomb"]), spec["workdir"],
+                        allowed={"python"}, isolation=m, timeout_s=1.0, max_procs=16)
+    t.join()
+    res["bomb"] = [r.timed_out, r.sandbox_error]
+    res["other"] = [other[0].ok, other[0].sandbox_error]
+    out[m] = res
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the caller is already unprivileged: the suite above is this case")
+def test_escape_suite_as_an_unprivileged_caller(workdir):
+    """The same escapes from a caller that is not root (dropped to nobody first): modes "userns" (if unprivileged
+    user namespaces exist) and "none", where no uid drop and no cgroup is possible."""
+    tmp = Path(tempfile.mkdtemp(prefix="alloy-sbx-escape-"))
+    os.chmod(tmp, 0o755)
+    secret, sock_path = tmp / "secret", tmp / "host.sock"
+    secret.write_text("root only\n")
+    os.chmod(secret, 0o600)
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(sock_path))
+    os.chmod(sock_path, 0o666)
+    srv.listen(4)
+    srv.settimeout(0.1)
+    token = f"alloy-escape-nobody-{os.getpid()}-"
+    spec = {"repo": str(REPO), "workdir": str(workdir), "escapes": ESCAPES, "detach": DETACH, "bomb": BOMB,
+            "token": token, "escape_args": [str(sock_path), str(secret), str(tmp / "outside.txt")]}
+    try:
+        p = subprocess.run([sys.executable, "-c", NOBODY_SUITE], input=json.dumps(spec), capture_output=True,
+                           text=True, timeout=120, cwd="/")
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        with pytest.raises(socket.timeout):
+            srv.accept()
+    finally:
+        srv.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert "root" not in out["modes"] and "none" in out["modes"]
+    for m in out["modes"]:
+        res = out[m]
+        assert all(v.startswith("refused") for v in json.loads(res["escapes"]).values()), (m, res)
+        assert res["detach"] == [True, "detached\n"] and res["bomb"] == [True, None], (m, res)
+        assert res["other"][0] or res["other"][1], (m, res)  # ran, or said why: never a silent failure
+        assert _gone(token + m), (m, _alive_with(token + m))
+    assert not (tmp / "outside.txt").exists()
