@@ -174,7 +174,29 @@ def cgroup_layout() -> dict[str, str]:
                     base = os.path.normpath(mnt + own[c])
                     if _writable_dir(base):
                         layout[c] = base
+    for base in set(layout.values()):
+        _remove_stale(base)
     return layout
+
+
+def _remove_stale(base: str) -> None:
+    """Remove the empty per-call cgroups a dead process left behind (it crashed between mkdir and rmdir)."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith("alloy-sbx-")]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.kill(int(name.split("-")[2]), 0)
+            continue  # its process is alive: in use
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError, IndexError):
+            continue
+        try:
+            os.rmdir(os.path.join(base, name))
+        except OSError:
+            pass
 
 
 class CallCgroup:
