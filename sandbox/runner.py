@@ -34,9 +34,10 @@ Layers, outermost first (each one alone stops a different escape):
      TCP bind/connect and signals or abstract unix sockets beyond the sandbox. Metadata (`stat`) is not covered,
      and `ls -l` shows numeric owners (no /etc/passwd);
    - seccomp (last, just before exec): EPERM for `socket()` of every family (AF_UNIX included, so no unix
-     socket with a path is reachable: a network namespace and Landlock do not cover those), ptrace, process_vm_readv/writev,
-     mount, unshare/setns/namespace clones, keyctl, bpf, perf_event_open, kexec, module loading, reboot, swapon,
-     io_uring and a few more (`sandbox.confine.DENIED_SYSCALLS`); other ABIs (i386, x32) are killed.
+     socket with a path is reachable: a network namespace and Landlock do not cover those), ptrace,
+     process_vm_readv/writev, mount, unshare/setns/namespace clones, keyctl, bpf, perf_event_open, kexec, module
+     loading, reboot, swapon, io_uring and a few more (`sandbox.confine.DENIED_SYSCALLS`); other ABIs (i386, x32)
+     are killed.
    Both are prepared in the parent (the ruleset fd per call, the BPF program once) and only applied in the child.
    Without Landlock (kernel < 5.13 or disabled) or libseccomp, `run_tool` raises `SandboxUnavailable` (fail
    closed) unless the environment sets `ALLOY_SANDBOX_ALLOW_UNCONFINED=1`, which runs without the missing layer
@@ -48,7 +49,8 @@ Layers, outermost first (each one alone stops a different escape):
 
 When the namespaces cannot be created (no root, no user namespaces), `isolation_support()` says so and every result
 carries `net_isolated=False`; the seccomp filter still closes the network (no AF_INET/AF_INET6/netlink socket can
-be created), and Landlock and the limits still hold (a wall-clock timeout kills the process group). Only if the
+be created), and Landlock, the uid drop (as root), the limits and the supervisor still hold (a wall-clock timeout
+kills the program, and every descendant, detached or not, is killed and reaped before the call returns). Only if the
 seccomp filter is missing too (opted out) is the fallback rule-level blocking: programs that could open sockets
 (`network_capable`, e.g. `python`) are refused, as are arguments that look like URLs or host:port addresses.
 
