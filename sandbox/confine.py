@@ -74,10 +74,10 @@ def _handled_fs(abi: int) -> int:
     return fs
 
 
-def landlock_ruleset(read_paths, rw_paths, list_paths=()) -> int:
+def landlock_ruleset(read_paths, rw_paths, list_paths=(), ro_paths=()) -> int:
     """A Landlock ruleset fd (O_CLOEXEC; the caller closes it) allowing read+execute beneath each of `read_paths`,
-    read+write beneath each of `rw_paths`, listing (only) beneath `list_paths`, plus DEVICE_FILES. Missing paths
-    are skipped. Raises OSError."""
+    read+write beneath each of `rw_paths`, listing (only) beneath `list_paths`, reading (no write, no execute)
+    beneath `ro_paths`, plus DEVICE_FILES. Missing paths are skipped. Raises OSError."""
     abi = landlock_abi()
     if abi < 1:
         raise OSError(errno.EOPNOTSUPP, "Landlock is not available in this kernel")
@@ -90,7 +90,7 @@ def landlock_ruleset(read_paths, rw_paths, list_paths=()) -> int:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
     try:
         rules = ([(p, READ_EXEC) for p in read_paths] + [(p, READ_WRITE) for p in rw_paths]
-                 + [(p, READ_DIR) for p in list_paths])
+                 + [(p, READ_DIR) for p in list_paths] + [(p, READ_FILE | READ_DIR) for p in ro_paths])
         for path, access in rules + list(DEVICE_FILES.items()):
             try:
                 pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)

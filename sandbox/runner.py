@@ -537,16 +537,41 @@ def _kill_group(pgid: int) -> None:
             return
 
 
+def _lend_workdir(workdir: Path, uid: int) -> tuple[int, int]:
+    """As root: make the work dir (the dir itself, not its files) the call's, so it can create files there.
+    Returns the owner to give everything back to."""
+    st = os.lstat(workdir)
+    os.chown(workdir, uid, -1)
+    return st.st_uid, st.st_gid
+
+
+def _return_workdir(workdir: Path, uid: int, owner: tuple[int, int]) -> None:
+    """After the call (all its processes dead): everything beneath the work dir owned by the call's uid goes back
+    to `owner` (symlinks not followed), so a later call given the same uid finds nothing of its own."""
+    os.chown(workdir, *owner)
+    for root, dirs, files in os.walk(workdir):
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            try:
+                if os.lstat(p).st_uid == uid:
+                    os.lchown(p, *owner)
+            except OSError:
+                pass
+
+
 def run_tool(command: str, workdir: Path | str, timeout_s: float = 2.0, memory_mb: int = 256,
              allowed: set[str] | frozenset[str] = DEFAULT_ALLOWED, max_output_bytes: int = 4096,
-             max_procs: int = 32, *, isolation: str | None = None) -> ToolResult:
+             max_procs: int = 32, *, isolation: str | None = None, writable_workdir: bool = False) -> ToolResult:
     """Run `command` ("cat notes.txt", "calc 12+34") in the sandbox with cwd = `workdir` (see the module docstring).
 
     Never raises for a bad or hostile command: refusals come back as `blocked_reason`, limits as `timed_out`,
     a negative `exit_code` (killed by a signal) or `truncated`, and a sandbox that could not start the call (or
     not end all of it) as `sandbox_error` (never a silent failure: `ok` is False and the reason is set). As root
     the call runs as a uid of its own (`sandbox.accounting.CallUid`, gid nobody), so the work dir must be readable
-    by others (mode 0o755, as `domains.tools.ToolEnv` creates it) and is not writable. `max_procs` is
+    by others (mode 0o755, as `domains.tools.ToolEnv` creates it). The work dir is read-only to the call (Landlock,
+    whoever the caller is) unless `writable_workdir`: then Landlock grants writes beneath it and, as root, the
+    work dir is lent to the call's uid and everything the call created there is given back to the work dir's
+    owner afterwards (`_lend_workdir`). `max_procs` is
     RLIMIT_NPROC of that uid (per call as root; per caller uid otherwise) and, where cgroups are writable, the
     call's `pids.max`; `memory_mb` is RLIMIT_AS per process and, with a memory cgroup, the whole call's limit.
     `isolation` forces a weaker mode than `isolation_support()` (one of `available_modes()`; for tests).
@@ -580,6 +605,7 @@ def run_tool(command: str, workdir: Path | str, timeout_s: float = 2.0, memory_m
         uid = CallUid()
     except OSError as e:
         return ToolResult("", "", None, sandbox_error=f"sandbox: {e}", elapsed_s=time.monotonic() - t0, **common)
+    lent = None
     cgroup = CallCgroup(memory_mb, max_procs)
     cg_fds = cgroup.procs_fds()
     limits = (("uid",) if uid.uid is not None else ()) + tuple(f"cgroup-{k}" for k in sorted(cgroup.limited)) + (
@@ -589,8 +615,11 @@ def run_tool(command: str, workdir: Path | str, timeout_s: float = 2.0, memory_m
             try:
                 if use_landlock:
                     py_reads, py_lists = python_read_paths(argv[0]) if prog.needs_python else ((), ())
-                    ruleset_fd = confine.landlock_ruleset(SYSTEM_READ_PATHS + py_reads, [str(workdir.resolve())],
-                                                          py_lists)
+                    wd = [str(workdir.resolve())]
+                    ruleset_fd = confine.landlock_ruleset(SYSTEM_READ_PATHS + py_reads, wd if writable_workdir else [],
+                                                          py_lists, [] if writable_workdir else wd)
+                if writable_workdir and uid.uid is not None:
+                    lent = _lend_workdir(workdir, uid.uid)
                 proc = subprocess.Popen(argv, cwd=str(workdir), env=_scrubbed_env(workdir), stdin=subprocess.DEVNULL,
                                         stdout=out, stderr=err, close_fds=True, start_new_session=True,
                                         preexec_fn=_preexec(mode, timeout_s, memory_mb, max_procs, max_output_bytes,
@@ -620,6 +649,8 @@ def run_tool(command: str, workdir: Path | str, timeout_s: float = 2.0, memory_m
             stdout, trunc_out = _read_capped(out, max_output_bytes)
             stderr, trunc_err = _read_capped(err, max_output_bytes)
     finally:
+        if lent is not None:
+            _return_workdir(workdir, uid.uid, lent)
         cgroup.close()
         uid.release()
     # RLIMIT_CPU ends a CPU-bound program with SIGXCPU (soft) or SIGKILL (hard) before the wall clock does

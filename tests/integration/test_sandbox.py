@@ -476,12 +476,20 @@ def test_escape_suite_in_every_mode(workdir, mode, cgroups, monkeypatch):
         assert r.ok and r.isolation == mode and r.fs_isolated and r.syscall_filtered, r
         inside = json.loads(r.stdout)
         assert all(v.startswith("refused") for v in inside.values()), inside
+        assert inside["write the work dir"] == "refused: Permission denied"  # read-only unless writable_workdir
         if os.geteuid() == 0:
             assert "uid" in r.limits  # a uid of its own, gid nobody
-            assert inside["write the work dir"] == "refused: Permission denied"  # the work dir is root's
         assert not outside.exists() and not (workdir / "escape.txt").exists()
         with pytest.raises(socket.timeout):
             srv.accept()  # nothing arrived from inside
+
+        # the work dir is read-only unless asked for; then what the call made there is given back to its owner
+        owner = os.lstat(workdir).st_uid
+        make = "import os\nos.mkdir('made')\nopen('made/f.txt', 'w').write('x')\nprint('made')"
+        r = run_tool(shlex.join(["python", "-c", make]), workdir, allowed=PY, isolation=mode, writable_workdir=True)
+        assert r.ok and r.stdout == "made\n", r
+        assert os.lstat(workdir).st_uid == owner and (workdir / "made" / "f.txt").read_text() == "x"
+        assert {os.lstat(p).st_uid for p in (workdir / "made", workdir / "made" / "f.txt")} == {owner}
 
         # a detached child (setsid, double fork) dies with the call
         r = run_tool(shlex.join(["python", "-c", DETACH, token + "-detach"]), workdir, allowed=PY, isolation=mode)
@@ -562,6 +570,9 @@ for m in out["modes"]:
     t.join()
     res["bomb"] = [r.timed_out, r.sandbox_error]
     res["other"] = [other[0].ok, other[0].sandbox_error]
+    write = shlex.join(["python", "-c", "open('w.txt', 'w').write('x'); print('wrote')"])
+    res["own dir"] = [runner.run_tool(write, spec["own"], allowed={"python"}, isolation=m, writable_workdir=w).stdout
+                      for w in (False, True)]
     out[m] = res
 print(json.dumps(out))
 '''
@@ -582,7 +593,10 @@ def test_escape_suite_as_an_unprivileged_caller(workdir):
     srv.listen(4)
     srv.settimeout(0.1)
     token = f"alloy-escape-nobody-{os.getpid()}-"
-    spec = {"repo": str(REPO), "workdir": str(workdir), "escapes": ESCAPES, "detach": DETACH, "bomb": BOMB,
+    own = tmp / "own"  # a work dir that belongs to the (unprivileged) caller: Landlock alone keeps it read-only
+    own.mkdir()
+    os.chown(own, NOBODY, NOBODY)
+    spec = {"repo": str(REPO), "workdir": str(workdir), "own": str(own), "escapes": ESCAPES, "detach": DETACH, "bomb": BOMB,
             "token": token, "escape_args": [str(sock_path), str(secret), str(tmp / "outside.txt")]}
     try:
         p = subprocess.run([sys.executable, "-c", NOBODY_SUITE], input=json.dumps(spec), capture_output=True,
@@ -601,4 +615,5 @@ def test_escape_suite_as_an_unprivileged_caller(workdir):
         assert res["detach"] == [True, "detached\n"] and res["bomb"] == [True, None], (m, res)
         assert res["other"][0] or res["other"][1], (m, res)  # ran, or said why: never a silent failure
         assert _gone(token + m), (m, _alive_with(token + m))
+        assert res["own dir"] == ["", "wrote\n"], (m, res)  # read-only unless writable_workdir
     assert not (tmp / "outside.txt").exists()
