@@ -42,6 +42,9 @@ class CallUid:
             fd = os.open(os.path.join(lock_dir, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st = os.stat(os.path.join(lock_dir, str(uid)))  # still the file at that name? (release unlinks it)
+                if (st.st_dev, st.st_ino) != (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+                    raise OSError(errno.EAGAIN, "lock file replaced")
             except OSError:
                 os.close(fd)
                 continue
