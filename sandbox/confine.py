@@ -11,7 +11,9 @@ forked child just before exec (`apply`), with two system calls that allocate not
   bind/connect, with ABI ≥ 6 signals to processes outside the sandbox and abstract unix sockets outside it.
   Landlock needs no privilege; `landlock_restrict_self` needs no_new_privs, which the child sets first.
 - `seccomp_program()`: a classic BPF filter built once with libseccomp (`seccomp_export_bpf`), default allow, with a
-  deny list answered EPERM (so a tool sees an ordinary error, never a kill): sockets of any family but AF_UNIX,
+  deny list answered EPERM (so a tool sees an ordinary error, never a kill): `socket()` of any family, AF_UNIX
+  included (so no connect to a unix socket with a path, which neither a network namespace nor Landlock ≤ 7 covers,
+  nor to an abstract one), `socketpair()` but AF_UNIX (a connected pair reaches only itself),
   ptrace and process_vm_readv/writev, mount and the new mount API, unshare/setns and clone with namespace flags,
   keyctl, bpf, perf_event_open, kexec, module loading, reboot, swapon/off, io_uring (which bypasses seccomp),
   userfaultfd, open_by_handle_at, chroot/pivot_root, clock/time setting. clone3 answers ENOSYS (its flags live in
@@ -72,10 +74,10 @@ def _handled_fs(abi: int) -> int:
     return fs
 
 
-def landlock_ruleset(read_paths, rw_paths, list_paths=()) -> int:
+def landlock_ruleset(read_paths, rw_paths, list_paths=(), ro_paths=()) -> int:
     """A Landlock ruleset fd (O_CLOEXEC; the caller closes it) allowing read+execute beneath each of `read_paths`,
-    read+write beneath each of `rw_paths`, listing (only) beneath `list_paths`, plus DEVICE_FILES. Missing paths
-    are skipped. Raises OSError."""
+    read+write beneath each of `rw_paths`, listing (only) beneath `list_paths`, reading (no write, no execute)
+    beneath `ro_paths`, plus DEVICE_FILES. Missing paths are skipped. Raises OSError."""
     abi = landlock_abi()
     if abi < 1:
         raise OSError(errno.EOPNOTSUPP, "Landlock is not available in this kernel")
@@ -88,7 +90,7 @@ def landlock_ruleset(read_paths, rw_paths, list_paths=()) -> int:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
     try:
         rules = ([(p, READ_EXEC) for p in read_paths] + [(p, READ_WRITE) for p in rw_paths]
-                 + [(p, READ_DIR) for p in list_paths])
+                 + [(p, READ_DIR) for p in list_paths] + [(p, READ_FILE | READ_DIR) for p in ro_paths])
         for path, access in rules + list(DEVICE_FILES.items()):
             try:
                 pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
@@ -189,8 +191,8 @@ def seccomp_program() -> SeccompProgram:
         eperm = scmp_act_errno(errno.EPERM)
         for sc in DENIED_SYSCALLS:
             rule(eperm, sc)
-        for sc in ("socket", "socketpair"):
-            rule(eperm, sc, _ArgCmp(0, SCMP_CMP_NE, AF_UNIX, 0))
+        rule(eperm, "socket")  # every family, AF_UNIX included: a path socket cannot be reached (no fd to connect)
+        rule(eperm, "socketpair", _ArgCmp(0, SCMP_CMP_NE, AF_UNIX, 0))  # a connected pair reaches only itself
         for flag in NAMESPACE_FLAGS:
             rule(eperm, "clone", _ArgCmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
         rule(scmp_act_errno(errno.ENOSYS), "clone3")

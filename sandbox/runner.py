@@ -11,12 +11,19 @@ Layers, outermost first (each one alone stops a different escape):
      loopback interface that is down, so no connection anywhere, 127.0.0.1 included;
    - new PID namespace: the program runs as PID 1 of its own namespace under a tiny waiting parent, so when it
      ends or is killed, the kernel kills and reaps everything it forked (no orphans, no zombies left to a PID 1
-     that does not reap);
+     that does not reap). The waiting parent (the supervisor) is a child subreaper in every mode, so in mode
+     "none" too every descendant, detached or daemonized, is reparented to it, and it kills and reaps them all
+     before it exits (as root with `kill(-1)` from the call's own uid);
+   - accounting per call (`sandbox.accounting`): as root a uid of its own (so RLIMIT_NPROC is per call and one
+     call's fork bomb cannot starve another), and a cgroup of its own wherever a hierarchy is writable (pids.max,
+     the whole call's memory, cgroup.kill);
    - rlimits: CPU seconds, address space (`memory_mb`), process count, open files, file size (caps the output
      files), no core dumps;
-   - as root: drop to `nobody` (no capabilities, so the namespaces cannot be undone, and RLIMIT_NPROC is enforced,
-     which it is not for root) and `PR_SET_NO_NEW_PRIVS` (setuid binaries gain nothing). As non-root the
-     namespaces come from an unprivileged user namespace, when the kernel allows it;
+   - as root, in every mode: drop to the call's uid, gid nobody, no supplementary groups (no capabilities, so the
+     namespaces cannot be undone, and RLIMIT_NPROC is enforced, which it is not for root); in modes "userns" and
+     "none" before anything else, so the user namespace belongs to that uid; `PR_SET_NO_NEW_PRIVS` (setuid
+     binaries gain nothing). As non-root the namespaces come from an unprivileged user namespace, when the kernel
+     allows it;
    - parent-death signal, a fresh session (so a wall-clock timeout kills the whole process group);
    - a scrubbed environment: `PATH`, `HOME` = work dir, `LANG=C`; no proxies, tokens or keys are inherited;
    - Landlock (`sandbox.confine`, any uid, no privilege needed): the program can open, list and execute only beneath
@@ -26,19 +33,24 @@ Layers, outermost first (each one alone stops a different escape):
      beneath its own work dir (never another episode's), and /dev/null, /dev/zero, /dev/urandom. It also refuses
      TCP bind/connect and signals or abstract unix sockets beyond the sandbox. Metadata (`stat`) is not covered,
      and `ls -l` shows numeric owners (no /etc/passwd);
-   - seccomp (last, just before exec): EPERM for sockets other than AF_UNIX, ptrace, process_vm_readv/writev,
-     mount, unshare/setns/namespace clones, keyctl, bpf, perf_event_open, kexec, module loading, reboot, swapon,
-     io_uring and a few more (`sandbox.confine.DENIED_SYSCALLS`); other ABIs (i386, x32) are killed.
+   - seccomp (last, just before exec): EPERM for `socket()` of every family (AF_UNIX included, so no unix
+     socket with a path is reachable: a network namespace and Landlock do not cover those), ptrace,
+     process_vm_readv/writev, mount, unshare/setns/namespace clones, keyctl, bpf, perf_event_open, kexec, module
+     loading, reboot, swapon, io_uring and a few more (`sandbox.confine.DENIED_SYSCALLS`); other ABIs (i386, x32)
+     are killed.
    Both are prepared in the parent (the ruleset fd per call, the BPF program once) and only applied in the child.
    Without Landlock (kernel < 5.13 or disabled) or libseccomp, `run_tool` raises `SandboxUnavailable` (fail
-   closed) unless the environment sets `ALLOY_SANDBOX_ALLOW_UNCONFINED=1`, which runs without the missing layer;
-   results carry `fs_isolated` and `syscall_filtered`.
+   closed) unless the environment sets `ALLOY_SANDBOX_ALLOW_UNCONFINED=1`, which runs without the missing layer
+   and logs a warning once per process, but still refuses arbitrary code (`python`) unless
+   `ALLOY_SANDBOX_ALLOW_UNCONFINED_CODE=1` is set too; results carry `fs_isolated`, `syscall_filtered`,
+   `isolation` (the mode) and `limits` (the per-call limits that held).
 4. Output: stdout/stderr go to temp files capped by RLIMIT_FSIZE (a flood is killed by SIGXFSZ) and are read
    back up to `max_output_bytes`.
 
 When the namespaces cannot be created (no root, no user namespaces), `isolation_support()` says so and every result
 carries `net_isolated=False`; the seccomp filter still closes the network (no AF_INET/AF_INET6/netlink socket can
-be created), and Landlock and the limits still hold (a wall-clock timeout kills the process group). Only if the
+be created), and Landlock, the uid drop (as root), the limits and the supervisor still hold (a wall-clock timeout
+kills the program, and every descendant, detached or not, is killed and reaped before the call returns). Only if the
 seccomp filter is missing too (opted out) is the fallback rule-level blocking: programs that could open sockets
 (`network_capable`, e.g. `python`) are refused, as are arguments that look like URLs or host:port addresses.
 
@@ -52,6 +64,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import logging
 import math
 import os
 import re
@@ -70,16 +83,21 @@ from functools import lru_cache
 from pathlib import Path
 
 from sandbox import confine
+from sandbox.accounting import UID_BASE, CallCgroup, CallUid, cgroup_layout
+
+log = logging.getLogger(__name__)
 
 CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x40000000, 0x20000000, 0x10000000
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-NOBODY = 65534
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
+NOBODY = 65534  # the gid of every sandbox uid (the uid itself is per call: `sandbox.accounting.CallUid`)
+MODES = ("root", "userns", "none")
 DEFAULT_ALLOWED = frozenset({"calc", "ls", "cat", "echo"})
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _URL_RE = re.compile(r"[a-z][a-z0-9+.-]*://|(?:^|[@/])[\w.-]+:\d{1,5}(?:/|$)", re.I)
 _FLAG_RE = re.compile(r"^-[A-Za-z1]+$")
 _libc = ctypes.CDLL(None, use_errno=True)  # loaded here, never in the forked child
 UNCONFINED_ENV = "ALLOY_SANDBOX_ALLOW_UNCONFINED"  # "1": run without Landlock/seccomp where they are missing
+UNCONFINED_CODE_ENV = "ALLOY_SANDBOX_ALLOW_UNCONFINED_CODE"  # "1" as well: ... even arbitrary code (`python`)
 SYSTEM_READ_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
 
 
@@ -99,10 +117,14 @@ class ToolResult:
     elapsed_s: float = 0.0
     fs_isolated: bool = False  # ran under the Landlock ruleset (sees only its work dir and the system dirs)
     syscall_filtered: bool = False  # ran under the seccomp filter
+    sandbox_error: str | None = None  # the sandbox failed to start or end the call (not the command's fault)
+    isolation: str = ""  # the mode it ran in: "root" | "userns" | "none" ("" when not run)
+    limits: tuple[str, ...] = ()  # per-call limits that held beyond the rlimits: "uid", "cgroup-pids", ...
 
     @property
     def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out and self.blocked_reason is None
+        return (self.exit_code == 0 and not self.timed_out and self.blocked_reason is None
+                and self.sandbox_error is None)
 
 
 @dataclass(frozen=True)
@@ -112,6 +134,7 @@ class Program:
     flags_ok: bool = False  # short flags like `-la` are accepted (not path-checked)
     network_capable: bool = False  # could open sockets: refused when there is no network namespace
     needs_python: bool = False
+    runs_code: bool = False  # runs arbitrary code: refused without Landlock+seccomp unless UNCONFINED_CODE_ENV
 
 
 def safe_calc(expr: str) -> str:
@@ -232,7 +255,18 @@ def confinement_support() -> tuple[bool, bool]:
     if missing and os.environ.get(UNCONFINED_ENV) != "1":
         raise SandboxUnavailable("sandbox: " + "; ".join(missing) + f". Refusing to run tool calls without it; set "
                                  f"{UNCONFINED_ENV}=1 to run them with the remaining layers only")
+    if missing:
+        _warn_unconfined("; ".join(missing))
     return landlock is None, seccomp is None
+
+
+@lru_cache(maxsize=1)
+def _warn_unconfined(why: str) -> None:
+    """Logged once per process: the opt-out is in effect."""
+    log.warning("sandbox: %s=1: tool calls run WITHOUT %s (%s); arbitrary code (`python`, the code verifier) is still "
+                "refused unless %s=1 too", UNCONFINED_ENV,
+                " and ".join(n for n, w in zip(("Landlock", "seccomp"), _kernel_confinement()) if w), why,
+                UNCONFINED_CODE_ENV)
 
 
 def _which(name: str) -> str:
@@ -245,7 +279,7 @@ PROGRAMS: dict[str, Program] = {
     "cat": Program((_which("cat"),), file_args=True, flags_ok=True),
     "grep": Program((_which("grep"),), file_args=True, flags_ok=True),  # the pattern is path-checked too
     "echo": Program((_which("echo"),)),
-    "python": Program(("{python}", "-I", "-S"), network_capable=True, needs_python=True),
+    "python": Program(("{python}", "-I", "-S"), network_capable=True, needs_python=True, runs_code=True),
     "true": Program((_which("true"),)),
 }
 
@@ -304,7 +338,50 @@ def _wait_polling(pid: int, deadline: float | None, reap: bool) -> tuple[int | N
             os.close(pidfd)
 
 
-def _supervise(pid: int, timeout_s: float) -> None:
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    st = f.read()
+                if int(st[st.rindex(")") + 2:].split()[1]) == pid:
+                    out.append(int(p))
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def _reap_descendants(kill_uid: int | None) -> None:
+    """In the supervisor (a child subreaper: every orphan of the call is reparented to it): kill and reap every
+    descendant left, until there is none. With `kill_uid` (mode "none" as root: the supervisor runs as the call's own
+    uid) `kill(-1)` first kills every process of that uid at once, which no fork can race."""
+    me = os.getpid()
+    while True:
+        if kill_uid is not None and kill_uid >= UID_BASE and os.getuid() == kill_uid:  # never as root or the caller
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
+        for child in _children(me):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        except InterruptedError:
+            continue
+
+
+def _supervise(pid: int, timeout_s: float, kill_uid: int | None) -> None:
     """The supervisor's whole life (see `_preexec`); always ends in `os._exit`, never back in `Popen`'s exec path."""
     status = 1
     try:
@@ -313,6 +390,7 @@ def _supervise(pid: int, timeout_s: float) -> None:
         if not exited:
             os.kill(pid, signal.SIGKILL)
             status, _ = _wait_polling(pid, None, reap=True)
+        _reap_descendants(kill_uid)
         if status is not None and status < 0:  # mirror a death by signal
             if -status not in (signal.SIGKILL, signal.SIGSTOP):
                 signal.signal(-status, signal.SIG_DFL)
@@ -321,51 +399,75 @@ def _supervise(pid: int, timeout_s: float) -> None:
         os._exit(status if status is not None and status >= 0 else 1)
 
 
-def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_output_bytes: int,
-             ruleset_fd: int | None = None, program: confine.SeccompProgram | None = None):
-    """The function the forked child runs before exec. mode: "root" | "userns" | "none". Landlock (`ruleset_fd`)
-    and seccomp (`program`) are applied last, after the uid drop and no_new_privs, when given.
+def _drop(uid: int) -> None:
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(uid)
 
-    With namespaces it forks once more: the grandchild (PID 1 of the new PID namespace) continues to exec; the
-    child stays as a tiny supervisor: it closes every inherited descriptor (so `Popen` learns exec success from
-    the grandchild alone), kills the grandchild at the wall-clock timeout (which makes the kernel kill and reap
-    the whole namespace), reaps it, and exits with its status, re-raising its signal.
+
+def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_output_bytes: int,
+             ruleset_fd: int | None = None, program: confine.SeccompProgram | None = None,
+             uid: int | None = None, cgroup_fds: list[int] | None = None):
+    """The function the forked child runs before exec. mode: "root" | "userns" | "none". `uid`: the call's sandbox
+    uid (as root; None otherwise). Landlock (`ruleset_fd`) and seccomp (`program`) are applied last, after the uid
+    drop and no_new_privs, when given.
+
+    In order: join the call's cgroups (`cgroup_fds`); as root in modes "userns" and "none", drop to `uid` now (the
+    user namespace is then owned by the sandbox uid, and the supervisor runs as it); unshare the namespaces (not in
+    "none"); become a child subreaper and fork once more: the grandchild (PID 1 of the new PID namespace, if any)
+    continues to exec; the child stays as a tiny supervisor: it closes every inherited descriptor (so `Popen`
+    learns exec success from the grandchild alone), kills the grandchild at the wall-clock timeout (which, with a
+    PID namespace, makes the kernel kill and reap the whole namespace), then kills and reaps every descendant still
+    alive (`_reap_descendants`: in mode "none", detached and daemonized ones are reparented to it), and exits with
+    the grandchild's status, re-raising its signal. In mode "root" the grandchild drops to `uid` after unsharing.
     """
     def run() -> None:
+        CallCgroup.join(cgroup_fds or [])
+        if uid is not None and mode != "root":
+            _drop(uid)
         if mode != "none":
             flags = CLONE_NEWNET | CLONE_NEWPID | (CLONE_NEWUSER if mode == "userns" else 0)
             if _libc.unshare(flags) != 0:
                 raise OSError(ctypes.get_errno(), "sandbox: unshare failed")
-            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            pid = os.fork()
-            if pid > 0:
-                _supervise(pid, timeout_s)  # never returns
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
+        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        pid = os.fork()
+        if pid > 0:
+            _supervise(pid, timeout_s, uid if mode == "none" else None)  # never returns
         _set_limits(timeout_s, memory_mb, max_procs, max_output_bytes)
-        if mode == "root":
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+        if uid is not None and mode == "root":
+            _drop(uid)
         _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
         confine.apply(ruleset_fd, program)
     return run
 
 
+def _probe(mode: str) -> bool:
+    uid = CallUid()
+    try:
+        p = subprocess.Popen([_which("true")], cwd="/", env={"PATH": _SAFE_PATH}, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                             preexec_fn=_preexec(mode, 2.0, 64, 16, 1024, uid=uid.uid))
+        return p.wait(timeout=10) == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        uid.release()
+
+
 @lru_cache(maxsize=1)
-def isolation_support() -> str:
-    """"root" (netns + pidns + drop to nobody), "userns" (unprivileged user namespace + netns + pidns) or "none".
-    Probed once per process by running `true` under each mode."""
+def available_modes() -> tuple[str, ...]:
+    """The isolation modes this machine can produce, strongest first: "root" (netns + pidns made as root, then the
+    drop to the call's uid), "userns" (an unprivileged user namespace + netns + pidns, owned by the call's uid when
+    we are root), "none" (no namespace; always available). Probed once per process by running `true` in each."""
     modes = ["root", "userns"] if os.geteuid() == 0 else ["userns"]
-    for mode in modes:
-        try:
-            p = subprocess.Popen([_which("true")], cwd="/", env={"PATH": _SAFE_PATH}, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                 preexec_fn=_preexec(mode, 2.0, 64, 16, 1024))
-            if p.wait(timeout=10) == 0:
-                return mode
-        except (OSError, subprocess.SubprocessError):
-            continue
-    return "none"
+    return tuple(m for m in modes if _probe(m)) + ("none",)
+
+
+def isolation_support() -> str:
+    """The strongest mode `available_modes()` found: what `run_tool` uses unless told otherwise."""
+    return available_modes()[0]
 
 
 # -- argument checks --------------------------------------------------------------------------------------------
@@ -435,22 +537,53 @@ def _kill_group(pgid: int) -> None:
             return
 
 
+def _lend_workdir(workdir: Path, uid: int) -> tuple[int, int]:
+    """As root: make the work dir (the dir itself, not its files) the call's, so it can create files there.
+    Returns the owner to give everything back to."""
+    st = os.lstat(workdir)
+    os.chown(workdir, uid, -1)
+    return st.st_uid, st.st_gid
+
+
+def _return_workdir(workdir: Path, uid: int, owner: tuple[int, int]) -> None:
+    """After the call (all its processes dead): everything beneath the work dir owned by the call's uid goes back
+    to `owner` (symlinks not followed), so a later call given the same uid finds nothing of its own."""
+    os.chown(workdir, *owner)
+    for root, dirs, files in os.walk(workdir):
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            try:
+                if os.lstat(p).st_uid == uid:
+                    os.lchown(p, *owner)
+            except OSError:
+                pass
+
+
 def run_tool(command: str, workdir: Path | str, timeout_s: float = 2.0, memory_mb: int = 256,
              allowed: set[str] | frozenset[str] = DEFAULT_ALLOWED, max_output_bytes: int = 4096,
-             max_procs: int = 32) -> ToolResult:
+             max_procs: int = 32, *, isolation: str | None = None, writable_workdir: bool = False) -> ToolResult:
     """Run `command` ("cat notes.txt", "calc 12+34") in the sandbox with cwd = `workdir` (see the module docstring).
 
     Never raises for a bad or hostile command: refusals come back as `blocked_reason`, limits as `timed_out`,
-    a negative `exit_code` (killed by a signal) or `truncated`. As root the work dir must be readable by `nobody`
-    (mode 0o755, as `domains.tools.ToolEnv` creates it). `max_procs` is RLIMIT_NPROC, which counts every process
-    of the sandbox user, so it must exceed the number of sandboxes running at once (each is one process).
+    a negative `exit_code` (killed by a signal) or `truncated`, and a sandbox that could not start the call (or
+    not end all of it) as `sandbox_error` (never a silent failure: `ok` is False and the reason is set). As root
+    the call runs as a uid of its own (`sandbox.accounting.CallUid`, gid nobody), so the work dir must be readable
+    by others (mode 0o755, as `domains.tools.ToolEnv` creates it). The work dir is read-only to the call (Landlock,
+    whoever the caller is) unless `writable_workdir`: then Landlock grants writes beneath it and, as root, the
+    work dir is lent to the call's uid and everything the call created there is given back to the work dir's
+    owner afterwards (`_lend_workdir`). `max_procs` is
+    RLIMIT_NPROC of that uid (per call as root; per caller uid otherwise) and, where cgroups are writable, the
+    call's `pids.max`; `memory_mb` is RLIMIT_AS per process and, with a memory cgroup, the whole call's limit.
+    `isolation` forces a weaker mode than `isolation_support()` (one of `available_modes()`; for tests).
     Raises `SandboxUnavailable` (an environment problem, not a command's) when Landlock or seccomp is missing
-    and not opted out of.
+    and not opted out of, or when the command runs arbitrary code and that was not opted out of as well.
     """
     t0 = time.monotonic()
     workdir = Path(workdir)
     use_landlock, use_seccomp = confinement_support()
-    mode = isolation_support()
+    mode = isolation_support() if isolation is None else isolation
+    if mode not in available_modes():
+        raise ValueError(f"sandbox: isolation {mode!r} is not available here (available: {available_modes()})")
     net_isolated = mode != "none"
     if not workdir.is_dir():
         return ToolResult("", "", None, blocked_reason=f"work dir {workdir} does not exist", net_isolated=net_isolated)
@@ -459,39 +592,69 @@ def run_tool(command: str, workdir: Path | str, timeout_s: float = 2.0, memory_m
         return ToolResult("", "", None, blocked_reason=why, net_isolated=net_isolated,
                           elapsed_s=time.monotonic() - t0)
     assert prog is not None
+    if prog.runs_code and not (use_landlock and use_seccomp) and os.environ.get(UNCONFINED_CODE_ENV) != "1":
+        raise SandboxUnavailable(f"sandbox: {tokens[0]!r} runs arbitrary code and the sandbox lacks "
+                                 f"{'Landlock' if not use_landlock else 'seccomp'}; {UNCONFINED_ENV}=1 does not cover "
+                                 f"code: set {UNCONFINED_CODE_ENV}=1 as well to run it anyway")
     argv = [sandbox_python() if a == "{python}" else a for a in prog.argv0] + tokens[1:]
     timed_out = False
     ruleset_fd = None
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        try:
-            if use_landlock:
-                py_reads, py_lists = python_read_paths(argv[0]) if prog.needs_python else ((), ())
-                ruleset_fd = confine.landlock_ruleset(SYSTEM_READ_PATHS + py_reads, [str(workdir.resolve())],
-                                                      py_lists)
-            proc = subprocess.Popen(argv, cwd=str(workdir), env=_scrubbed_env(workdir), stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=err, close_fds=True, start_new_session=True,
-                                    preexec_fn=_preexec(mode, timeout_s, memory_mb, max_procs, max_output_bytes,
-                                                        ruleset_fd,
-                                                        confine.seccomp_program() if use_seccomp else None))
-        except (OSError, subprocess.SubprocessError) as e:  # e.g. the process limit was hit at exec
-            return ToolResult("", f"sandbox: could not start {tokens[0]!r}: {e}", None, net_isolated=net_isolated,
-                              elapsed_s=time.monotonic() - t0)
-        finally:
-            if ruleset_fd is not None:
-                os.close(ruleset_fd)
-        # The supervisor (namespace modes) enforces timeout_s; the deadline here is the backstop, and the only
-        # timer in mode "none". The group is signalled before the leader is reaped, so its id is still ours.
-        backstop = timeout_s + (1.0 if net_isolated else 0.0)
-        _, exited = _wait_polling(proc.pid, t0 + backstop, reap=False)
-        if not exited:
-            timed_out = True
-            _kill_group(proc.pid)
-        _kill_group(proc.pid)  # anything the program left running in its session
-        code = proc.wait()
-        stdout, trunc_out = _read_capped(out, max_output_bytes)
-        stderr, trunc_err = _read_capped(err, max_output_bytes)
+    sandbox_error = None
+    common = dict(net_isolated=net_isolated, fs_isolated=use_landlock, syscall_filtered=use_seccomp, isolation=mode)
+    try:
+        uid = CallUid()
+    except OSError as e:
+        return ToolResult("", "", None, sandbox_error=f"sandbox: {e}", elapsed_s=time.monotonic() - t0, **common)
+    lent = None
+    cgroup = CallCgroup(memory_mb, max_procs)
+    cg_fds = cgroup.procs_fds()
+    limits = (("uid",) if uid.uid is not None else ()) + tuple(f"cgroup-{k}" for k in sorted(cgroup.limited)) + (
+        ("cgroup-kill",) if "v2" in cgroup.dirs else ())
+    try:
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            try:
+                if use_landlock:
+                    py_reads, py_lists = python_read_paths(argv[0]) if prog.needs_python else ((), ())
+                    wd = [str(workdir.resolve())]
+                    ruleset_fd = confine.landlock_ruleset(SYSTEM_READ_PATHS + py_reads, wd if writable_workdir else [],
+                                                          py_lists, [] if writable_workdir else wd)
+                if writable_workdir and uid.uid is not None:
+                    lent = _lend_workdir(workdir, uid.uid)
+                proc = subprocess.Popen(argv, cwd=str(workdir), env=_scrubbed_env(workdir), stdin=subprocess.DEVNULL,
+                                        stdout=out, stderr=err, close_fds=True, start_new_session=True,
+                                        preexec_fn=_preexec(mode, timeout_s, memory_mb, max_procs, max_output_bytes,
+                                                            ruleset_fd,
+                                                            confine.seccomp_program() if use_seccomp else None,
+                                                            uid.uid, cg_fds))
+            except (OSError, subprocess.SubprocessError) as e:  # e.g. the process limit was hit at fork or exec
+                return ToolResult("", "", None, sandbox_error=f"sandbox: could not start {tokens[0]!r}: {e}",
+                                  elapsed_s=time.monotonic() - t0, limits=limits, **common)
+            finally:
+                if ruleset_fd is not None:
+                    os.close(ruleset_fd)
+                for fd in cg_fds:
+                    os.close(fd)
+            # The supervisor enforces timeout_s and kills every descendant before it exits; the deadline here is
+            # the backstop. The group is signalled before the leader is reaped, so its id is still ours.
+            _, exited = _wait_polling(proc.pid, t0 + timeout_s + 1.0, reap=False)
+            if not exited:
+                timed_out = True
+                _kill_group(proc.pid)
+            _kill_group(proc.pid)  # anything the program left running in its session
+            code = proc.wait()
+            # whatever escaped the supervisor (it can be killed by its own call in mode "none" where Landlock has no
+            # signal scope): the call's cgroup, then every process of the call's uid
+            if not cgroup.kill() or not uid.kill_all():
+                sandbox_error = "sandbox: processes of the call survived it"
+            stdout, trunc_out = _read_capped(out, max_output_bytes)
+            stderr, trunc_err = _read_capped(err, max_output_bytes)
+    finally:
+        if lent is not None:
+            _return_workdir(workdir, uid.uid, lent)
+        cgroup.close()
+        uid.release()
     # RLIMIT_CPU ends a CPU-bound program with SIGXCPU (soft) or SIGKILL (hard) before the wall clock does
     timed_out = timed_out or code in (-signal.SIGXCPU, -signal.SIGKILL)
     truncated = trunc_out or trunc_err or code == -signal.SIGXFSZ
-    return ToolResult(stdout, stderr, code, timed_out=timed_out, net_isolated=net_isolated, truncated=truncated,
-                      elapsed_s=time.monotonic() - t0, fs_isolated=use_landlock, syscall_filtered=use_seccomp)
+    return ToolResult(stdout, stderr, code, timed_out=timed_out, truncated=truncated, elapsed_s=time.monotonic() - t0,
+                      sandbox_error=sandbox_error, limits=limits, **common)

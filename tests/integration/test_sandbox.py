@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from sandbox.accounting import UID_BASE, UID_RANGE
 from sandbox.runner import NOBODY, PROGRAMS, check_command, isolation_support, run_tool, safe_calc
 
 pytestmark = pytest.mark.integration
@@ -149,7 +150,7 @@ def test_environment_is_scrubbed_and_uid_dropped(workdir, monkeypatch):
     uid, pid = map(int, ids.split())
     assert pid == 1  # its own PID namespace
     if os.geteuid() == 0:
-        assert uid == NOBODY
+        assert UID_BASE <= uid < UID_BASE + UID_RANGE  # a uid of its own for this call
         r = run_tool(py("open('x', 'w')"), workdir, allowed=PY)  # the work dir is not writable for nobody
         assert r.exit_code == 1 and "Permission denied" in r.stderr and not (workdir / "x").exists()
 
@@ -160,39 +161,41 @@ def test_infinite_loop_hits_the_time_limit(workdir):
     assert r.timed_out and r.exit_code < 0 and 0.9 < r.elapsed_s < 3.0
 
 
-def _nobody_processes() -> list[str]:
+def _processes_of(uid: int) -> list[str]:
+    """Processes (zombies included) of `uid`: as root each call runs as a uid of its own, so this sees only that
+    call's processes even while other sandboxes run on the machine."""
     pids = []
     for p in filter(str.isdigit, os.listdir("/proc")):
         try:
             uid_line = next(ln for ln in open(f"/proc/{p}/status") if ln.startswith("Uid:"))
         except (OSError, StopIteration):
             continue
-        if int(uid_line.split()[1]) == NOBODY:
+        if int(uid_line.split()[1]) == uid:
             pids.append(p)
     return pids
 
 
 @needs_ns
-@pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC per uid needs the drop to nobody")
+@pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC per uid needs the drop to a sandbox uid")
 def test_fork_bomb_is_contained_and_fully_reaped(workdir):
-    before = _nobody_processes()
-    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    bomb = ("import os\nprint(os.getuid(), flush=True)\nwhile True:\n    try:\n        os.fork()\n"
+            "    except OSError:\n        pass")
     r = run_tool(py(bomb), workdir, allowed=PY, timeout_s=1.0, max_procs=16)
     assert r.timed_out and r.elapsed_s < 4.0
-    assert _nobody_processes() == before  # no process and no zombie left behind
+    uid = int(r.stdout)  # the call's own uid (65534 seen from inside a user namespace: then only the count)
+    assert uid == NOBODY or (UID_BASE <= uid < UID_BASE + UID_RANGE and _processes_of(uid) == [])  # nothing left
 
 
 @needs_ns
-@pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC per uid needs the drop to nobody")
+@pytest.mark.skipif(os.geteuid() != 0, reason="RLIMIT_NPROC per uid needs the drop to a sandbox uid")
 def test_process_limit_and_children_die_with_the_program(workdir):
     code = ("import os, time\nok = fail = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
             "    except OSError:\n        fail += 1\n        continue\n    if pid == 0:\n        time.sleep(30)\n"
-            "        os._exit(0)\n    ok += 1\nprint(ok, fail)")
-    before = _nobody_processes()
+            "        os._exit(0)\n    ok += 1\nprint(ok, fail, os.getuid())")
     r = run_tool(py(code), workdir, allowed=PY, max_procs=8)
-    ok, fail = map(int, r.stdout.split())
+    ok, fail, uid = map(int, r.stdout.split())
     assert r.exit_code == 0 and ok < 8 and ok + fail == 40 and not r.timed_out
-    assert _nobody_processes() == before  # the sleeping children died with their namespace's PID 1
+    assert uid == NOBODY or _processes_of(uid) == []  # the sleeping children died with their namespace's PID 1
 
 
 @needs_ns
@@ -383,3 +386,234 @@ def test_missing_kernel_layers_fail_closed_unless_opted_out(workdir, monkeypatch
     monkeypatch.setenv(sandbox.UNCONFINED_ENV, "1")
     r = run_tool("echo hi", workdir)
     assert r.ok and r.stdout == "hi\n" and not r.fs_isolated and r.syscall_filtered
+
+
+# -- the escape suite in every mode this machine can produce ---------------------------------------------------------
+
+from sandbox import accounting  # noqa: E402
+from sandbox.runner import available_modes  # noqa: E402
+
+ESCAPES = r'''import json, os, socket, sys
+sock_path, secret, outside = sys.argv[1:4]
+def unix():
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(1)
+    s.connect(sock_path)
+    s.sendall(b"hello from the sandbox")
+res = {}
+for name, fn in {"connect the 0666 unix socket": unix,
+                 "read root's 0600 file": lambda: open(secret).read(),
+                 "read /etc/shadow": lambda: open("/etc/shadow").read(),
+                 "write outside the work dir": lambda: open(outside, "w").write("x"),
+                 "write the work dir": lambda: open("escape.txt", "w").write("x")}.items():
+    try:
+        fn()
+        res[name] = "allowed"
+    except OSError as e:
+        res[name] = f"refused: {e.strerror or e}"
+print(json.dumps(res))
+'''
+DETACH = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(30)\n"
+          "        os._exit(0)\n    os._exit(0)\nprint('detached')")
+BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+MEMORY = ("import os\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+          "        b = b'x' * (80 << 20)\n        os._exit(0)\n    kids.append(pid)\n"
+          "print(sum(os.waitpid(p, 0)[1] == 0 for p in kids))")
+
+
+def _alive_with(token: str) -> list[int]:
+    """Processes whose command line holds `token` (the sandboxed program and everything it forked)."""
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    out.append(int(p))
+        except OSError:
+            pass
+    return out
+
+
+def _gone(token: str, within: float = 1.0) -> bool:
+    deadline = time.monotonic() + within
+    while _alive_with(token) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not _alive_with(token)
+
+
+@pytest.mark.parametrize("cgroups", ["cgroups", "no-cgroups"])
+@pytest.mark.parametrize("mode", ["root", "userns", "none"])
+def test_escape_suite_in_every_mode(workdir, mode, cgroups, monkeypatch):
+    """Every mode gives the same contract: a fork bomb is contained and does not make a concurrent call fail, a
+    detached (setsid, double-forked) child dies with the call, a 0666 unix socket on the host cannot be reached,
+    root's 0600 file, /etc/shadow and paths outside the work dir are refused; with and without per-call cgroups."""
+    if mode not in available_modes():
+        pytest.skip(f"mode {mode!r} cannot be produced here (available: {available_modes()})")
+    if cgroups == "cgroups" and not accounting.cgroup_layout():
+        pytest.skip("no writable cgroup hierarchy here")
+    if cgroups == "no-cgroups":
+        monkeypatch.setattr(accounting, "cgroup_layout", lambda: {})
+    tmp = Path(tempfile.mkdtemp(prefix="alloy-sbx-escape-"))
+    os.chmod(tmp, 0o755)
+    secret, outside, sock_path = tmp / "secret", tmp / "outside.txt", tmp / "host.sock"
+    secret.write_text("root only\n")
+    os.chmod(secret, 0o600)
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(sock_path))
+    os.chmod(sock_path, 0o666)
+    srv.listen(4)
+    srv.settimeout(0.1)
+    token = f"alloy-escape-{os.getpid()}-{mode}-{cgroups}"
+    try:
+        exec_ok = subprocess.run([sys.executable, "-c", ESCAPES, str(sock_path), str(secret), str(tmp / "ctl.txt")],
+                                 capture_output=True, text=True, cwd=tmp, timeout=30)
+        control = json.loads(exec_ok.stdout)  # positive control, unsandboxed: the socket is reachable
+        assert control["connect the 0666 unix socket"] == "allowed", control
+        srv.accept()[0].close()
+
+        r = run_tool(shlex.join(["python", "-c", ESCAPES, str(sock_path), str(secret), str(outside)]), workdir,
+                     allowed=PY, isolation=mode)
+        assert r.ok and r.isolation == mode and r.fs_isolated and r.syscall_filtered, r
+        inside = json.loads(r.stdout)
+        assert all(v.startswith("refused") for v in inside.values()), inside
+        assert inside["write the work dir"] == "refused: Permission denied"  # read-only unless writable_workdir
+        if os.geteuid() == 0:
+            assert "uid" in r.limits  # a uid of its own, gid nobody
+        assert not outside.exists() and not (workdir / "escape.txt").exists()
+        with pytest.raises(socket.timeout):
+            srv.accept()  # nothing arrived from inside
+
+        # the work dir is read-only unless asked for; then what the call made there is given back to its owner
+        owner = os.lstat(workdir).st_uid
+        make = "import os\nos.mkdir('made')\nopen('made/f.txt', 'w').write('x')\nprint('made')"
+        r = run_tool(shlex.join(["python", "-c", make]), workdir, allowed=PY, isolation=mode, writable_workdir=True)
+        assert r.ok and r.stdout == "made\n", r
+        assert os.lstat(workdir).st_uid == owner and (workdir / "made" / "f.txt").read_text() == "x"
+        assert {os.lstat(p).st_uid for p in (workdir / "made", workdir / "made" / "f.txt")} == {owner}
+
+        # a detached child (setsid, double fork) dies with the call
+        r = run_tool(shlex.join(["python", "-c", DETACH, token + "-detach"]), workdir, allowed=PY, isolation=mode)
+        assert r.ok and r.stdout == "detached\n", r
+        assert _gone(token + "-detach"), _alive_with(token + "-detach")
+
+        # a fork bomb is contained, fully killed, and does not make a concurrent call fail
+        other: list = []
+        t = threading.Thread(target=lambda: (time.sleep(0.4), other.append(
+            run_tool("echo still here", workdir, isolation=mode))))
+        t.start()
+        r = run_tool(shlex.join(["python", "-c", BOMB, token + "-bomb"]), workdir, allowed=PY, isolation=mode,
+                     timeout_s=1.0, max_procs=16)
+        t.join()
+        assert r.timed_out and r.elapsed_s < 4.0 and r.sandbox_error is None, r
+        assert _gone(token + "-bomb"), _alive_with(token + "-bomb")
+        if os.geteuid() == 0:  # a uid per call: the bomb's RLIMIT_NPROC is not the other call's
+            assert other[0].ok and other[0].stdout == "still here\n", other[0]
+        else:  # a shared uid may starve it: then it says so, never a silent failure
+            assert other[0].ok or other[0].sandbox_error, other[0]
+
+        # memory: a per-call cgroup bounds the whole call; without one only each process is bounded (measured)
+        r = run_tool(shlex.join(["python", "-c", MEMORY]), workdir, allowed=PY, isolation=mode, memory_mb=160,
+                     timeout_s=5.0)
+        if "cgroup-memory" in r.limits:
+            assert r.exit_code == 0 and int(r.stdout) < 4, r  # 4 × 80 MiB > 160 MiB: the cgroup killed some
+        else:
+            assert r.exit_code == 0 and int(r.stdout) == 4, r  # each under RLIMIT_AS: 320 MiB for the call
+    finally:
+        srv.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_unconfined_opt_out_warns_once_and_refuses_code(workdir, monkeypatch, caplog):
+    """ALLOY_SANDBOX_ALLOW_UNCONFINED=1 logs one warning per process, and does not cover arbitrary code: `python`
+    raises SandboxUnavailable unless ALLOY_SANDBOX_ALLOW_UNCONFINED_CODE=1 is set as well."""
+    from sandbox import runner as sandbox
+
+    sandbox._warn_unconfined.cache_clear()
+    monkeypatch.setattr(sandbox, "_kernel_confinement", lambda: ("Landlock is not available in this kernel", None))
+    monkeypatch.setenv(sandbox.UNCONFINED_ENV, "1")
+    monkeypatch.delenv(sandbox.UNCONFINED_CODE_ENV, raising=False)
+    with caplog.at_level("WARNING", logger="sandbox.runner"):
+        assert run_tool("echo hi", workdir).stdout == "hi\n"
+        assert run_tool("calc 1+1", workdir).stdout == "2\n"  # fixed code (the AST whitelist), not the model's
+        with pytest.raises(sandbox.SandboxUnavailable, match="ALLOY_SANDBOX_ALLOW_UNCONFINED_CODE=1"):
+            run_tool(py("print(1)"), workdir, allowed=PY)
+        monkeypatch.setenv(sandbox.UNCONFINED_CODE_ENV, "1")
+        r = run_tool(py("print(1)"), workdir, allowed=PY)
+        assert r.ok and r.stdout == "1\n" and not r.fs_isolated
+    warnings = [rec for rec in caplog.records if sandbox.UNCONFINED_ENV in rec.getMessage()]
+    assert len(warnings) == 1 and "WITHOUT Landlock" in warnings[0].getMessage(), warnings
+    sandbox._warn_unconfined.cache_clear()
+
+
+NOBODY_SUITE = r'''import json, os, shlex, sys, threading, time
+spec = json.load(sys.stdin)
+sys.path.insert(0, spec["repo"])
+from sandbox import runner  # imported as root (the venv may be root's), probed after the drop
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+out = {"modes": runner.available_modes()}
+for m in out["modes"]:
+    res = {}
+    r = runner.run_tool(shlex.join(["python", "-c", spec["escapes"], *spec["escape_args"]]), spec["workdir"],
+                        allowed={"python"}, isolation=m)
+    res["escapes"] = r.stdout
+    r = runner.run_tool(shlex.join(["python", "-c", spec["detach"], spec["token"] + m + "-detach"]), spec["workdir"],
+                        allowed={"python"}, isolation=m)
+    res["detach"] = [r.ok, r.stdout]
+    other = []
+    t = threading.Thread(target=lambda: (time.sleep(0.4), other.append(runner.run_tool("echo hi", spec["workdir"],
+                                                                                      isolation=m))))
+    t.start()
+    r = runner.run_tool(shlex.join(["python", "-c", spec["bomb"], spec["token"] + m + "-bomb"]), spec["workdir"],
+                        allowed={"python"}, isolation=m, timeout_s=1.0, max_procs=16)
+    t.join()
+    res["bomb"] = [r.timed_out, r.sandbox_error]
+    res["other"] = [other[0].ok, other[0].sandbox_error]
+    write = shlex.join(["python", "-c", "open('w.txt', 'w').write('x'); print('wrote')"])
+    res["own dir"] = [runner.run_tool(write, spec["own"], allowed={"python"}, isolation=m, writable_workdir=w).stdout
+                      for w in (False, True)]
+    out[m] = res
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the caller is already unprivileged: the suite above is this case")
+def test_escape_suite_as_an_unprivileged_caller(workdir):
+    """The same escapes from a caller that is not root (dropped to nobody first): modes "userns" (if unprivileged
+    user namespaces exist) and "none", where no uid drop and no cgroup is possible."""
+    tmp = Path(tempfile.mkdtemp(prefix="alloy-sbx-escape-"))
+    os.chmod(tmp, 0o755)
+    secret, sock_path = tmp / "secret", tmp / "host.sock"
+    secret.write_text("root only\n")
+    os.chmod(secret, 0o600)
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(sock_path))
+    os.chmod(sock_path, 0o666)
+    srv.listen(4)
+    srv.settimeout(0.1)
+    token = f"alloy-escape-nobody-{os.getpid()}-"
+    own = tmp / "own"  # a work dir that belongs to the (unprivileged) caller: Landlock alone keeps it read-only
+    own.mkdir()
+    os.chown(own, NOBODY, NOBODY)
+    spec = {"repo": str(REPO), "workdir": str(workdir), "own": str(own), "escapes": ESCAPES, "detach": DETACH, "bomb": BOMB,
+            "token": token, "escape_args": [str(sock_path), str(secret), str(tmp / "outside.txt")]}
+    try:
+        p = subprocess.run([sys.executable, "-c", NOBODY_SUITE], input=json.dumps(spec), capture_output=True,
+                           text=True, timeout=120, cwd="/")
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        with pytest.raises(socket.timeout):
+            srv.accept()
+    finally:
+        srv.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert "root" not in out["modes"] and "none" in out["modes"]
+    for m in out["modes"]:
+        res = out[m]
+        assert all(v.startswith("refused") for v in json.loads(res["escapes"]).values()), (m, res)
+        assert res["detach"] == [True, "detached\n"] and res["bomb"] == [True, None], (m, res)
+        assert res["other"][0] or res["other"][1], (m, res)  # ran, or said why: never a silent failure
+        assert _gone(token + m), (m, _alive_with(token + m))
+        assert res["own dir"] == ["", "wrote\n"], (m, res)  # read-only unless writable_workdir
+    assert not (tmp / "outside.txt").exists()
