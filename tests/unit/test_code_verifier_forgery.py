@@ -212,3 +212,32 @@ def test_outcomes_are_counted_for_the_guard():
                                                                       "reward_timeout": 1}
     import pickle
     assert pickle.loads(pickle.dumps(v)).outcomes.snapshot() == counts
+
+
+def test_a_dataset_with_untranslatable_tests_is_refused_naming_the_row(tmp_path):
+    import json
+
+    from domains.dataset import DatasetDomain, DatasetError
+    rows = [{"prompt": "Write add(a, b).", "answer": "-", "tests": ["assert add(1, 2) == 3"]},
+            {"prompt": "Write mul(a, b).", "answer": "-", "tests": ["def check(f):", "    assert f(2, 3) == 6"]}]
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DatasetError) as e:
+        DatasetDomain("codeds", str(path), fields=["tests"], verifier="code:2")
+    assert "row 1" in str(e.value) and "a statement of type FunctionDef" in str(e.value), str(e.value)
+
+
+@needs_sandbox
+def test_a_dataset_domain_counts_its_code_outcomes(tmp_path):
+    import json
+
+    from domains.dataset import DatasetDomain
+    rows = [{"prompt": f"Write add(a, b) #{i}.", "answer": "-", "tests": ["assert add(1, 2) == 3"]} for i in range(3)]
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dom = DatasetDomain("codeds", str(path), fields=["tests"], verifier="code:2")
+    ex = dom.examples[0]
+    assert dom.verify(ex, "def add(a, b): return a + b") == 1.0
+    assert dom.verify(ex, FORGERIES["equals_everything"]) == 0.0
+    assert dom.verify(ex, FORGERIES["os_exit_0"]) == 0.0
+    assert verifier_outcomes(dom) == {"pass": 1, "not_plain": 1, "exit": 1} and dom.verifier_errors == 0
