@@ -32,9 +32,9 @@ Specs (`VERIFIERS` are the names):
   statement or form is a ValueError naming the line (`answer_problem` refuses the row before training): there is
   no weaker legacy mode. Only the expressions (`calls.json`), the solution and a small runner are written to the
   sandbox's work dir; the expected values and the test source never leave this process. The child
-  (`sandbox.runner.run_tool`, `python -I -S`, standard library only, no network, 512 MiB, the time limit)
-  silences fds 1 and 2, runs the solution, evaluates each expression in the solution's namespace and writes one
-  line `<per-run delimiter><json>` with, per test, the value encoded with exact types (`{"l": [...]}` a list, `t`
+  (`sandbox.runner.run_tool`, `python -I -S`, standard library only, no network, 512 MiB, the time limit) sends
+  fd 1 to /dev/null (stderr is kept for the crash reason), runs the solution, evaluates each expression in the
+  solution's namespace and writes one line `<per-run delimiter><json>` with, per test, the value encoded with exact types (`{"l": [...]}` a list, `t`
   a tuple, `s` a set, `d` a dict as pairs; only those and None/bool/int/float/str, by `type(v) is`, so an int
   subclass or an object "equal to everything" is not plain), or the exception raised. This process accepts exactly
   one such record with exactly one entry per test, decodes it into plain values and compares them with the
@@ -464,7 +464,7 @@ CODE_REASONS: tuple[str, ...] = ("pass", "wrong", "error", "not_plain", "solutio
                                  "malformed")
 CODE_MAX_OUTPUT = 1 << 20  # bytes of the child's result record (stdout) and stderr read back
 _MAX_DEPTH = 64  # nesting of a result value
-# The child: reads the call expressions (never the expected values: they stay in the parent), silences fds 1 and 2,
+# The child: reads the call expressions (never the expected values: they stay in the parent), sends fd 1 to /dev/null,
 # runs the solution, evaluates each call in the solution's namespace and writes ONE line `<delimiter><json>` to a
 # private dup of the original stdout, then `os._exit(0)`. It is a convenience for honest solutions, not a defence:
 # the solution shares this process and may rewrite any of it, so nothing here is trusted (see `code_report`).
