@@ -23,30 +23,30 @@ Specs (`VERIFIERS` are the names):
   functions and constants, everything else is a symbol. Equal when `simplify(a - b) == 0`, or numerically (at
   random points when there are symbols). The comparison runs in a persistent helper process (thread-safe, any
   thread) with an address-space limit; a comparison over the timeout kills it and scores 0.
-- `code` / `code:<timeout_s>` (default 5 s): the response's code (the last ```python fenced block, else the last
-  ``` block, else the whole response) against `row["tests"]` (Python source, or a list of lines), decided in THIS
-  process, never in the solution's. The tests are parsed here (`parse_code_tests`, with `ast`) into one
-  (expression, expected value) pair per assert: `assert <expr> == <literal>` (either side the literal),
-  `assert <expr> is True|False|None`, `assert <expr>` (truthy), `assert not <expr>` (falsy); the literal is
-  `ast.literal_eval`'d and must be plain data (None, bool, int, float, str, list, tuple, dict, set). Any other
-  statement or form is a ValueError naming the line (`answer_problem` refuses the row before training): there is
-  no weaker legacy mode. Only the expressions (`calls.json`), the solution and a small runner are written to the
-  sandbox's work dir; the expected values and the test source never leave this process. The child
-  (`sandbox.runner.run_tool`, `python -I -S`, standard library only, no network, 512 MiB, the time limit) sends
-  fd 1 to /dev/null (stderr is kept for the crash reason), runs the solution, evaluates each expression in the
-  solution's namespace and writes one line `<per-run delimiter><json>` with, per test, the value encoded with exact types (`{"l": [...]}` a list, `t`
-  a tuple, `s` a set, `d` a dict as pairs; only those and None/bool/int/float/str, by `type(v) is`, so an int
-  subclass or an object "equal to everything" is not plain), or the exception raised. This process accepts exactly
-  one such record with exactly one entry per test, decodes it into plain values and compares them with the
-  expected values it kept (builtin `==` on plain data). 1.0 iff every test passes. Nothing the child does is
-  trusted: it may patch builtins, `sys`, `os`, `json`, read the delimiter from a frame and print any record it
-  likes; a record only says "these are the values", and only the right values pass, which is solving the task.
-  A timeout, an exit before the record (`sys.exit`, `os._exit`), a crash, a non-plain value, an exception, a
-  missing, duplicated, oversized (1 MiB) or malformed record each score 0 with a reason (`CODE_REASONS`; the
-  verifier returned by `get_verifier` counts them in `.outcomes`, `verifier_outcomes(domain)` reads them, and the
-  specialist adds each step's to its guard totals as `reward_<reason>`). `code_report` returns the `CodeReport`
-  (score, reason, detail). The sandbox must be able to run `python` (network closed by its namespace or seccomp);
-  where it refuses, the verifier raises RuntimeError (the domain counts a verifier error) instead of scoring 0 in silence.
+- `code` / `code:<timeout_s>` (default 5 s): the response's code (the last ```python fenced block, else the last ```
+  block, else the whole response) against `row["tests"]` (Python source, or a list of lines), decided in THIS process,
+  never in the solution's. The tests are parsed here (`parse_code_tests`, with `ast`) into one (expression, expected
+  value) pair per assert: `assert <expr> == <literal>` (either side the literal), `assert <expr> is True|False|None`,
+  `assert <expr>` (truthy), `assert not <expr>` (falsy); the literal is `ast.literal_eval`'d and must be plain data
+  (None, bool, int, float, str, list, tuple, dict, set). Any other statement or form is a ValueError naming the line
+  (`answer_problem` refuses the row before training): there is no weaker legacy mode. Only the expressions
+  (`calls.json`), the solution and a small runner are written to the sandbox's work dir; the expected values and the
+  test source never leave this process. The child (`sandbox.runner.run_tool`, `python -I -S`, standard library only,
+  no network, 512 MiB, the time limit) sends fd 1 to /dev/null (stderr is kept for the crash reason), runs the
+  solution, evaluates each expression in the solution's namespace and writes one line `<per-run delimiter><json>`
+  with, per test, the value encoded with exact types (`{"l": [...]}` a list, `t` a tuple, `s` a set, `d` a dict as
+  pairs; only those and None/bool/int/float/str, by `type(v) is`, so an int subclass or an object "equal to
+  everything" is not plain), or the exception raised. This process accepts exactly one such record with exactly one
+  entry per test, decodes it into plain values and compares them with the expected values it kept (builtin `==` on
+  plain data). 1.0 iff every test passes. Nothing the child does is trusted: it may patch builtins, `sys`, `os`,
+  `json`, read the delimiter from a frame and print any record it likes; a record only says "these are the values",
+  and only the right values pass, which is solving the task. A timeout, an exit before the record (`sys.exit`,
+  `os._exit`), a crash, a non-plain value, an exception, a missing, duplicated, oversized (1 MiB) or malformed record
+  each score 0 with a reason (`CODE_REASONS`; the verifier returned by `get_verifier` counts them in `.outcomes`,
+  `verifier_outcomes(domain)` reads them, and the specialist adds each step's to its guard totals as
+  `reward_<reason>`). `code_report` returns the `CodeReport` (score, reason, detail). The sandbox must be able to run
+  `python` (network closed by its namespace or seccomp); where it refuses, the verifier raises RuntimeError (the
+  domain counts a verifier error) instead of scoring 0 in silence.
 
 A verifier never raises for any str response (a malformed one scores 0.0). A bad answer or row for the verifier
 (no number for `numeric`, an answer that is no option for `choice`, no `tests` for `code`) raises ValueError naming
@@ -582,8 +582,8 @@ def parse_code_tests(tests: str) -> list[CodeTest]:
     for stmt in tree.body:
         where = f"code verifier: tests line {stmt.lineno}"
         if not isinstance(stmt, ast.Assert):
-            raise ValueError(f"{where}: a statement of type {type(stmt).__name__}; only asserts are supported, of the forms "
-                             f"{_TEST_FORMS}")
+            raise ValueError(f"{where}: a statement of type {type(stmt).__name__}; only asserts are supported, "
+                             f"of the forms {_TEST_FORMS}")
         t = stmt.test
         if isinstance(t, ast.Compare) and len(t.ops) == 1:
             left, op, right = t.left, t.ops[0], t.comparators[0]

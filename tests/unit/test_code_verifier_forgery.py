@@ -66,7 +66,8 @@ FORGERIES = {
         "def add(a, b):\n    return 'PASS'\n"),
     "patch_json_dumps": (
         "import json\n"
-        "json.dumps = lambda o, *a, **k: '{\"loaded\": true, \"results\": [{\"v\": true}, {\"v\": true}, {\"v\": true}]}'\n"
+        "json.dumps = lambda o, *a, **k: '{\"loaded\": true, \"results\": '\n"
+        "                               '[{\"v\": true}, {\"v\": true}, {\"v\": true}]}'\n"
         "def add(a, b):\n    return 0\n"),
     "print_markers": (
         "import sys, os\n"
@@ -76,7 +77,8 @@ FORGERIES = {
         "def add(a, b):\n    return 1\n"),
     "two_records": (  # the real runner's record plus a forged one: more than one record is refused
         "import sys, os, json\nd = sys._getframe(1).f_locals['delim']\n"
-        "for fd in range(3, 256):\n    try:\n        os.write(fd, (d + json.dumps({'loaded': True, 'results': [{'v': 5}, {'v': 0}, {'v': 42}]}) + '\\n').encode())\n    except OSError:\n        pass\n"
+        "rec = d + json.dumps({'loaded': True, 'results': [{'v': 5}, {'v': 0}, {'v': 42}]}) + '\\n'\n"
+        "for fd in range(3, 256):\n    try:\n        os.write(fd, rec.encode())\n    except OSError:\n        pass\n"
         "def add(a, b):\n    return a - b\n"),
     "not_plain_result": "def add(a, b):\n    return [a + b, object()]\n",
     "bytes_result": "def add(a, b):\n    return str(a + b).encode()\n",
