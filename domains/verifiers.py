@@ -580,7 +580,7 @@ def parse_code_tests(tests: str) -> list[CodeTest]:
         raise ValueError(f"code verifier: the row's tests do not parse as Python: {e}") from None
     out: list[CodeTest] = []
     for stmt in tree.body:
-        where = f"code verifier: tests line {stmt.lineno}"
+        where = f"code verifier: field 'tests' line {stmt.lineno}"
         if not isinstance(stmt, ast.Assert):
             raise ValueError(f"{where}: a statement of type {type(stmt).__name__}; only asserts are supported, "
                              f"of the forms {_TEST_FORMS}")

@@ -176,7 +176,7 @@ def test_the_parent_decides_from_plain_data_only():
 
 
 def test_unparseable_tests_are_refused_before_training():
-    for tests, says in [("x = 2\nassert add(x, 3) == 5", "tests line 1: a statement of type Assign"),
+    for tests, says in [("x = 2\nassert add(x, 3) == 5", "field 'tests' line 1: a statement of type Assign"),
                         ("def check(f):\n    assert f(1) == 2", "a statement of type FunctionDef"),
                         ("assert add(1, 2) == add(2, 1)", "`add(1, 2) == add(2, 1)` is not one of the supported"),
                         ("assert add(1, 2) != 4", "is not one of the supported forms"),
@@ -189,7 +189,7 @@ def test_unparseable_tests_are_refused_before_training():
         assert why is not None and says in why, (tests, why)
     assert answer_problem("code", "", ROW) is None
     assert answer_problem("code", "", {"tests": ["assert f(1) == [1, (2, 3)]", "assert not g(0)"]}) is None
-    with pytest.raises(ValueError, match="tests line 1: a statement of type Assign"):
+    with pytest.raises(ValueError, match="field 'tests' line 1: a statement of type Assign"):
         get_verifier("code:1")("def add(a, b): return a + b", "", {"tests": "x = 1\nassert add(x, 1) == 2"})
 
 
