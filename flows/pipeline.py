@@ -30,11 +30,17 @@ def specialist_scores(ctx: RunContext, specs: dict[str, dict]) -> pd.DataFrame:
 
 
 def guard_totals(specs: dict[str, dict]) -> dict[str, int]:
-    """report.json's `guard`: each counter of `GUARD_KEYS` summed over the specialists' results."""
+    """report.json's `guard`: each counter of `GUARD_KEYS` summed over the specialists' results, and the verifiers'
+    zeros by reason (`reward_<reason>`, e.g. reward_exit, reward_not_plain: `teachers.specialist.reward_outcome_counts`)
+    where a specialist counted any."""
     out = dict.fromkeys(GUARD_KEYS, 0)
     for s in specs.values():
-        for k in out:
-            out[k] += int(s.get("guard", {}).get(k, 0))
+        guard = s.get("guard", {})
+        for k in GUARD_KEYS:
+            out[k] += int(guard.get(k, 0))
+        for k, v in guard.items():
+            if k.startswith("reward_"):
+                out[k] = out.get(k, 0) + int(v)
     return out
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from domains.verifiers import verifier_outcomes
 from training.checkpoints import commit_checkpoint, restore_latest
 from training.progress_events import report
 from training.ranks import Ranks, led
@@ -205,9 +206,10 @@ class SpecialistTrainer:
                                             version=version, min_extra=sc.min_extra_requests, deterministic=det)
         rollout_s = time.perf_counter() - t0
         samples = self.buffer.filter_untrained(samples)
-        errors0 = self.domain.verifier_errors
+        errors0, outcomes0 = self.domain.verifier_errors, verifier_outcomes(self.domain)
         rewards = [self.domain.verify(_example(s), roller.text(s.output_ids)) for s in samples]
         self.state.verifier_errors += self.domain.verifier_errors - errors0
+        reward_counts = reward_outcome_counts(outcomes0, verifier_outcomes(self.domain))
         t1 = time.perf_counter()
         m: dict[str, float] = {}
         # compaction: each episode's sub-traces are its rows, each with the episode's reward (teachers/compaction.py)
@@ -222,6 +224,7 @@ class SpecialistTrainer:
         self.state.step = version + 1
         self.state.cursor = self.cursor.cursor
         guard = self.guard.snapshot_and_reset() if self.guard is not None else {}
+        guard = {**guard, **reward_counts}  # the code verifier's zeros by reason count beside the guard's counters
         for k, v in guard.items():
             self.state.guard_totals[k] = self.state.guard_totals.get(k, 0) + v
         out = {"reward": float(np.mean(rewards)) if rewards else float("nan"), "policy_loss": m.get("pg_loss"),
@@ -232,7 +235,8 @@ class SpecialistTrainer:
                "samples": float(len(samples)), "response_tokens": float(sum(len(s.output_ids) for s in samples)),
                "subtraces": float(len(rows)),
                **{f"april_{k}": float(v) for k, v in april.items()},
-               **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked")}}
+               **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked")},
+               **{f"guard_{k}": float(v) for k, v in reward_counts.items()}}
         out = {k: float(v) for k, v in out.items() if v is not None}
         self.state.history.append({"step": self.state.step, **out})
         report(self.state.step, sc.steps, **out)  # every step, as data, for the process that started us
@@ -249,6 +253,13 @@ class SpecialistTrainer:
         no_signal = max(rewards) - min(rewards) < 1e-9
         critic_only = version < self.sc.critic_warmup_steps or no_signal
         return self.ranks.call("ppo", samples, rewards, version, critic_only)  # every rank: its shard (ppo_shard)
+
+
+def reward_outcome_counts(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The verifier outcomes of one step (`domains.verifiers.verifier_outcomes` after minus before) as guard
+    counters `reward_<reason>` (for `code`: reward_wrong, reward_error, reward_not_plain, reward_solution_error,
+    reward_exit, reward_crash, reward_timeout, reward_malformed), the passes left out; only non-zero ones."""
+    return {f"reward_{k}": n for k, v in after.items() if k != "pass" and (n := v - before.get(k, 0)) > 0}
 
 
 def ppo_shard(sc, pad_id: int, policy, critic, ref_model, samples: list[Sample], rewards: list[float], version: int,

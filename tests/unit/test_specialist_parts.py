@@ -54,3 +54,7 @@ def test_pipeline_specialist_rows_and_guard_totals():
              "reverse": {"guard": {}}, "copy": {}}
     assert guard_totals(specs) == {"tool_calls": 12, "flagged": 4, "blocked": 2, "judged": 4, "judge_blocked": 2,
                                    "judge_errors": 1}
+    specs["code"] = {"guard": {"reward_exit": 2, "reward_not_plain": 1}}  # the code verifier's zeros by reason
+    specs["code2"] = {"guard": {"reward_exit": 1}}
+    assert guard_totals(specs) == {"tool_calls": 12, "flagged": 4, "blocked": 2, "judged": 4, "judge_blocked": 2,
+                                   "judge_errors": 1, "reward_exit": 3, "reward_not_plain": 1}
