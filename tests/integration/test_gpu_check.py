@@ -25,7 +25,7 @@ def test_gpu_check_on_cpu(tmp_path):
     assert set(report["parts"]) == {"probe", "deepspeed_zero0", "deepspeed_zero1", "deepspeed_zero2",
                                     "deepspeed_zero3", "deepspeed_zero3_buckets", "torch_bf16",
                                     "deepspeed_zero2_2ranks", "placement", "specialist_step", "distill_step",
-                                    "loss_memory"}
+                                    "loss_memory", "shared_gpu"}
     for name, part in report["parts"].items():
         if name in ("probe", "specialist_step", "distill_step"):
             assert part["status"] == "ok" and part["blocked_loaded"] == [], (name, part)
