@@ -406,6 +406,10 @@ def commit() -> str | None:
     return None
 
 
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt("SIGTERM")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -420,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prefect_stand_in()
     # `timeout` (a device lease) sends SIGTERM: stop the flow as a Ctrl-C would, and still write the JSON
-    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     import torch
 
     import training  # noqa: F401  (DeepSpeed's accelerator: cuda when torch sees a GPU)

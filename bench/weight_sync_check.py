@@ -34,21 +34,13 @@ import sys
 import tempfile
 import time
 import traceback
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from engine_cuda_check import call  # noqa: E402 - the same JSON-over-HTTP helper (bench/ is on sys.path)
 
 PROBE = [1] + [5 + (7 * i) % 90 for i in range(31)]
-
-
-def call(url: str, path: str, body=None, timeout: float = 300.0):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
 
 
 def probe(url: str) -> tuple[list[float], str]:

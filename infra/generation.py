@@ -11,14 +11,10 @@ from typing import Sequence
 import torch
 
 from infra.chat import render_prompt_ids, response_text, stop_token_ids
+from infra.models import model_device
 
 
 @torch.no_grad()
-def _device_of(model) -> torch.device:
-    dev = getattr(model, "device", None)
-    return dev if isinstance(dev, torch.device) else next(model.parameters()).device
-
-
 def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  batch_size: int = 128, greedy: bool = True, temperature: float = 1.0,
                  stop_ids: Sequence[int] | None = None) -> list[str]:
@@ -40,7 +36,7 @@ def generate_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_
         for i, x in enumerate(ids):
             input_ids[i, T - len(x) :] = torch.tensor(list(x))
             attn[i, T - len(x) :] = 1
-        dev = _device_of(model)  # the model's device (a GPU model gets its batch there)
+        dev = model_device(model)  # the model's device (a GPU model gets its batch there)
         out = model.generate(
             input_ids=input_ids.to(dev), attention_mask=attn.to(dev), max_new_tokens=max(limits),
             do_sample=not greedy, temperature=temperature if not greedy else None, top_p=None, top_k=None,

@@ -97,12 +97,17 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
                ) -> PreTrainedModel:
     """An HF causal LM from the local dir `path`, in eval mode, its weights in `dtype` on `device` (None: the CPU),
     read straight in that dtype onto that device: a bf16 model on a GPU never exists as a float32 host copy."""
-    on_host = device is None or torch.device(device).type == "cpu"
-    # off the host, the weights are read straight onto the device (device_map): no full copy in host memory
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
-                                                 **({} if on_host else {"device_map": {"": str(device)}}))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **placement_kwargs(device))
     model.eval()
     return model
+
+
+def placement_kwargs(device: str | torch.device | None) -> dict:
+    """`from_pretrained` keywords that read the weights straight onto `device` (`device_map`: no full copy in host
+    memory); none for the host (None or a CPU device)."""
+    if device is None or torch.device(device).type == "cpu":
+        return {}
+    return {"device_map": {"": str(device)}}
 
 
 def model_device(model) -> torch.device:

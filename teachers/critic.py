@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
-from infra.models import model_config
+from infra.models import model_config, placement_kwargs
 
 WEIGHTS_NAME = "value_model.safetensors"
 
@@ -46,9 +46,7 @@ class ValueModel(nn.Module):
                         device: str | torch.device | None = None) -> "ValueModel":
         """Backbone weights from an HF causal-LM dir (the policy/base checkpoint), read onto `device` (None: the
         host); the LM head is dropped."""
-        on_host = device is None or torch.device(device).type == "cpu"
-        backbone = AutoModel.from_pretrained(str(model_dir), dtype=dtype,
-                                             **({} if on_host else {"device_map": {"": str(device)}}))
+        backbone = AutoModel.from_pretrained(str(model_dir), dtype=dtype, **placement_kwargs(device))
         return cls(backbone)
 
     @classmethod
