@@ -8,9 +8,10 @@ where cgroups are writable. Both exist so that concurrent sandboxes cannot starv
   uid) mean "kill everything this call started", which is how mode "none" ends a call. No passwd entry is needed.
 - `CallCgroup`: a child cgroup per call in every hierarchy we may write: cgroup v2 (core files only: `cgroup.kill`
   kills the whole call at once; `memory.max` / `pids.max` when those controllers are enabled for our subtree) and
-  cgroup v1 `pids` / `memory` hierarchies (`pids.max`, `memory.limit_in_bytes`). The child joins them before exec
+  cgroup v1 `pids` / `memory` hierarchies (`pids.max`, `memory.limit_in_bytes`). The program joins them before exec
   (`join()` writes "0" to each `cgroup.procs` fd opened by the parent), so everything it forks is counted and
-  killed with it. Where no hierarchy is writable (non-root, a read-only /sys/fs/cgroup) it is a no-op and the
+  killed with it; its supervisor stays outside (it is a fork of the caller, whose RSS would make it the OOM
+  killer's choice). Where no hierarchy is writable (non-root, a read-only /sys/fs/cgroup) it is a no-op and the
   rlimits are the only bound (`limits()` says which hold).
 """
 from __future__ import annotations
@@ -227,11 +228,11 @@ class CallCgroup:
             writes = []
             if kind == "v2":
                 if "v2_pids" in layout:
-                    writes.append(("pids.max", str(max_procs + 2), "pids"))
+                    writes.append(("pids.max", str(max_procs + 1), "pids"))
                 if "v2_memory" in layout:
                     writes += [("memory.max", mem, "memory"), ("memory.swap.max", "0", None)]
             elif kind == "pids":
-                writes.append(("pids.max", str(max_procs + 2), "pids"))  # + the supervisor and the program itself
+                writes.append(("pids.max", str(max_procs + 1), "pids"))  # + the program itself
             else:
                 writes.append(("memory.limit_in_bytes", mem, "memory"))
             for fname, value, what in writes:

@@ -88,7 +88,7 @@ from sandbox.accounting import UID_BASE, CallCgroup, CallUid, cgroup_layout
 log = logging.getLogger(__name__)
 
 CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x40000000, 0x20000000, 0x10000000
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 4, 38, 36
 NOBODY = 65534  # the gid of every sandbox uid (the uid itself is per call: `sandbox.accounting.CallUid`)
 MODES = ("root", "userns", "none")
 DEFAULT_ALLOWED = frozenset({"calc", "ls", "cat", "echo"})
@@ -399,6 +399,23 @@ def _supervise(pid: int, timeout_s: float, kill_uid: int | None) -> None:
         os._exit(status if status is not None and status >= 0 else 1)
 
 
+def _oom_first() -> None:
+    """In the program (before exec): make it and all it forks the OOM killer's first choice (oom_score_adj 1000;
+    raising is always allowed). Without it the supervisor, a fork of the caller (a trainer with hundreds of MB
+    mapped), has the largest RSS in the call's memory cgroup and is the one killed: the call then ends as a SIGKILL
+    instead of the program failing its allocation. After a uid drop the process is not dumpable, which makes its
+    /proc files root's; it is made dumpable for the write (execve resets the flag for the program anyway)."""
+    _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    try:
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"1000")
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
 def _drop(uid: int) -> None:
     os.setgroups([])
     os.setgid(NOBODY)
@@ -412,17 +429,20 @@ def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_ou
     uid (as root; None otherwise). Landlock (`ruleset_fd`) and seccomp (`program`) are applied last, after the uid
     drop and no_new_privs, when given.
 
-    In order: join the call's cgroups (`cgroup_fds`); as root in modes "userns" and "none", drop to `uid` now (the
+    In order: as root in modes "userns" and "none", drop to `uid` now (the
     user namespace is then owned by the sandbox uid, and the supervisor runs as it); unshare the namespaces (not in
     "none"); become a child subreaper and fork once more: the grandchild (PID 1 of the new PID namespace, if any)
     continues to exec; the child stays as a tiny supervisor: it closes every inherited descriptor (so `Popen`
     learns exec success from the grandchild alone), kills the grandchild at the wall-clock timeout (which, with a
     PID namespace, makes the kernel kill and reap the whole namespace), then kills and reaps every descendant still
     alive (`_reap_descendants`: in mode "none", detached and daemonized ones are reparented to it), and exits with
-    the grandchild's status, re-raising its signal. In mode "root" the grandchild drops to `uid` after unsharing.
+    the grandchild's status, re-raising its signal. The grandchild joins the call's cgroups (`cgroup_fds`, opened
+    by the caller) and raises its OOM score before it drops to `uid` (mode "root") and execs: the supervisor, a
+    fork of a possibly large caller, stays outside the call's memory cgroup, so the cgroup's OOM killer can only
+    pick the program's processes (measured: with the supervisor inside, a 1.5 GB caller's supervisor was the one
+    killed and the call ended as a SIGKILL).
     """
     def run() -> None:
-        CallCgroup.join(cgroup_fds or [])
         if uid is not None and mode != "root":
             _drop(uid)
         if mode != "none":
@@ -434,6 +454,8 @@ def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_ou
         pid = os.fork()
         if pid > 0:
             _supervise(pid, timeout_s, uid if mode == "none" else None)  # never returns
+        CallCgroup.join(cgroup_fds or [])  # the program only: the supervisor is no candidate of the call's OOM
+        _oom_first()
         _set_limits(timeout_s, memory_mb, max_procs, max_output_bytes)
         if uid is not None and mode == "root":
             _drop(uid)

@@ -511,9 +511,13 @@ def test_escape_suite_in_every_mode(workdir, mode, cgroups, monkeypatch):
         else:  # a shared uid may starve it: then it says so, never a silent failure
             assert other[0].ok or other[0].sandbox_error, other[0]
 
-        # memory: a per-call cgroup bounds the whole call; without one only each process is bounded (measured)
+        # memory: a per-call cgroup bounds the whole call; without one only each process is bounded (measured).
+        # The caller is made large, as a trainer is (and pytest is late in the suite): the cgroup's OOM killer must
+        # still pick the program's processes, never the supervisor forked from the caller (the CI failure before).
+        ballast = b"\x01" * (512 << 20)
         r = run_tool(shlex.join(["python", "-c", MEMORY]), workdir, allowed=PY, isolation=mode, memory_mb=160,
                      timeout_s=5.0)
+        del ballast
         if "cgroup-memory" in r.limits:
             assert r.exit_code == 0 and int(r.stdout) < 4, r  # 4 × 80 MiB > 160 MiB: the cgroup killed some
         else:
