@@ -557,9 +557,12 @@ class DeepSpeedBackend:
         A collective under ZeRO-3 (the same layer-by-layer gather as `save_hf`: call it on every rank). On a CPU
         accelerator the tensors are the live parameters themselves, not copies: read them before the next
         optimizer step (`PolicyServer.push` snapshots them into a buffer file first). `on_device`: leave them where
-        they live (CUDA tensors for SGLang's tensor/NCCL weight sync, engine/sglang_sync.py)."""
+        they live (CUDA tensors for SGLang's tensor/NCCL weight sync, engine/sglang_sync.py); under ZeRO-3 the
+        gathered layers are then copied on the device (`_zero3_gather_on_device`), not to the host as DeepSpeed's
+        consolidation does."""
         if self.settings.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()  # all ranks take part; None off rank 0
+            state = (self._zero3_gather_on_device() if on_device  # all ranks take part; None off rank 0
+                     else self.engine._zero3_consolidated_16bit_state_dict())
         else:
             state = self.module.state_dict() if self.is_main else None
         if not self.is_main or state is None:
@@ -574,6 +577,32 @@ class DeepSpeedBackend:
             seen.add(key)
             out[name] = t if on_device or t.device.type == "cpu" else t.to("cpu")
         return out
+
+    def _zero3_gather_on_device(self) -> dict[str, torch.Tensor] | None:
+        """ZeRO-3's parameters, gathered one module at a time (every rank takes part) and copied on rank 0 on the
+        device they were gathered to: a full copy of the weights in the training dtype on rank 0's device, none on
+        the host. Tied parameters (one `ds_id`) appear once per name, sharing one tensor (`named_weights` keeps the
+        first name)."""
+        state: dict[str, torch.Tensor] | None = {} if self.is_main else None
+        by_id: dict[int, torch.Tensor] = {}
+
+        def gather(module: torch.nn.Module, prefix: str) -> None:
+            params = list(module.parameters(recurse=False))
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                if state is not None:
+                    for name, p in module.named_parameters(recurse=False):
+                        key = getattr(p, "ds_id", id(p))
+                        if key not in by_id:
+                            by_id[key] = p.detach().clone()
+                        state[prefix + name] = by_id[key]
+                    for name, b in module.named_buffers(recurse=False):
+                        if name not in module._non_persistent_buffers_set:
+                            state[prefix + name] = b.detach().clone()
+            for name, child in module.named_children():
+                gather(child, prefix + name + ".")
+
+        gather(self.module, "")
+        return state
 
     def save_state(self, state_dir: str | Path) -> Path:
         """Save everything needed to resume (a collective: call on every rank). Returns state_dir/CHECKPOINT_TAG.

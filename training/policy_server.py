@@ -7,8 +7,8 @@ Used by both RL trainers (specialist PPO, OPD student). A push has two halves:
      that a restarted server comes back with the latest weights and the same version.
 `engine.weight_sync` picks the path for the embedded server (`auto`, the default: `tensor` when the trainer has
 CUDA, else `memory`). `tensor` / `distributed` (and any SGLang server with `engine.sglang_weight_sync`): SGLang's
-own update endpoints through engine/sglang_sync.py (CUDA IPC or shm-file handles of the live tensors; a broadcast
-over NCCL or gloo), the push waiting for the load; a failed one falls back to a weight buffer (embedded) or disk
+own update endpoints through engine/sglang_sync.py (CUDA IPC or shm-file handles of the trainer's tensors; a
+broadcast over NCCL or gloo; a deferred push sends a copy made on their device); a failed one falls back to a weight buffer (embedded) or disk
 (SGLang) for the rest of the run. `memory`: the snapshot is a weight buffer
 (engine/weight_buffer.py: `DeepSpeedBackend.named_weights` as raw tensors) in /dev/shm when it has room,
 else under the work dir, two files alternating by version (A/B: the server may still read one while the next is
@@ -83,7 +83,9 @@ class PolicyServer:
         atexit.register(self._remove_buffers)
         self.sync = WeightSync.DISK  # the strategy in use (`_fast_sync`): memory | tensor | distributed | disk
         self._sglang = self._fast_sync(backend, weight_sync, sglang_weight_sync, options, api_key)
-        self._pushing: tuple | None = None  # (train_backend, tokenizer) of the push in progress (the fallback)
+        self._pushing: tuple | None = None  # (train_backend, tokenizer, weights) of the load in progress (fallback)
+        self._held: dict | None = None  # the copy a deferred tensor / distributed push sends (`_snapshot_tensors`)
+        self.last_path = self.sync  # the path that loaded the last tensor / distributed push (or "disk")
 
     def _fast_sync(self, backend: str, embedded_mode: str, sglang_mode: str, options: dict, api_key: str | None):
         """SGLang's tensor / distributed weight update (engine/sglang_sync.py) for either engine, or None (the
@@ -125,19 +127,18 @@ class PolicyServer:
         as `weight_version=version`: first awaits the previous load (re-raising its error), then snapshots the
         weights (in a thread) and starts the server's load. `wait=True`: returns once the server has them;
         `wait=False`: returns after the snapshot (the caller may step its optimizer) and the load runs as a task
-        (`wait_loaded`). Returns the buffer file or weight dir."""
+        (`wait_loaded`). Returns the buffer file or weight dir, or (tensor / distributed sync) the path that loaded
+        the weights ("tensor", "distributed", "disk"; the strategy tried when the load is deferred).
+
+        Tensor / distributed sync send the trainer's tensors themselves (IPC handles, a broadcast): with `wait=True`
+        the live weights (nothing steps them while the load runs); with `wait=False` a copy on their own device,
+        `held`, allocated once and reused (the previous load has finished before the next copy starts), so the
+        optimizer may step while the server reads: one more copy of the weights in the training dtype."""
         await self.wait_loaded()
-        if self._sglang is not None:  # the server reads the live tensors (IPC / broadcast): the load is never deferred
-            self._pushing = (train_backend, tokenizer)
-            try:
-                weights = await asyncio.to_thread(train_backend.named_weights, True)
-                how = await self._sglang.push(list((weights or {}).items()), str(version), flush_cache=True)
-            finally:
-                self._pushing = None
-            self.version = self.loaded_version = version
-            self._wake_waiters()
-            return how
-        if self.memory:
+        if self._sglang is not None:
+            weights = await asyncio.to_thread(self._snapshot_tensors, train_backend, not wait)
+            load, path = self._load_tensors(train_backend, tokenizer, weights, version), self.sync
+        elif self.memory:
             path = await asyncio.to_thread(self._snapshot_buffer, train_backend, version)
             load = self._load_buffer(path, version)
         else:
@@ -148,6 +149,8 @@ class PolicyServer:
         self._loading = asyncio.ensure_future(self._tracked(load))
         if wait:
             await self.wait_loaded()
+            if self._sglang is not None:
+                return self.last_path
         return str(path)
 
     async def wait_loaded(self) -> None:
@@ -198,10 +201,31 @@ class PolicyServer:
             shutil.rmtree(path)
         train_backend.save_hf(str(path), tokenizer=tokenizer)
 
-    def _snapshot_buffer(self, train_backend, version: int) -> Path:
-        weights = train_backend.named_weights()
-        if weights is None:
-            raise RuntimeError("PolicyServer.push: named_weights() returned nothing (only rank 0 pushes weights)")
+    def _snapshot_tensors(self, train_backend, copy: bool) -> dict:
+        """The weights for a tensor / distributed push: the live tensors on their device, or (`copy`) a copy of
+        them in `self._held` (reused across pushes while names, shapes, dtypes and devices stay the same)."""
+        weights = _named_weights(train_backend, on_device=True)
+        if not copy:
+            return weights
+        held = self._held
+        if held is None or list(held) != list(weights) or any(
+                (h.shape, h.dtype, h.device) != (w.shape, w.dtype, w.device) for h, w in zip(held.values(),
+                                                                                            weights.values())):
+            held = self._held = {k: _empty_like(w) for k, w in weights.items()}
+        for k, w in weights.items():
+            held[k].copy_(w)
+        return held
+
+    async def _load_tensors(self, train_backend, tokenizer, weights: dict, version: int) -> None:
+        self._pushing = (train_backend, tokenizer, weights)  # what a fallback loads instead
+        try:
+            self.last_path = await self._sglang.push(list(weights.items()), str(version), flush_cache=True)
+        finally:
+            self._pushing = None
+        self.loaded_version = version
+
+    def _snapshot_buffer(self, train_backend, version: int, weights: dict | None = None) -> Path:
+        weights = _named_weights(train_backend) if weights is None else weights
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         path = self._pick_buffer_dir(nbytes) / f"{self.name}-{'ab'[version % 2]}.wbuf"
         self._buffers.add(path)
@@ -242,15 +266,16 @@ class PolicyServer:
     async def _memory_fallback(self, version: str, flush_cache: bool) -> None:
         """The embedded server's fast path failed: the full weights of the push in progress as a weight buffer
         (a restarted server comes back with these too)."""
-        train_backend, _tokenizer = self._pushing
-        path = await asyncio.to_thread(self._snapshot_buffer, train_backend, int(version))
+        train_backend, _tokenizer, weights = self._pushing
+        path = await asyncio.to_thread(self._snapshot_buffer, train_backend, int(version), weights)
         await self._load_buffer(path, int(version))
 
     async def _disk_fallback(self, version: str, flush_cache: bool) -> None:
         """SGLang's fast path failed: the full weights of the push in progress through disk (a restarted server
         also comes back with these; after a fast push it comes back with the last disk weights and their older
-        version, which the trainers' staleness checks handle, until the next push)."""
-        train_backend, tokenizer = self._pushing
+        version, which the trainers' staleness checks handle, until the next push). The files come from the live
+        backend (`save_hf`): after a deferred push they may hold a step newer than `version` says."""
+        train_backend, tokenizer, _weights = self._pushing
         path = self.weights_dir / f"v{int(version):06d}"
         await asyncio.to_thread(self._snapshot_dir, train_backend, tokenizer, path)
         await self._load_dir(path, int(version))
@@ -273,3 +298,16 @@ class PolicyServer:
         await self.client.aclose()
         self._remove_buffers()
         atexit.unregister(self._remove_buffers)
+
+
+def _named_weights(train_backend, on_device: bool = False) -> dict:
+    weights = train_backend.named_weights(on_device)
+    if weights is None:
+        raise RuntimeError("PolicyServer.push: named_weights() returned nothing (only rank 0 pushes weights)")
+    return weights
+
+
+def _empty_like(t):
+    import torch
+
+    return torch.empty_like(t, memory_format=torch.contiguous_format)

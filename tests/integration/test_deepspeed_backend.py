@@ -307,6 +307,12 @@ def test_zero3_save_hf_gathers_full_weights(tmp_path, backends):
 
     nw3 = z3.named_weights()
     assert max_diff(nw3, w0) < TOL and all(t.numel() > 0 for t in nw3.values())
+    # on_device (a tensor / NCCL weight push): gathered into copies on the parameters' device, the same names and
+    # values, the tied head once, and the partitions stay partitioned
+    on_dev = z3.named_weights(on_device=True)
+    assert list(on_dev) == list(nw3) and max_diff(on_dev, nw3) == 0
+    assert all(t.device == next(z3.module.parameters()).device and t.numel() > 0 for t in on_dev.values())
+    assert all(p.numel() == 0 for p in z3.module.parameters())
     fresh = worker.build_model()
     copy_into(fresh, nw3)
     assert max_diff(state(fresh), state(z0.module)) < TOL

@@ -184,16 +184,31 @@ def test_policy_server_pushes_by_tensor_and_distributed(tiny_model_dir, tmp_path
                    for name in ("tensor", "distributed")]
         assert [s.sync for s in servers] == ["tensor", "distributed"] and not any(s.memory for s in servers)
 
+        async def greedy(server):
+            (out,) = await server.client.generate([GREEDY["input_ids"]], max_new_tokens=6, temperature=0.0)
+            return out.output_ids
+
         async def push(server):
             try:
                 how = await server.push(backend, tok, 1)
                 info = await server.client.model_info()
-                (out,) = await server.client.generate([GREEDY["input_ids"]], max_new_tokens=6, temperature=0.0)
-                return how, server.loaded_version, info["weight_version"], out.output_ids
+                out = await greedy(server)
+                # deferred (the student's double buffering): push returns after a copy; an optimizer step before
+                # the load runs (here every weight zeroed in place) must not reach the server
+                assert await server.push(backend, tok, 2, wait=False) == server.sync and server.loaded_version == 1
+                live = {k: t.detach().clone() for k, t in backend.module.state_dict().items()}
+                with torch.no_grad():
+                    for p in backend.module.parameters():
+                        p.zero_()
+                await server.wait_version(2)
+                after = (await server.client.model_info())["weight_version"], await greedy(server)
+                backend.module.load_state_dict(live)
+                return how, server.loaded_version, info["weight_version"], out, after, server.last_path
             finally:
                 await server.aclose()
 
         got = [asyncio.run(push(s)) for s in servers]
     backend.close()
-    assert [g[:3] for g in got] == [("tensor", 1, "1"), ("distributed", 1, "1")]
+    assert [g[:3] for g in got] == [("tensor", 2, "1"), ("distributed", 2, "1")]
     assert got[0][3] == got[1][3]
+    assert [g[4] for g in got] == [("2", got[0][3])] * 2 and [g[5] for g in got] == ["tensor", "distributed"]
