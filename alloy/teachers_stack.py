@@ -100,7 +100,7 @@ def teacher_specs(checkpoints: dict[str, str], cfg=None, gpus: int | None = None
     if cfg is None:
         return {d: ServerSpec(name=f"teacher-{d}", model_path=c, host=HOST) for d, c in checkpoints.items()}
     from alloy.placement_cmd import node_gpus
-    from infra.placement import PlacementError, make_plan, visible_devices
+    from infra.placement import PlacementError, make_plan, placements_of, visible_devices
 
     n = node_gpus(cfg, gpus)
     placements = {}
@@ -110,7 +110,7 @@ def teacher_specs(checkpoints: dict[str, str], cfg=None, gpus: int | None = None
         except PlacementError as exc:
             raise CheckpointsError(f"--config: the placement plan {exc} (see `alloy plan CONFIG --gpus {n}`)") from None
         visible = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), n)
-        placements = {p.name: {"visible": visible, **p.to_json()} for p in plan.processes if p.kind == "teacher"}
+        placements = placements_of(plan, visible, "teacher")
         missing = sorted(set(checkpoints) - set(placements))
         if missing:
             raise CheckpointsError(f"--checkpoints: no planned teacher for domain(s) {missing} in the config's "

@@ -14,7 +14,8 @@ Memory model (GB = 1e9 bytes; all fractions in whole hundredths of one GPU, so s
   grads, 12 B fp32 master + Adam m, v; fp32: 4 + 4 + 8):
       z0: w + g + o    z1: w + g + o/W    z2: w + (g + o)/W    z3: (w + g + o)/W
   times the models it trains (specialists: policy + critic; student: one), plus a frozen reference policy
-  (specialists with kl_coef > 0: fp32, unsharded) and `resources.trainer_overhead_gb` (activations, CUDA context).
+  (specialists with kl_coef > 0: in the policy's dtype, unsharded) and `resources.trainer_overhead_gb`
+  (activations, CUDA context); the guard's judge server (its own checkpoint's size) beside the specialists' lanes.
 Rules, per stage: the fractions on one GPU sum to at most BUDGET (0.95); no GPU holds two trainers; a server shares
 a trainer's GPU only when it is that trainer's own rollout server and `resources.colocate_rollout` is true (the
 trainer then gets what the server leaves). The distill stage's student and the teachers run at the same time, so
@@ -54,7 +55,7 @@ class Proc:
     for a server; for a trainer, what the plan leaves it on its GPUs)."""
     stage: str  # "base" | "specialists" | "distill" | "teachers"
     name: str  # "base", "lane-0", "student", or a teacher's domain
-    kind: str  # "trainer" | "rollout" | "teacher"
+    kind: str  # "trainer" | "rollout" | "teacher" | "judge"
     gpus: tuple[int, ...]
     mem_fraction: float
 
@@ -402,13 +403,44 @@ def _specialists(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
     if not sc.enabled:
         return []
     world = max(sc.policy_train.world_size, sc.critic_train.world_size)
-    ref_gb = sz.params * 4 / GB if _kl_ref(cfg) else 0.0
+    ref_gb = sz.params * (4 if sc.policy_train.dtype == "fp32" else 2) / GB if _kl_ref(cfg) else 0.0
     p_gb = trainer_gb(sz.params, sc.policy_train.dtype, sc.policy_train.zero_stage, world, 1)
     c_gb = trainer_gb(sz.params, sc.critic_train.dtype, sc.critic_train.zero_stage, world, 1)
     gb = p_gb + c_gb + ref_gb + sz.overhead_gb
     n = min(sc.max_parallel, len(cfg.domain_names()))
     lanes = _lanes("specialists", n, world, hundredths(gb, sz.gpu_gb), gb, sz, gpus, "specialists.policy_train")
+    lanes += _judge(cfg, sz, gpus, lanes)
     return _with_slack(lanes) if sz.shared else lanes
+
+
+def _judge(cfg, sz: _Sizes, gpus: int, lanes: list[Proc]) -> list[Proc]:
+    """The guard's judge server (tasks/judge.py serves `specialists.guard.judge_path` for the whole stage when no
+    `judge_url` is given): its own checkpoint's size, on the GPUs no specialist trainer holds, or anywhere in the
+    shared mode, beside the lanes."""
+    gc = cfg.specialists.guard
+    if not (gc.enabled and gc.judge_path and not gc.judge_url):
+        return []
+    try:
+        params, nbytes, _ = model_size(gc.judge_path)
+    except PlacementError:
+        raise PlacementError(f"specialists: cannot size the judge at specialists.guard.judge_path="
+                             f"{gc.judge_path!r} (no readable config.json or weight files): build it first, or set "
+                             "specialists.guard.judge_url to a judge served elsewhere") from None
+    model_gb = params * nbytes / GB
+    kv_gb = max(0.5, 0.5 * model_gb)
+    tp = server_tp(model_gb, kv_gb, sz.gpu_gb, None, 1)
+    held = {g for p in lanes if p.kind == "trainer" for g in p.gpus}
+    free = list(range(gpus)) if sz.shared else [g for g in range(gpus) if g not in held]
+    placed = None if tp is None else pack([_Server("judge", "judge", tp, server_share(model_gb, kv_gb, tp, sz.gpu_gb))],
+                                          free, _loads(lanes))
+    if placed is None:
+        where = f"the {gpus} GPU(s)" if sz.shared else f"the {len(free)} GPU(s) no specialist trainer holds"
+        raise PlacementError(f"specialists: the guard's judge server ({model_gb:.1f} GB weights + {kv_gb:.1f} GB KV "
+                             f"cache) does not fit on {where} beside the specialists' lanes: lower "
+                             "specialists.max_parallel, set resources.share_gpus: true, or serve the judge elsewhere "
+                             "(specialists.guard.judge_url)")
+    return [Proc("specialists", "judge", "judge", placed["judge"],
+                 server_share(model_gb, kv_gb, tp, sz.gpu_gb) / 100)]
 
 
 def _distill(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
@@ -532,6 +564,12 @@ def trainer_env(plan: Plan, trainer: Proc, visible: Sequence[str]) -> dict[str, 
     if rollout is not None:
         env[PLACEMENT_ENV] = json.dumps({"visible": list(visible), **rollout.to_json()})
     return env
+
+
+def placements_of(plan: Plan, visible: Sequence[str], kind: str) -> dict[str, dict]:
+    """{name: placement} of the planned servers of `kind` ("teacher", "judge"), each a `Proc.to_json()` plus the
+    node's `visible` devices: what `engine.launcher.launch_settings` takes."""
+    return {p.name: {"visible": list(visible), **p.to_json()} for p in plan.processes if p.kind == kind}
 
 
 def rollout_placement(environ: dict[str, str] | Any) -> dict | None:

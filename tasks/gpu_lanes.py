@@ -5,7 +5,7 @@ holds one free lane of `stage` (a trainer of the plan: specialists have `max_par
 and adds to the trainer's command the environment `infra.placement.trainer_env` gives it: CUDA_VISIBLE_DEVICES of
 its GPUs, its own rollout server's placement, which `PolicyServer.for_engine` applies inside the trainer, and with
 `resources.share_gpus` its memory fraction (ALLOY_GPU_MEM_FRACTION, which its ranks cap their allocator at).
-`teacher_placements(cfg)` is the same for the teacher servers. Without GPUs both change nothing.
+`server_placements(cfg, kind)` is the same for the teacher servers and the guard's judge. Without GPUs both change nothing.
 
 A lane is held as an exclusive `flock` on a file under the temp dir, keyed by the node's visible devices: the
 specialist tasks of one flow run (threads) and specialist flow runs of one worker node (processes, deployment mode)
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 from infra import procs
-from infra.placement import Plan, make_plan, trainer_env, visible_devices
+from infra.placement import Plan, make_plan, placements_of, trainer_env, visible_devices
 from tasks.worker_process import WorkerCommand
 
 log = logging.getLogger("alloy")
@@ -96,10 +96,10 @@ def trainer_lane(cmd: list[str], cfg, stage: str) -> Iterator[list[str]]:
         yield WorkerCommand(list(cmd), {**getattr(cmd, "env", {}), **env})
 
 
-def teacher_placements(cfg) -> dict[str, dict]:
-    """{domain: placement} of the launched teacher servers (for `launcher.launch_settings`); {} without GPUs."""
+def server_placements(cfg, kind: str) -> dict[str, dict]:
+    """{name: placement} of the launched servers of `kind` ("teacher", "judge"; for `launcher.launch_settings`);
+    {} without GPUs."""
     placed = node_plan(cfg)
     if placed is None:
         return {}
-    plan, visible = placed
-    return {p.name: {"visible": visible, **p.to_json()} for p in plan.processes if p.kind == "teacher"}
+    return placements_of(*placed, kind)

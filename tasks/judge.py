@@ -22,6 +22,7 @@ from typing import Iterator
 
 from engine.launcher import ServerSpec, Supervisor, launch_settings
 from tasks.context import RunContext
+from tasks.gpu_lanes import server_placements
 
 log = logging.getLogger("alloy")
 PROMPT_MARGIN = 2  # BOS + one spare position
@@ -85,8 +86,9 @@ def serve_judge(ctx: RunContext, domains: list[str] | None = None) -> Iterator[R
     sup = Supervisor(ctx.work_dir / "logs" / "judge", max_restarts=ctx.cfg.teachers.max_restarts,
                      health_timeout=ctx.cfg.teachers.health_timeout_s, threads_per_server=ec.threads)
     try:
+        placement = server_placements(ctx.cfg, "judge").get("judge")  # its GPU of the plan, if any
         url = sup.start([ServerSpec("judge", str(path), host=ec.host, api_key=ec.api_key,
-                                    **launch_settings(ec))])["judge"]
+                                    **launch_settings(ec, placement))])["judge"]
         log.info("guard: judge %s served at %s for the specialists", path, url)
         overrides = [f"specialists.guard.judge_url={url}", *overrides[1:]]
         ctx.tracker.set_tags({"alloy.guard.judge": str(path)})

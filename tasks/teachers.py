@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engine.launcher import Supervisor, launch_settings
 from tasks.context import RunContext, stage_timer
-from tasks.gpu_lanes import teacher_placements
+from tasks.gpu_lanes import server_placements
 from teachers.registry import TeacherRegistry
 
 log = logging.getLogger("alloy")
@@ -61,7 +61,7 @@ def start_teachers(domains: list[str], checkpoints: Mapping[str, str], student_d
                    engine_cfg, teachers_cfg, placements: Mapping[str, dict] | None = None) -> TeacherFleet:
     """Launch / register every domain's teacher, wait for health, check tokenizers against `student_dir`.
     `engine_cfg` / `teachers_cfg` are `infra.config.EngineConfig` / `TeachersConfig`; launched servers bind to
-    `engine_cfg.host`. `placements`: {domain: its planned GPUs} (tasks/gpu_lanes.py `teacher_placements`)."""
+    `engine_cfg.host`. `placements`: {domain: its planned GPUs} (tasks/gpu_lanes.py `server_placements`)."""
     launch, external = teacher_sources(domains, checkpoints, teachers_cfg.external)
     for d in sorted(set(external) & set(checkpoints)):
         log.info("teachers: %s uses the external teacher %s, not its specialist checkpoint", d, external[d])
@@ -98,7 +98,7 @@ def serve_teachers(ctx: RunContext, checkpoints: dict[str, str], student_dir: st
     with stage_timer(ctx, "teachers_up"):
         fleet = start_teachers(list(ctx.domains), checkpoints, student_dir, log_dir=ctx.work_dir / "logs" / "teachers",
                                engine_cfg=ctx.cfg.engine, teachers_cfg=ctx.cfg.teachers,
-                               placements=teacher_placements(ctx.cfg))
+                               placements=server_placements(ctx.cfg, "teacher"))
     ctx.tracker.set_tags({"alloy.teachers.n": len(fleet.endpoints()), "alloy.teachers.launched": ",".join(fleet.launched),
                           "alloy.teachers.external": ",".join(fleet.external)})
     return fleet

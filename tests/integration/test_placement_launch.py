@@ -14,7 +14,7 @@ import pytest
 
 from infra.config import config_from_dict
 from infra.placement import make_plan
-from tasks.gpu_lanes import teacher_placements, trainer_lane
+from tasks.gpu_lanes import server_placements, trainer_lane
 from tasks.teachers import start_teachers
 from tasks.worker_process import WorkerCommand, progress_path, run_worker
 from training.progress_events import read_events
@@ -73,7 +73,7 @@ def test_launched_processes_get_their_planned_gpus(tiny_model_dir, tmp_path, mon
         # teachers meanwhile, launched as the distill stage launches them
         fleet = start_teachers(DOMAINS, {d: str(tiny_model_dir) for d in DOMAINS}, str(tiny_model_dir),
                                log_dir=tmp_path / "teachers", engine_cfg=cfg.engine, teachers_cfg=cfg.teachers,
-                               placements=teacher_placements(cfg))
+                               placements=server_placements(cfg, "teacher"))
         try:
             teacher_env = {s["name"]: psutil.Process(s["pid"]).environ().get("CUDA_VISIBLE_DEVICES")
                            for s in fleet.status()}

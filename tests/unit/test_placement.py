@@ -338,3 +338,32 @@ def test_trainer_ranks_cap_their_allocator_at_the_planned_fraction(monkeypatch):
         apply_gpu_memory_fraction()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU machine: nothing
     assert apply_gpu_memory_fraction() is None and calls == [(0.44, 1)]
+
+
+def _judge_dir(tmp_path) -> str:
+    # 169,820,160 params in fp32 (test_model_size_from_checkpoint_config) = 0.679 GB; KV max(0.5, 0.34) = 0.5 GB;
+    # + 1 GB overhead = 2.18 GB of 80 = 2.7 → 0.03 of a GPU
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8, "num_hidden_layers": 10,
+        "vocab_size": 1000, "torch_dtype": "float32"}))
+    return str(tmp_path)
+
+
+def test_the_guards_judge_server_is_placed_beside_the_specialists(tmp_path):
+    judge = {"guard": {"enabled": True, "judge_path": _judge_dir(tmp_path)}}
+    # four GPUs, no colocation: the lanes' trainers hold GPUs 0 and 1 whole; the judge goes to the least used GPU
+    # no trainer holds (2 and 3 both hold a rollout server at 0.05: the lower id)
+    plan = make_plan(cfg({**ONE_B}, specialists=judge), 4)
+    assert [r for r in table(plan) if r[2] == "judge"] == [("specialists", "judge", "judge", (2,), 0.03)]
+    assert plan_problems(plan) == []
+    # a judge served elsewhere, or no guard: nothing planned
+    for spec in ({"guard": {**judge["guard"], "judge_url": "http://judge:30000"}}, {}):
+        assert not [p for p in make_plan(cfg({**ONE_B}, specialists=spec), 4).processes if p.kind == "judge"]
+    # shared mode on one GPU: beside everything, the GPU's sum still within the budget
+    plan = make_plan(cfg({**ONE_B, "share_gpus": True}, specialists={**judge, "max_parallel": 1}), 1)
+    assert [r[3] for r in table(plan) if r[2] == "judge"] == [(0,)] and plan_problems(plan) == []
+    # every GPU holds a trainer (colocated lanes on two GPUs): refused, naming the ways out
+    with pytest.raises(PlacementError, match=r"judge server .*specialists.guard.judge_url"):
+        make_plan(cfg({**ONE_B, "colocate_rollout": True}, specialists=judge), 2)
+    with pytest.raises(PlacementError, match="cannot size the judge at specialists.guard.judge_path"):
+        make_plan(cfg({**ONE_B}, specialists={"guard": {"enabled": True, "judge_path": str(tmp_path / "none")}}), 4)
