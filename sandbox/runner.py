@@ -6,7 +6,7 @@ Layers, outermost first (each one alone stops a different escape):
    plain characters. The program must be in `allowed` and in `PROGRAMS`.
 2. Path confinement for file programs (`ls`, `cat`): every path argument must stay inside the work dir after
    resolving symlinks; `..` components are refused outright, absolute paths only if they resolve inside.
-3. Process confinement, in a `preexec_fn` of the forked child (before exec):
+3. Process confinement, in a `preexec_fn` of the forked child (before exec; `sandbox.supervisor`):
    - new network namespace (`unshare(CLONE_NEWNET)` via ctypes: Python 3.11 has no `os.unshare`): only a
      loopback interface that is down, so no connection anywhere, 127.0.0.1 included;
    - new PID namespace: the program runs as PID 1 of its own namespace under a tiny waiting parent, so when it
@@ -54,7 +54,7 @@ kills the program, and every descendant, detached or not, is killed and reaped b
 seccomp filter is missing too (opted out) is the fallback rule-level blocking: programs that could open sockets
 (`network_capable`, e.g. `python`) are refused, as are arguments that look like URLs or host:port addresses.
 
-`calc` evaluates arithmetic with an AST whitelist (`safe_calc`) in a sandboxed interpreter, so even a
+`calc` evaluates arithmetic with an AST whitelist (`sandbox.calc.safe_calc`) in a sandboxed interpreter, so even a
 pathological expression is bounded by the same limits. `python` (arbitrary code) is in `PROGRAMS` for coding
 domains and for the escape tests, never in `DEFAULT_ALLOWED`; its arguments are not path-checked (layer 2), so
 layers 3-4 hold it: Landlock keeps it to its work dir (/etc/passwd, the repository and other episodes' folders are
@@ -62,14 +62,9 @@ refused), seccomp and the namespaces keep it off the network, the limits bound i
 """
 from __future__ import annotations
 
-import ctypes
-import inspect
 import logging
-import math
 import os
 import re
-import resource
-import select
 import shlex
 import shutil
 import signal
@@ -83,19 +78,17 @@ from functools import lru_cache
 from pathlib import Path
 
 from sandbox import confine
-from sandbox.accounting import UID_BASE, CallCgroup, CallUid, cgroup_layout
+from sandbox.accounting import CallCgroup, CallUid, cgroup_layout
+from sandbox.calc import _CALC_MAIN
+from sandbox.supervisor import _preexec, _wait_polling
 
 log = logging.getLogger(__name__)
 
-CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x40000000, 0x20000000, 0x10000000
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 4, 38, 36
-NOBODY = 65534  # the gid of every sandbox uid (the uid itself is per call: `sandbox.accounting.CallUid`)
 MODES = ("root", "userns", "none")
 DEFAULT_ALLOWED = frozenset({"calc", "ls", "cat", "echo"})
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _URL_RE = re.compile(r"[a-z][a-z0-9+.-]*://|(?:^|[@/])[\w.-]+:\d{1,5}(?:/|$)", re.I)
 _FLAG_RE = re.compile(r"^-[A-Za-z1]+$")
-_libc = ctypes.CDLL(None, use_errno=True)  # loaded here, never in the forked child
 UNCONFINED_ENV = "ALLOY_SANDBOX_ALLOW_UNCONFINED"  # "1": run without Landlock/seccomp where they are missing
 UNCONFINED_CODE_ENV = "ALLOY_SANDBOX_ALLOW_UNCONFINED_CODE"  # "1" as well: ... even arbitrary code (`python`)
 SYSTEM_READ_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
@@ -135,52 +128,6 @@ class Program:
     network_capable: bool = False  # could open sockets: refused when there is no network namespace
     needs_python: bool = False
     runs_code: bool = False  # runs arbitrary code: refused without Landlock+seccomp unless UNCONFINED_CODE_ENV
-
-
-def safe_calc(expr: str) -> str:
-    """Evaluate integer arithmetic: + - * / // % ** and parentheses on integer literals. Self-contained (only `ast`),
-    because its source is also run inside the sandbox. Exponents ≤ 256, results ≤ 300 digits. '/' is exact
-    division: an integer when it divides, else the quotient rounded to 6 decimals."""
-    import ast as _ast
-
-    def ev(node):
-        if isinstance(node, _ast.Expression):
-            return ev(node.body)
-        if isinstance(node, _ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, _ast.UnaryOp) and isinstance(node.op, (_ast.USub, _ast.UAdd)):
-            v = ev(node.operand)
-            return -v if isinstance(node.op, _ast.USub) else v
-        if isinstance(node, _ast.BinOp):
-            a, b = ev(node.left), ev(node.right)
-            op = type(node.op).__name__
-            if op == "Pow":
-                if not isinstance(b, int) or not 0 <= b <= 256 or abs(a) > 10**300:
-                    raise ValueError("exponent out of range")
-                r = a**b
-            elif op in ("Div", "FloorDiv", "Mod") and b == 0:
-                raise ValueError("division by zero")
-            elif op == "Div":
-                r = a // b if isinstance(a, int) and isinstance(b, int) and a % b == 0 else round(a / b, 6)
-            else:
-                fn = {"Add": lambda x, y: x + y, "Sub": lambda x, y: x - y, "Mult": lambda x, y: x * y,
-                      "FloorDiv": lambda x, y: x // y, "Mod": lambda x, y: x % y}.get(op)
-                if fn is None:
-                    raise ValueError(f"operator {op} not allowed")
-                r = fn(a, b)
-            if isinstance(r, int) and abs(r) >= 10**300:
-                raise ValueError("result too large")
-            return r
-        raise ValueError(f"{type(node).__name__} not allowed")
-
-    if len(expr) > 200:
-        raise ValueError("expression too long")
-    return str(ev(_ast.parse(expr.strip(), mode="eval")))
-
-
-_CALC_MAIN = ("import sys\n" + inspect.getsource(safe_calc) +
-              "try:\n    print(safe_calc(' '.join(sys.argv[1:])))\n"
-              "except Exception as e:\n    print(f'calc: {e}', file=sys.stderr); sys.exit(1)\n")
 
 
 def _world_executable(path: str) -> bool:
@@ -284,186 +231,7 @@ PROGRAMS: dict[str, Program] = {
 }
 
 
-# -- process confinement ----------------------------------------------------------------------------------------
-
-def _set_limits(timeout_s: float, memory_mb: int, max_procs: int, max_output_bytes: int) -> None:
-    cpu = max(1, math.ceil(timeout_s))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    mem = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_NPROC, (max_procs, max_procs))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (max_output_bytes + 1, max_output_bytes + 1))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
-def _wait_polling(pid: int, deadline: float | None, reap: bool) -> tuple[int | None, bool]:
-    """Wait for `pid` to exit until `deadline` (time.monotonic()): woken by a pidfd the moment it exits (Linux ≥
-    5.3), else polling (1 ms growing to 20 ms, which rounds every call up to the next step).
-
-    Returns (exit code, or −N when killed by signal N, or None if unknown; exited). With reap=False the exited
-    child stays a zombie (WNOWAIT), so its pid, and the process group id it leads, cannot be recycled while we
-    still signal that group.
-    """
-    delay = 0.001
-    flags = os.WEXITED | os.WNOHANG | (0 if reap else os.WNOWAIT)
-    try:
-        pidfd = os.pidfd_open(pid)
-        poller = select.poll()  # not select.select: a busy process may hold descriptors past FD_SETSIZE
-        poller.register(pidfd, select.POLLIN)
-    except (AttributeError, OSError):  # already reaped (waitid says so below), or no pidfd support
-        pidfd = None
-    try:
-        while True:
-            try:
-                info = os.waitid(os.P_PID, pid, flags)
-            except ChildProcessError:
-                return None, True
-            except InterruptedError:
-                continue
-            if info is not None:
-                if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
-                    return -info.si_status, True
-                return info.si_status, True
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return None, False
-            if pidfd is not None:  # readable once the process has exited; the cap only bounds each wait
-                poller.poll(1000 * (min(0.05, deadline - now) if deadline is not None else 0.05))
-            else:
-                time.sleep(delay)
-                delay = min(0.02, delay * 2)
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    st = f.read()
-                if int(st[st.rindex(")") + 2:].split()[1]) == pid:
-                    out.append(int(p))
-            except (OSError, ValueError):
-                pass
-    return out
-
-
-def _reap_descendants(kill_uid: int | None) -> None:
-    """In the supervisor (a child subreaper: every orphan of the call is reparented to it): kill and reap every
-    descendant left, until there is none. With `kill_uid` (mode "none" as root: the supervisor runs as the call's own
-    uid) `kill(-1)` first kills every process of that uid at once, which no fork can race."""
-    me = os.getpid()
-    while True:
-        if kill_uid is not None and kill_uid >= UID_BASE and os.getuid() == kill_uid:  # never as root or the caller
-            try:
-                os.kill(-1, signal.SIGKILL)
-            except OSError:
-                pass
-        for child in _children(me):
-            try:
-                os.kill(child, signal.SIGKILL)
-            except OSError:
-                pass
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
-        except InterruptedError:
-            continue
-
-
-def _supervise(pid: int, timeout_s: float, kill_uid: int | None) -> None:
-    """The supervisor's whole life (see `_preexec`); always ends in `os._exit`, never back in `Popen`'s exec path."""
-    status = 1
-    try:
-        os.closerange(3, 65536)
-        status, exited = _wait_polling(pid, time.monotonic() + timeout_s, reap=True)
-        if not exited:
-            os.kill(pid, signal.SIGKILL)
-            status, _ = _wait_polling(pid, None, reap=True)
-        _reap_descendants(kill_uid)
-        if status is not None and status < 0:  # mirror a death by signal
-            if -status not in (signal.SIGKILL, signal.SIGSTOP):
-                signal.signal(-status, signal.SIG_DFL)
-            os.kill(os.getpid(), -status)
-    finally:
-        os._exit(status if status is not None and status >= 0 else 1)
-
-
-def _oom_first() -> None:
-    """In the program (before exec): make it and all it forks the OOM killer's first choice (oom_score_adj 1000;
-    raising is always allowed). Without it the supervisor, a fork of the caller (a trainer with hundreds of MB
-    mapped), has the largest RSS in the call's memory cgroup and is the one killed: the call then ends as a SIGKILL
-    instead of the program failing its allocation. After a uid drop the process is not dumpable, which makes its
-    /proc files root's; it is made dumpable for the write (execve resets the flag for the program anyway)."""
-    _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
-    try:
-        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, b"1000")
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _drop(uid: int) -> None:
-    os.setgroups([])
-    os.setgid(NOBODY)
-    os.setuid(uid)
-
-
-def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_output_bytes: int,
-             ruleset_fd: int | None = None, program: confine.SeccompProgram | None = None,
-             uid: int | None = None, cgroup_fds: list[int] | None = None):
-    """The function the forked child runs before exec. mode: "root" | "userns" | "none". `uid`: the call's sandbox
-    uid (as root; None otherwise). Landlock (`ruleset_fd`) and seccomp (`program`) are applied last, after the uid
-    drop and no_new_privs, when given.
-
-    In order: as root in modes "userns" and "none", drop to `uid` now (the
-    user namespace is then owned by the sandbox uid, and the supervisor runs as it); unshare the namespaces (not in
-    "none"); become a child subreaper and fork once more: the grandchild (PID 1 of the new PID namespace, if any)
-    continues to exec; the child stays as a tiny supervisor: it closes every inherited descriptor (so `Popen`
-    learns exec success from the grandchild alone), kills the grandchild at the wall-clock timeout (which, with a
-    PID namespace, makes the kernel kill and reap the whole namespace), then kills and reaps every descendant still
-    alive (`_reap_descendants`: in mode "none", detached and daemonized ones are reparented to it), and exits with
-    the grandchild's status, re-raising its signal. The grandchild joins the call's cgroups (`cgroup_fds`, opened
-    by the caller) and raises its OOM score before it drops to `uid` (mode "root") and execs: the supervisor, a
-    fork of a possibly large caller, stays outside the call's memory cgroup, so the cgroup's OOM killer can only
-    pick the program's processes (measured: with the supervisor inside, a 1.5 GB caller's supervisor was the one
-    killed and the call ended as a SIGKILL).
-    """
-    def run() -> None:
-        if uid is not None and mode != "root":
-            _drop(uid)
-        if mode != "none":
-            flags = CLONE_NEWNET | CLONE_NEWPID | (CLONE_NEWUSER if mode == "userns" else 0)
-            if _libc.unshare(flags) != 0:
-                raise OSError(ctypes.get_errno(), "sandbox: unshare failed")
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
-        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        pid = os.fork()
-        if pid > 0:
-            _supervise(pid, timeout_s, uid if mode == "none" else None)  # never returns
-        CallCgroup.join(cgroup_fds or [])  # the program only: the supervisor is no candidate of the call's OOM
-        _oom_first()
-        _set_limits(timeout_s, memory_mb, max_procs, max_output_bytes)
-        if uid is not None and mode == "root":
-            _drop(uid)
-        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
-        confine.apply(ruleset_fd, program)
-    return run
-
+# -- isolation modes --------------------------------------------------------------------------------------------
 
 def _probe(mode: str) -> bool:
     uid = CallUid()

@@ -3,7 +3,8 @@
 - `training.worker`: the one trainer-process skeleton (flags, config, MLflow run, torch.distributed, signals).
 - `training.progress_events`: a trainer's steps as JSON lines for the process that started it (`report`, `read_events`).
 - `training.session`: what a trainer sets up (tokenizer, DeepSpeed backend, its supervised rollout server).
-- `training.deepspeed_backend`: the DeepSpeed engine wrapper; `training.safe_load`: code-free checkpoint loads.
+- `training.deepspeed_backend`: the DeepSpeed engine wrapper; `training.ds_config`: its settings, config and lr
+  schedule (pure); `training.safe_load`: code-free checkpoint loads.
 - `training.ranks`: rank 0 drives, the other ranks follow its collective steps.
 - `training.policy_server`: weight pushes into the trainer's own engine server; `training.ledger`: exactly-once.
 - `training.batching`, `training.logprobs`, `training.sft`: length buckets, chunked log-softmax, the SFT loop.

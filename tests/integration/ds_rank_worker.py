@@ -79,7 +79,7 @@ def summed_token_nll(logits: torch.Tensor, ids: torch.Tensor, scored: torch.Tens
 
 def train(backend, steps_seeds=(11, 12)) -> dict:
     """Two optimizer steps on this rank's shard of each global batch. Returns per-step global metrics."""
-    from training.deepspeed_backend import shard_for_rank
+    from training.ds_config import shard_for_rank
 
     out = {"world_size": backend.world_size, "losses": [], "grad_norms": [], "lrs": []}
     for seed in steps_seeds:

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from training.deepspeed_backend import (CHECKPOINT_TAG, DeepSpeedBackend, TrainSettings, build_ds_config,
-                                     init_distributed, loss_normalizer, lr_multiplier, param_groups, shard_for_rank)
+from training.deepspeed_backend import CHECKPOINT_TAG, DeepSpeedBackend, init_distributed, param_groups
+from training.ds_config import TrainSettings, build_ds_config, loss_normalizer, lr_multiplier, shard_for_rank
 from infra.models import build_model, load_model, load_tokenizer
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from sandbox.accounting import UID_BASE, UID_RANGE
-from sandbox.runner import NOBODY, PROGRAMS, check_command, isolation_support, run_tool, safe_calc
+from sandbox.calc import safe_calc
+from sandbox.runner import PROGRAMS, check_command, isolation_support, run_tool
+from sandbox.supervisor import NOBODY
 
 pytestmark = pytest.mark.integration
 

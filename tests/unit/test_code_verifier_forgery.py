@@ -7,9 +7,8 @@ import time
 
 import pytest
 
-import domains.verifiers as V
-from domains.verifiers import (CODE_REASONS, answer_problem, get_verifier, judge_code_record, parse_code_tests,
-                               verifier_outcomes)
+from domains.code_verifier import CODE_REASONS, code_report, judge_code_record, parse_code_tests
+from domains.verifiers import answer_problem, get_verifier, verifier_outcomes
 from sandbox.runner import isolation_support
 from teachers.specialist import reward_outcome_counts
 
@@ -99,7 +98,7 @@ def test_correct_and_wrong_solutions(verifier):
     assert verifier("def add(a, b):\n    return a - b", "", ROW) == 0.0
     assert verifier("def add(a, b):\n    return a +", "", ROW) == 0.0
     almost = "def add(a, b):\n    return 42 if a == 40 else a + b + (a == -1)"
-    assert V.code_report(almost, "", ROW, 2).reason == "wrong"
+    assert code_report(almost, "", ROW, 2).reason == "wrong"
     rich = {"tests": ["assert pair(1) == (1, 2)", "assert not is_even(3)", "assert is_even(4)",
                       "assert nothing() is None", "assert table() == {'a': [1, 2.5], 'b': None}",
                       "assert {1, 2} == digits(21)", "assert half(1) == 0.5"]}
@@ -114,7 +113,7 @@ def test_correct_and_wrong_solutions(verifier):
 @needs_sandbox
 @pytest.mark.parametrize("name", sorted(FORGERIES))
 def test_forgeries_score_zero_with_a_reason(verifier, name):
-    report = V.code_report(FORGERIES[name], "", ROW, 2)
+    report = code_report(FORGERIES[name], "", ROW, 2)
     assert report.score == 0.0 and report.reason in CODE_REASONS and report.reason != "pass", (name, report)
     assert verifier(FORGERIES[name], "", ROW) == 0.0
     want = {"sys_exit_0": "exit", "os_exit_0": "exit", "raise_system_exit": "exit", "exit_inside_the_call": "exit",
@@ -128,7 +127,7 @@ def test_forgeries_score_zero_with_a_reason(verifier, name):
 @needs_sandbox
 def test_an_endless_loop_is_a_timeout(verifier):
     t0 = time.monotonic()
-    report = V.code_report("def add(a, b):\n    while True:\n        pass\n", "", ROW, 1)
+    report = code_report("def add(a, b):\n    while True:\n        pass\n", "", ROW, 1)
     assert report.score == 0.0 and report.reason == "timeout" and "1 s" in report.detail
     assert time.monotonic() - t0 < 4
 
@@ -147,7 +146,7 @@ def test_the_child_never_sees_expected_values_or_tests(monkeypatch):
 
     monkeypatch.setattr(runner, "run_tool", spy)
     row = {"tests": "assert add(2, 3) == 123456789\nassert add(1, 1) == 987654321"}
-    assert V.code_report("def add(a, b): return a + b", "", row, 2).reason == "wrong"
+    assert code_report("def add(a, b): return a + b", "", row, 2).reason == "wrong"
     assert set(seen) == {"solution.py", "runner.py", "calls.json"}
     for name, text in seen.items():
         assert "123456789" not in text and "987654321" not in text and "assert" not in text, name

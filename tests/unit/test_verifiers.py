@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from domains.verifiers import VERIFIERS, answer_problem, extract_code, final_number, get_verifier, math_expression
+from domains.code_verifier import extract_code
+from domains.verifiers import VERIFIERS, answer_problem, final_number, get_verifier, math_expression
 from sandbox.runner import isolation_support
 
 pytestmark = pytest.mark.unit
