@@ -178,6 +178,14 @@ class SpecialistsConfig(_Strict):
         "(false: the first batch_size to finish by the clock train, the rest are aborted: faster, not "
         "reproducible).")
     mask_offpolicy: bool = Field(False, description="Mask resumed tokens older than max_staleness instead of TIS only.")
+    async_rollouts: bool = Field(
+        False, description="true: the rollout server generates step k+1's batch while the trainer trains on step k's "
+        "(decoupled rollout, as slime's async RL): the batch comes from the weights before step k's update (one "
+        "version behind, corrected by TIS like resumed partials), the weight push is a snapshot on the critical path "
+        "and a load in the background, and the next rollout starts once the server has loaded it, so every token's "
+        "version is exact; with deterministic_rollouts the run is still the same under any load. Needs "
+        "max_staleness ≥ 1. A step that ends with a checkpoint does not overlap its successor's rollout (the "
+        "checkpoint's prompt cursor and APRIL buffer hold no batch in flight).")
     max_new_tokens: int | None = Field(None, ge=1, le=512, description="Response budget (None: eval.max_new_tokens).")
     max_context_tokens: int | None = Field(
         None, ge=2, description="Compaction (teachers/compaction.py): a tool episode whose context (prompt + response "
@@ -264,6 +272,9 @@ class SpecialistsConfig(_Strict):
             raise ValueError(f"specialists.policy_train.world_size ({self.policy_train.world_size}) and "
                              f"specialists.critic_train.world_size ({self.critic_train.world_size}) must be equal: "
                              "policy and critic train in the same processes (one torchrun process group)")
+        if self.async_rollouts and self.max_staleness < 1:
+            raise ValueError("specialists.async_rollouts trains each batch one version after the weights that sampled "
+                             "it: set specialists.max_staleness ≥ 1 (it is 0)")
         if self.val_every == 0 and (self.patience or self.stop_at is not None):
             raise ValueError("specialists.patience / specialists.stop_at need validations: set specialists.val_every > 0")
         return self

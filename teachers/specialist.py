@@ -7,6 +7,9 @@
         rows = expand(samples, rewards)                   teachers/compaction.py: a compacted episode's sub-traces
         ppo_update(policy, critic, batch(rows), rewards)  teachers/ppo_step.py (critic only during warm-up)
         push weights → engine (version k + 1); ledger += ids
+    with `async_rollouts`, step k's update runs in a thread while the server samples step k+1's batch from version
+    k (the loop waits for that batch before it pushes k + 1, so every token's version is exact; the push is then a
+    snapshot, its load overlapping the next update); a step that ends with a checkpoint does not overlap
         every `val_every` (and before step 1): greedy score on the val split's prompts; a new best is kept
         (teachers/selection.py); `patience` / `stop_at` end the loop early
         every `checkpoint_every`: policy HF + both DeepSpeed states + the best policy so far + trainer.json (APRIL
@@ -19,6 +22,7 @@ first. Off-policy tokens of resumed partials are corrected by TIS (trainer log-p
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import time
@@ -149,20 +153,27 @@ class SpecialistTrainer:
         sc = self.sc
         if sc.val_every and not self.state.selection.history:
             self.validate()
-        while self.state.step < sc.steps and self.state.stopped is None:
-            metrics = await self.train_step()
-            if self.on_step is not None:
-                self.on_step(self, metrics)
-            step = self.state.step
-            if sc.val_every and (step % sc.val_every == 0 or step == sc.steps):
-                self.validate()
-                if step < sc.steps:  # at the last step nothing is stopped early
-                    self.state.stopped = self.state.selection.stop_reason(sc.patience, sc.stop_at)
-                if self.state.stopped:
-                    log.info("specialist %s: stopping early at step %d/%d: %s", self.domain.name, step, sc.steps,
-                             self.state.stopped)
-            if step % sc.checkpoint_every == 0 and step < sc.steps and self.state.stopped is None:
-                self.checkpoint()
+        ahead: asyncio.Future | None = None  # async_rollouts: the next step's batch, sampled while this one trains
+        try:
+            while self.state.step < sc.steps and self.state.stopped is None:
+                metrics, ahead = await self.train_step(ahead)
+                if self.on_step is not None:
+                    self.on_step(self, metrics)
+                step = self.state.step
+                if sc.val_every and (step % sc.val_every == 0 or step == sc.steps):
+                    self.validate()
+                    if step < sc.steps:  # at the last step nothing is stopped early
+                        self.state.stopped = self.state.selection.stop_reason(sc.patience, sc.stop_at)
+                    if self.state.stopped:
+                        log.info("specialist %s: stopping early at step %d/%d: %s", self.domain.name, step, sc.steps,
+                                 self.state.stopped)
+                if step % sc.checkpoint_every == 0 and step < sc.steps and self.state.stopped is None:
+                    self.checkpoint()  # (no batch is in flight at a checkpoint step: `_overlaps`)
+        finally:
+            if ahead is not None:  # stopped early (or failed) with a batch in flight: it is not trained
+                ahead.cancel()
+                await asyncio.gather(ahead, return_exceptions=True)
+        await self.server.wait_loaded()  # the last push's load (deferred with async_rollouts)
         self.checkpoint()
         sel = self.state.selection
         return {"steps": self.state.step, "history": self.state.history, "guard": dict(self.state.guard_totals),
@@ -193,8 +204,17 @@ class SpecialistTrainer:
                  time.perf_counter() - t0)
         return score
 
-    async def train_step(self) -> dict:
-        sc, version = self.sc, self.state.step
+    def _overlaps(self, version: int) -> bool:
+        """Whether step `version` trains while the next step's batch is sampled: with `async_rollouts`, unless it is
+        the last step or ends with a checkpoint (which must not hold a batch in flight)."""
+        nxt = version + 1
+        return self.sc.async_rollouts and nxt < self.sc.steps and nxt % self.sc.checkpoint_every != 0
+
+    async def _collect(self, weights: int) -> RolloutBatch:
+        """One step's batch sampled from policy version `weights` (waits until the server has loaded it), verified
+        and expanded into training rows, with the guard's counters of its rollout."""
+        sc = self.sc
+        await self.server.wait_version(weights)
         t0 = time.perf_counter()
         det = sc.deterministic_rollouts  # seeded calls + the abort by token count: the same run under any load
         roller = Roller(self.server.client, self.domain, self.tok, temperature=sc.temperature, guard=self.guard,
@@ -203,49 +223,78 @@ class SpecialistTrainer:
                         compaction=compaction_of(sc))
         samples, april = await rollout_step(roller, self.buffer, self.cursor, batch_size=sc.batch_size,
                                             over_sampling=sc.over_sampling, max_new_tokens=self.max_new_tokens,
-                                            version=version, min_extra=sc.min_extra_requests, deterministic=det)
+                                            version=weights, min_extra=sc.min_extra_requests, deterministic=det)
         rollout_s = time.perf_counter() - t0
         samples = self.buffer.filter_untrained(samples)
         errors0, outcomes0 = self.domain.verifier_errors, verifier_outcomes(self.domain)
         rewards = [self.domain.verify(_example(s), roller.text(s.output_ids)) for s in samples]
         self.state.verifier_errors += self.domain.verifier_errors - errors0
         reward_counts = reward_outcome_counts(outcomes0, verifier_outcomes(self.domain))
-        t1 = time.perf_counter()
-        m: dict[str, float] = {}
         # compaction: each episode's sub-traces are its rows, each with the episode's reward (teachers/compaction.py)
         rows, row_rewards = expand(samples, rewards, roller.compaction, roller.summarize)
-        if rows:
-            m = self._update(rows, row_rewards, version)
-        train_s = time.perf_counter() - t1
+        guard = self.guard.snapshot_and_reset() if self.guard is not None else {}
+        guard = {**guard, **reward_counts}  # the code verifier's zeros by reason count beside the guard's counters
+        return RolloutBatch(samples, rewards, rows, row_rewards, april, guard, reward_counts, rollout_s)
+
+    async def train_step(self, ahead: asyncio.Future | None = None) -> tuple[dict, asyncio.Future | None]:
+        """One PPO step on the batch `ahead` (sampled during the previous step) or on one sampled now; returns its
+        metrics and, when this step overlaps (`_overlaps`), the next step's batch being sampled."""
+        sc, version = self.sc, self.state.step
+        t_step = time.perf_counter()
+        b = await ahead if ahead is not None else await self._collect(version)
+        nxt = None
+        t1 = time.perf_counter()
+        m: dict[str, float] = {}
+        if self._overlaps(version):
+            # the update runs in a thread while this loop samples the next batch from the weights before it
+            train = asyncio.ensure_future(asyncio.to_thread(self._update, b.rows, b.row_rewards, version)
+                                          if b.rows else asyncio.sleep(0, {}))
+            try:
+                nxt = asyncio.ensure_future(self._collect(version))
+                m = await train
+            except BaseException:
+                if nxt is not None:
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
+                await asyncio.gather(train, return_exceptions=True)  # a thread cannot be cancelled: let it end
+                raise
+            train_s = time.perf_counter() - t1
+            await asyncio.wait({nxt})  # the server ends that batch on these weights before it loads the next ones
+        else:
+            if b.rows:
+                m = self._update(b.rows, b.row_rewards, version)
+            train_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        await self.server.push(self.policy, self.tok, version + 1)  # on the critical path: the next rollout waits
+        # synchronous: the next rollout waits for the load; async: a snapshot, the load overlaps the next update
+        await self.server.push(self.policy, self.tok, version + 1, wait=not sc.async_rollouts)
         push_s = time.perf_counter() - t2
+        samples, rewards, rows, april, guard = b.samples, b.rewards, b.rows, b.april, b.guard
         self.buffer.mark_trained(s.sample_id for s in samples)
         self.state.step = version + 1
         self.state.cursor = self.cursor.cursor
-        guard = self.guard.snapshot_and_reset() if self.guard is not None else {}
-        guard = {**guard, **reward_counts}  # the code verifier's zeros by reason count beside the guard's counters
         for k, v in guard.items():
             self.state.guard_totals[k] = self.state.guard_totals.get(k, 0) + v
         out = {"reward": float(np.mean(rewards)) if rewards else float("nan"), "policy_loss": m.get("pg_loss"),
                "value_loss": m.get("vf_loss"), "clip_frac": m.get("clip_frac"), "kl": m.get("approx_kl"),
                "entropy": m.get("entropy"), "explained_variance": m.get("explained_variance"),
-               "tis_weight_mean": m.get("tis_weight_mean"), "rollout_s": rollout_s, "train_s": train_s, "push_s": push_s,
+               "tis_weight_mean": m.get("tis_weight_mean"), "rollout_s": b.rollout_s, "train_s": train_s,
+               "push_s": push_s, "step_s": time.perf_counter() - t_step, "lag_mean": token_lag(rows, version),
                "train_tokens": float(sum(len(r.prompt_ids) + len(r.output_ids) for r in rows)),
                "samples": float(len(samples)), "response_tokens": float(sum(len(s.output_ids) for s in samples)),
                "subtraces": float(len(rows)),
                **{f"april_{k}": float(v) for k, v in april.items()},
                **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked")},
-               **{f"guard_{k}": float(v) for k, v in reward_counts.items()}}
+               **{f"guard_{k}": float(v) for k, v in b.reward_counts.items()}}
         out = {k: float(v) for k, v in out.items() if v is not None}
         self.state.history.append({"step": self.state.step, **out})
         report(self.state.step, sc.steps, **out)  # every step, as data, for the process that started us
         if self.state.step % sc.log_every == 0 or self.state.step == sc.steps:
             self.tracker.log_metrics(out, step=self.state.step)
-            log.info("specialist %s step %d/%d: reward %.3f pg %.4f vf %.4f partials %d rollout %.2fs train %.2fs",
-                     self.domain.name, self.state.step, sc.steps, out["reward"], out.get("policy_loss", 0.0),
-                     out.get("value_loss", 0.0), april["partials"], rollout_s, train_s)
-        return out
+            log.info("specialist %s step %d/%d: reward %.3f pg %.4f vf %.4f partials %d rollout %.2fs train %.2fs "
+                     "step %.2fs", self.domain.name, self.state.step, sc.steps, out["reward"],
+                     out.get("policy_loss", 0.0), out.get("value_loss", 0.0), april["partials"], b.rollout_s,
+                     train_s, out["step_s"])
+        return out, nxt
 
     def _update(self, samples: list[Sample], rewards: list[float], version: int) -> dict:
         # every reward equal (all 0 on a hard domain, all 1 on a solved one): the whitened advantages would be pure
@@ -253,6 +302,26 @@ class SpecialistTrainer:
         no_signal = max(rewards) - min(rewards) < 1e-9
         critic_only = version < self.sc.critic_warmup_steps or no_signal
         return self.ranks.call("ppo", samples, rewards, version, critic_only)  # every rank: its shard (ppo_shard)
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rollout, verified (`SpecialistTrainer._collect`): what a PPO step trains on."""
+    samples: list[Sample]
+    rewards: list[float]
+    rows: list[Sample]  # the samples, a compacted episode as its sub-traces
+    row_rewards: list[float]
+    april: dict
+    guard: dict[str, int]  # the guard's counters of this rollout, with the reward outcome counts
+    reward_counts: dict[str, int]
+    rollout_s: float
+
+
+def token_lag(rows: list[Sample], version: int) -> float | None:
+    """Mean over the generated tokens of `rows` of (training version − the version that sampled them): 0 for a
+    synchronous step's fresh samples, 1 for an async step's, more for resumed partials' older tokens."""
+    lags = [version - v for r in rows for v in r.token_versions]
+    return float(np.mean(lags)) if lags else None
 
 
 def reward_outcome_counts(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
