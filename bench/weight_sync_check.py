@@ -75,8 +75,9 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = work / "server.log"
+    buf_dir = Path("/dev/shm" if Path("/dev/shm").is_dir() else work)  # the server reads buffers only there
     cmd = [sys.executable, "-m", "engine.server", "--model", str(dirs["A"]), "--port", str(port), "--device",
-           args.device, "--dtype", args.dtype]
+           args.device, "--dtype", args.dtype, "--weight-buffer-dir", str(buf_dir)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1")
     with open(log_path, "ab") as f:
@@ -137,7 +138,7 @@ def main() -> int:
                         version = f"{path}-{i}"
                         t0 = time.perf_counter()
                         if sync is None:
-                            buf = Path("/dev/shm" if Path("/dev/shm").is_dir() else work) / f"wsc-{os.getpid()}.wbuf"
+                            buf = buf_dir / f"wsc-{os.getpid()}.wbuf"
                             write_buffer(buf, dict(held[name]), version)
                             res = call(url, "/update_weights_from_buffer", {"path": str(buf)})
                             buf.unlink()

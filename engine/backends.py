@@ -34,6 +34,7 @@ SGLANG_OPTIONS: dict[str, type] = {
 EMBEDDED_OPTIONS: dict[str, type] = {
     "max_running_requests": int, "max_total_tokens": int, "max_prefill_tokens": int, "seed": int,
     "read_timeout_s": float, "max_body_mb": float, "device": str, "dtype": str, "mem_fraction_static": float,
+    "max_logprob_entries": int,
 }
 
 
@@ -52,6 +53,7 @@ class ServerBackend:
     # count per server (OMP_NUM_THREADS; its host-side work on a GPU too)
     takes_sglang_args: bool  # launched with `engine.sglang_args` as options
     weights_buffer_flag: str | None = None  # flag naming a weight buffer applied at start (engine/weight_buffer.py)
+    buffer_dir_flag: str | None = None  # flag naming a directory /update_weights_from_buffer may read (repeatable)
 
     def option_args(self, options: Mapping[str, Any]) -> list[str]:
         """{"tp_size": 2, "trust_remote_code": True} → ["--tp-size", "2", "--trust-remote-code"]; unknown keys
@@ -73,7 +75,8 @@ class ServerBackend:
 BACKENDS: Mapping[str, ServerBackend] = MappingProxyType({b.name: b for b in (
     ServerBackend(Backend.EMBEDDED, label="embedded server", module="engine.server", model_flag="--model",
                   options=MappingProxyType(EMBEDDED_OPTIONS), seed_option="seed", api_key_in_argv=False, cpu=True,
-                  takes_sglang_args=False, weights_buffer_flag="--weights-buffer"),
+                  takes_sglang_args=False, weights_buffer_flag="--weights-buffer",
+                  buffer_dir_flag="--weight-buffer-dir"),
     ServerBackend(Backend.SGLANG, label="SGLang", module="sglang.launch_server", model_flag="--model-path",
                   options=MappingProxyType(SGLANG_OPTIONS), seed_option="random_seed", api_key_in_argv=True,
                   cpu=False, takes_sglang_args=True),

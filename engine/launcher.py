@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from infra.procs import cancel_on_stop, log_tail, on_stop, pdeathsig_preexec
-from infra.choices import READ_TIMEOUT_S, Backend
+from infra.choices import MAX_LOGPROB_ENTRIES, READ_TIMEOUT_S, Backend
 from engine.backends import BACKENDS, server_backend
 from engine.client import API_KEY_ENV, EngineClient, run_sync
 
@@ -75,6 +75,8 @@ def launch_settings(engine_cfg, placement: dict | None = None) -> dict[str, Any]
             options["read_timeout_s"] = engine_cfg.read_timeout_s
         if engine_cfg.max_body_mb is not None:
             options["max_body_mb"] = engine_cfg.max_body_mb
+        if getattr(engine_cfg, "max_logprob_entries", MAX_LOGPROB_ENTRIES) != MAX_LOGPROB_ENTRIES:
+            options["max_logprob_entries"] = engine_cfg.max_logprob_entries
         for key in ("device", "dtype"):
             value = getattr(engine_cfg, key, "auto")
             if value != "auto":

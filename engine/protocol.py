@@ -18,6 +18,9 @@ Checked against SGLang's source (io_struct.GenerateReqInput, SamplingParams, tok
 - Log-prob keys appear in `meta_info` only when `return_logprob` is true; the top-logprob keys only when
   `top_logprobs_num > 0`; `input/output_token_ids_logprobs` only when `token_ids_logprob` is given (SGLang
   `add_logprob_to_meta_info`).
+- (Alloy only) `top_logprobs_num` must be in [0, vocab size], and an answer is bounded: positions × (1 +
+  top_logprobs_num + len(token_ids_logprob)), summed over the sequences (positions: the input positions scored plus
+  max_new_tokens), over the server's `max_logprob_entries` (--max-logprob-entries) is HTTP 400 naming both.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from infra.choices import MAX_LOGPROB_ENTRIES
 
 # Sampling params we implement; and SGLang params we accept only at their neutral value (anything else → 400,
 # so a client never gets silently different sampling than it asked for).
@@ -94,6 +99,7 @@ class Limits:
     context_len: int
     max_total_tokens: int
     max_seqs: int = 4096
+    max_logprob_entries: int = MAX_LOGPROB_ENTRIES  # (log-prob, id) entries one answer may carry: `_check_entries`
 
 
 # -- typed field readers: bools are not ints, floats are not ints, NaN is not a number ------------------------------
@@ -255,7 +261,7 @@ def parse_generate(body: Any, tokenizer, limits: Limits) -> GenerateRequest:
         single = False  # SGLang: parallel sampling of one prompt answers with a list
 
     seqs: list[SeqSpec] = []
-    total = 0
+    total, entries = 0, []
     for i, ids in enumerate(prompts):
         samp = parsed[i][0]
         _check_lengths(ids, samp.max_new_tokens, limits, "" if batch == 1 else f"[{i}]")
@@ -272,12 +278,33 @@ def parse_generate(body: Any, tokenizer, limits: Limits) -> GenerateRequest:
                                 return_text_in_logprobs=text_in_lp,
                                 abort_keys=frozenset({rid, rids[i]} | ({body["rid"]} if isinstance(body.get("rid"), str) else set()))))
             total += len(ids) + samp.max_new_tokens
+            if ret_lp[i]:  # positions: the prompt positions scored (from `start`) + the tokens it may generate
+                entries.append((len(ids) - start + samp.max_new_tokens, tops[i], len(tids[i] or ())))
     if len(seqs) > limits.max_seqs:
         raise ProtocolError(f"the request expands to {len(seqs)} sequences, over the limit of {limits.max_seqs}")
     if total > limits.max_total_tokens:
         raise ProtocolError(f"the request needs {total} tokens (prompts + max_new_tokens), over the server's "
                             f"max_total_tokens={limits.max_total_tokens}")
+    _check_entries(entries, limits.max_logprob_entries)
     return GenerateRequest(seqs=seqs, is_single=single, stream=stream)
+
+
+def _check_entries(entries: list[tuple[int, int, int]], limit: int) -> None:
+    """The answer's size bound: positions × (1 + top_logprobs_num + len(token_ids_logprob)) (log-prob, id)
+    entries, summed over the sequences (`entries`: one (positions, top, n_ids) each), at most `limit`."""
+    n = sum(p * (1 + k + t) for p, k, t in entries)
+    if n <= limit:
+        return
+    shapes = {(k, t) for _, k, t in entries}
+    positions = sum(p for p, _, _ in entries)
+    if len(shapes) == 1:
+        (k, t), = shapes
+        how = f"{positions} × (1 + {k} + {t}) = {n}"
+    else:
+        how = f"{n} (summed over {len(entries)} sequences, {positions} positions)"
+    raise ProtocolError(f"the answer is too large: positions × (1 + top_logprobs_num + len(token_ids_logprob)) = "
+                        f"{how} exceeds max_logprob_entries {limit} (positions: the input positions scored plus "
+                        f"max_new_tokens; ask for fewer top log-probs or token ids, or split the batch)")
 
 
 def _default(body: dict, key: str, default: Any) -> Any:

@@ -3,6 +3,7 @@
     python -m engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-running-requests 256]
         [--max-total-tokens N] [--log-level info] [--weight-version V] [--threads T] [--weights-buffer PATH]
         [--device auto|cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] [--mem-fraction-static F]
+        [--max-logprob-entries N] [--weight-buffer-dir DIR ...]
 
 Device and dtype (engine/device.py): auto = CUDA in bfloat16 when torch sees a GPU, else CPU in float32; weights,
 KV cache and sampling all live there. `--mem-fraction-static F` (SGLang's name; CUDA only) caps this process's
@@ -34,6 +35,8 @@ connection's start or the end of its previous response (aiohttp's `keepalive_tim
 request is not complete by then is closed), and again as long for its body (408, then the connection is closed);
 the response itself (a long /generate) has no time limit. Header lines over 8190 bytes or over 128 headers are
 400 (aiohttp's defaults). Bound to a non-loopback address without an API key, the server logs a WARNING.
+A /generate whose answer would carry over --max-logprob-entries (log-prob, id) entries is 400 (engine.protocol);
+/update_weights_from_buffer reads only regular files inside --weight-buffer-dir (engine.buffer_paths).
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ import orjson
 from aiohttp import web
 
 from engine import wire
+from engine.buffer_paths import buffer_dirs, check_buffer_path
 from engine.client import API_KEY_ENV
 from engine.protocol import (GC_PAUSE_PAIRS, Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output,
                                    gc_paused, logprob_pairs, parse_generate)
@@ -61,7 +65,8 @@ from engine.request_guards import (BODY_BYTES_PER_SEQ, BODY_BYTES_PER_TOKEN, LIM
                                    buffer_body, errors_middleware, is_loopback, json_body)
 from engine.scheduler import Engine, Seq
 from engine.sglang_updates import add_routes as add_sglang_update_routes
-from infra.choices import MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS, READ_TIMEOUT_S
+from infra.choices import (MAX_LOGPROB_ENTRIES, MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS,
+                           READ_TIMEOUT_S)
 
 log = logging.getLogger("alloy.engine.server")
 
@@ -74,7 +79,7 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 DEFAULTS = dict(max_running_requests=MAX_RUNNING_REQUESTS, max_total_tokens=MAX_TOTAL_TOKENS,
                 max_prefill_tokens=MAX_PREFILL_TOKENS, threads=None, weight_version="default", seed=0, max_body_mb=None,
                 max_seqs=4096, read_timeout_s=READ_TIMEOUT_S, weights_buffer=None, device="auto", dtype="auto",
-                mem_fraction_static=None)
+                mem_fraction_static=None, max_logprob_entries=MAX_LOGPROB_ENTRIES, weight_buffer_dirs=None)
 
 
 def _dumps(obj: Any) -> str:
@@ -135,7 +140,8 @@ def _resolver(request: web.Request, fut: asyncio.Future):
 
 def _limits(engine: Engine, app: web.Application) -> Limits:
     return Limits(vocab_size=engine.vocab_size, context_len=engine.context_len,
-                  max_total_tokens=engine.max_total_tokens, max_seqs=app[LIMITS]["max_seqs"])
+                  max_total_tokens=engine.max_total_tokens, max_seqs=app[LIMITS]["max_seqs"],
+                  max_logprob_entries=app[LIMITS]["max_logprob_entries"])
 
 
 def _token_text(app: web.Application, engine: Engine) -> TokenText:
@@ -307,7 +313,8 @@ def _flag(value: str | None, key: str) -> bool | None:
 
 async def update_weights_from_buffer(request: web.Request) -> web.Response:
     """New weights as a weight buffer (engine/weight_buffer.py), copied into the live model in place: a JSON
-    body {"path", "weight_version"?, "flush_cache"?, "abort_all_requests"?} names a buffer file on this machine;
+    body {"path", "weight_version"?, "flush_cache"?, "abort_all_requests"?} names a buffer file on this machine
+    (a regular file inside --weight-buffer-dir, else 400: engine/buffer_paths.py);
     an `application/octet-stream` body is the buffer itself (options then in the query string). Without a
     weight_version the buffer's own is used. Ordering as /update_weights_from_disk."""
     from engine.weight_buffer import WeightBufferError, read_buffer
@@ -321,9 +328,10 @@ async def update_weights_from_buffer(request: web.Request) -> web.Response:
         source: Any = await buffer_body(request, engine)
         what = f"a {len(source)}-byte body"
     else:
-        source, version, abort_all = await _weights_request(
+        path, version, abort_all = await _weights_request(
             request, "path", " (or send the buffer as application/octet-stream)")
-        what = source
+        source = check_buffer_path(path, request.app[LIMITS]["buffer_dirs"])  # 400 outside the buffer dirs
+        what = path
     try:
         buf_version, tensors = await loop.run_in_executor(None, read_buffer, source)
     except (OSError, WeightBufferError) as e:
@@ -363,7 +371,8 @@ async def flush_cache(request: web.Request) -> web.Response:
 # -- app ------------------------------------------------------------------------------------------------------------
 def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Application:
     """The aiohttp app. `limits`: max_running_requests, max_total_tokens, max_prefill_tokens, threads,
-    weight_version, seed, max_body_mb, max_seqs, device, dtype, mem_fraction_static (defaults in DEFAULTS). The
+    weight_version, seed, max_body_mb, max_seqs, device, dtype, mem_fraction_static, max_logprob_entries,
+    weight_buffer_dirs (defaults in DEFAULTS). The
     engine thread starts (and loads the model) on app startup. A device/dtype/fraction the engine cannot use raises
     `engine.device.DeviceError` here."""
     unknown = set(limits) - set(DEFAULTS)
@@ -372,6 +381,7 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
     cfg = {**DEFAULTS, **{k: v for k, v in limits.items() if v is not None}}
     cfg["body_limit"] = (int(cfg["max_body_mb"] * 2**20) if cfg["max_body_mb"] is not None
                          else body_limit_bytes(cfg["max_total_tokens"], cfg["max_seqs"]))
+    cfg["buffer_dirs"] = buffer_dirs(cfg["weight_buffer_dirs"])
     engine = Engine(str(model_dir), max_running_requests=cfg["max_running_requests"],
                     max_total_tokens=cfg["max_total_tokens"], max_prefill_tokens=cfg["max_prefill_tokens"],
                     threads=cfg["threads"], weight_version=cfg["weight_version"], seed=cfg["seed"],
@@ -446,6 +456,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.server") -
                         f"--max-total-tokens x {BODY_BYTES_PER_TOKEN} B (a token id as JSON, or text) + 4096 "
                         f"sequences x {BODY_BYTES_PER_SEQ} B (rid, sampling_params) + 1 MiB "
                         f"(6 MiB at the default --max-total-tokens)")
+    p.add_argument("--max-logprob-entries", type=int, default=DEFAULTS["max_logprob_entries"], metavar="N",
+                   help="a /generate whose answer would carry more (log-prob, id) entries, positions x (1 + "
+                        "top_logprobs_num + len(token_ids_logprob)) summed over its sequences, is HTTP 400")
+    p.add_argument("--weight-buffer-dir", action="append", default=None, metavar="DIR", dest="weight_buffer_dirs",
+                   help="/update_weights_from_buffer reads only regular files inside DIR (repeatable; default "
+                        "/dev/shm, where trainers write their buffers); other paths are HTTP 400")
     p.add_argument("--read-timeout-s", type=float, default=DEFAULTS["read_timeout_s"],
                    help="seconds a client gets to send a request's headers (from connect or its previous response) "
                         "and again for its body; a stalled request is dropped (the response time is not limited)")
@@ -464,6 +480,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.server") -
         p.error("--max-running-requests, --max-total-tokens and --max-prefill-tokens must be positive")
     if not args.read_timeout_s > 0 or (args.max_body_mb is not None and not args.max_body_mb > 0):
         p.error("--read-timeout-s and --max-body-mb must be positive")
+    if args.max_logprob_entries < 1:
+        p.error("--max-logprob-entries must be positive")
     if args.dtype not in DTYPE_CHOICES:
         p.error(f"--dtype must be one of {' | '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
     try:
@@ -489,7 +507,8 @@ def _build_main_app(args) -> web.Application:
                     threads=args.threads or _default_threads(), weight_version=args.weight_version, seed=args.seed,
                     max_body_mb=args.max_body_mb, read_timeout_s=args.read_timeout_s,
                     weights_buffer=args.weights_buffer, device=args.device, dtype=args.dtype,
-                    mem_fraction_static=args.mem_fraction_static)
+                    mem_fraction_static=args.mem_fraction_static, max_logprob_entries=args.max_logprob_entries,
+                    weight_buffer_dirs=args.weight_buffer_dirs)
 
 
 def _serve(app: web.Application, args) -> None:
@@ -515,8 +534,10 @@ def _serve(app: web.Application, args) -> None:
 
     app.on_startup.append(exit_on_load_failure)
     log.info("alloy engine server on http://%s:%d (model %s on %s in %s, api key %s, body limit %d bytes, "
-             "read timeout %g s)", args.host, args.port, args.model, engine.device, dtype_name(engine.dtype),
-             "on" if args.api_key else "off", app[LIMITS]["body_limit"], args.read_timeout_s)
+             "read timeout %g s, answers up to %d log-prob entries, weight buffers from %s)", args.host, args.port,
+             args.model, engine.device, dtype_name(engine.dtype), "on" if args.api_key else "off",
+             app[LIMITS]["body_limit"], args.read_timeout_s, app[LIMITS]["max_logprob_entries"],
+             ", ".join(app[LIMITS]["buffer_dirs"]))
     if not args.api_key and not is_loopback(args.host):
         log.warning("listening on %s:%d, which is not a loopback address, WITHOUT an API key: anyone who can reach "
                     "it can generate, abort requests and load weights from any path (/update_weights_from_disk). "

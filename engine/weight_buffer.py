@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import struct
 import sys
 import warnings
@@ -129,16 +130,16 @@ def _parse_header(buf, where: str) -> tuple[str, list[dict], int]:
         raise WeightBufferError(f"weight buffer {where}: {size} bytes, too short for a header (truncated?)")
     magic, hlen = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
-        raise WeightBufferError(f"weight buffer {where}: bad magic {bytes(magic)!r} (expected {MAGIC!r}); "
-                                "not a weight buffer")
+        raise WeightBufferError(f"weight buffer {where}: bad magic (its first 8 bytes are not {MAGIC!r}); "
+                                "not a weight buffer")  # never echo the bytes: the file may be anything
     if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen > size:
         raise WeightBufferError(f"weight buffer {where}: header of {hlen} bytes does not fit in {size} bytes "
                                 "(truncated or corrupt)")
     try:
         header = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + hlen]))
         version, entries, data_bytes = str(header["version"]), header["tensors"], int(header["data_bytes"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise WeightBufferError(f"weight buffer {where}: corrupt header ({type(e).__name__}: {e})") from None
+    except (ValueError, KeyError, TypeError) as e:  # the error's type only: its text may quote the header
+        raise WeightBufferError(f"weight buffer {where}: corrupt header ({type(e).__name__})") from None
     start = _align(_PREFIX.size + hlen)
     if start + data_bytes > size:
         raise WeightBufferError(f"weight buffer {where}: {size} bytes, but its header promises {start + data_bytes} "
@@ -184,8 +185,14 @@ def read_buffer(source: str | Path | bytes | bytearray | memoryview) -> tuple[st
     _check_byteorder()
     if isinstance(source, (str, Path)):
         where = str(source)
-        with open(source, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # non-blocking: opening a FIFO for reading would wait for a writer (a hung thread); anything but a regular
+        # file is refused on the open file itself, so a path swapped after a caller's check cannot slip through
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise WeightBufferError(f"weight buffer {where}: not a regular file")
+            size = st.st_size
             if size == 0:
                 raise WeightBufferError(f"weight buffer {where}: empty file")
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private + writable: frombuffer without warnings

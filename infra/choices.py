@@ -54,6 +54,13 @@ MAX_RUNNING_REQUESTS = 256
 MAX_TOTAL_TOKENS = 65536  # KV-cache tokens of all running sequences together
 MAX_PREFILL_TOKENS = 16384  # prompt tokens prefilled in one forward
 READ_TIMEOUT_S = 30.0  # a client gets this long for a request's headers, and again for its body
+# (log-prob, id) entries one /generate answer may carry: positions x (1 + top_logprobs_num + len(token_ids_logprob)),
+# summed over its sequences (positions: the prompt positions scored when input log-probs are asked for, plus
+# max_new_tokens). Alloy's largest requests: a student scoring call at the defaults (32 sequences x <= 513 positions
+# x (1 + top_k 16)) is ~279k; a PPO rollout (top 0) at most max_total_tokens = 65,536; even the whole token budget
+# at top-k 16 is ~1.1M. 2^22 (~4.2M: ~100 MB of JSON, ~34 MB packed) is well above them and bounds what a ~40 KB
+# request can make the server build (top_logprobs_num up to the vocabulary was ~10^10 entries).
+MAX_LOGPROB_ENTRIES = 2**22
 
 # dataset limits (`dataset.max_file_mb`, `dataset.max_row_kb`): read by infra.datasets and domains/dataset.py
 DEFAULT_MAX_FILE_MB = 512.0  # the largest dataset file read (the whole file stays in a per-process cache)

@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 # The sections live in two modules (what every stage reads | the stages' own); every name is re-exported here, and
 # `from infra.config import X` is how the rest of the tree imports them.
+from infra.choices import Backend
 from infra.config_shared import (ConfigError, DatasetConfig, DomainConfig, EngineConfig, EvalConfig, ModelConfig,
                                  ResourcesConfig, RunConfig, Secret, TrackingConfig, TrainConfig, _problem, _Strict,
                                  ops_field)
@@ -128,6 +129,20 @@ class AlloyConfig(_Strict):
             if t.lr_schedule == "cosine" and t.warmup_steps >= max(steps, 1):
                 raise ValueError(f"{where}.{name}.warmup_steps={t.warmup_steps} must be below {where}.steps={steps} "
                                  "with lr_schedule cosine (it decays over the steps after the warm-up)")
+        return self
+
+    @model_validator(mode="after")
+    def _scoring_fits(self) -> "AlloyConfig":
+        """A teacher scoring call of the student (score_batch_size sequences × up to max_new_tokens + 1 positions ×
+        (1 + top_k)) must fit the embedded servers' answer cap (engine.max_logprob_entries), or every call of the
+        stage would be refused; refused here, when the config loads."""
+        d, e = self.distill, self.engine
+        need = d.score_batch_size * (d.max_new_tokens + 1) * (1 + d.top_k)
+        if e.backend == Backend.EMBEDDED and d.steps > 0 and need > e.max_logprob_entries:
+            raise ValueError(f"a teacher scoring call needs up to distill.score_batch_size={d.score_batch_size} × "
+                             f"(distill.max_new_tokens={d.max_new_tokens} + 1) × (1 + distill.top_k={d.top_k}) = "
+                             f"{need} log-prob entries, over engine.max_logprob_entries={e.max_logprob_entries}: "
+                             "lower score_batch_size or top_k, or raise engine.max_logprob_entries")
         return self
 
     @property

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal, Mapping
 from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, ValidationInfo, field_validator, model_serializer,
                       model_validator)
 
-from infra.choices import (DEFAULT_MAX_FILE_MB, DEFAULT_MAX_ROW_KB, MAX_RUNNING_REQUESTS, READ_TIMEOUT_S, Backend,
-                           SglangWeightSync, WeightSync, values)
+from infra.choices import (DEFAULT_MAX_FILE_MB, DEFAULT_MAX_ROW_KB, MAX_LOGPROB_ENTRIES, MAX_RUNNING_REQUESTS,
+                           READ_TIMEOUT_S, Backend, SglangWeightSync, WeightSync, values)
 from infra.names import NAME_RULE, check_name
 from infra.secrets import REDACTED
 
@@ -312,6 +312,11 @@ class EngineConfig(_Strict):
     max_body_mb: float | None = ops_field(None, gt=0, description="Embedded servers: larger request bodies get HTTP 413. "
                                           "None = the largest request the protocol accepts (6 MiB at the default "
                                           "max_total_tokens).")
+    max_logprob_entries: int = ops_field(MAX_LOGPROB_ENTRIES, ge=1, description="Embedded servers: a /generate "
+                                         "whose answer would carry more (log-prob, id) entries, positions × (1 + "
+                                         "top_logprobs_num + len(token_ids_logprob)) summed over its sequences, is "
+                                         "HTTP 400 (--max-logprob-entries; the default is ~15x a student scoring "
+                                         "call at the defaults: infra/choices.py).")
 
     @field_validator("device")
     @classmethod

@@ -15,6 +15,8 @@ else under the work dir, two files alternating by version (A/B: the server may s
 written); the load is `update_weights_from_buffer`, an in-place copy into the server's model. `disk` (and any
 SGLang server): an HF dir (`save_hf`) loaded with `update_weights_from_disk`. With `push(..., wait=False)` the
 load runs as a task while the caller goes on (sampling the next batch on the previous weights).
+The embedded server reads weight buffers only inside the directories it is launched with (`--weight-buffer-dir`,
+engine/buffer_paths.py): this server's private /dev/shm directory (made before the launch) and `work_dir/weights`.
 
 The server owns the tracking of its loads: `loaded_version` (the newest version loaded), `wait_version(v)` (until
 version v or a newer one is loaded, however many pushes away it is: the student's sampler gates on it, see
@@ -68,6 +70,15 @@ class PolicyServer:
         self.weights_dir = Path(work_dir) / "weights"
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self.keep, self.version, self.loaded_version = keep, version, version
+        # the server reads weight buffers only inside the directories it is told (engine/buffer_paths.py): ours
+        self._shm_dir: Path | None = None  # a private directory in /dev/shm, made now, chosen at the first push
+        self._buffers: set[Path] = set()
+        atexit.register(self._remove_buffers)  # from here on: the directory goes even if the server never starts
+        dir_flag = server_backend(backend).buffer_dir_flag
+        if dir_flag is not None:
+            self._shm_dir = self._make_shm_dir(name)
+            for d in ([self._shm_dir] if self._shm_dir else []) + [self.weights_dir]:
+                extra += [dir_flag, str(d)]
         spec = ServerSpec(name=name, model_path=str(model_dir), backend=backend, host=host, api_key=api_key,
                           extra_args=extra, options=options, weight_version=str(version), env=dict(env or {}))
         self.url = supervisor.start([spec])[name]
@@ -79,8 +90,6 @@ class PolicyServer:
         self.load_s = 0.0  # time the deferred loads took, start to finish
         self._load_done: asyncio.Event | None = None  # set (and dropped) when a load finishes: wakes `wait_version`
         self._buffer_dir: Path | None = None  # chosen at the first memory push (by then the size is known)
-        self._buffers: set[Path] = set()
-        atexit.register(self._remove_buffers)
         self.sync = WeightSync.DISK  # the strategy in use (`_fast_sync`): memory | tensor | distributed | disk
         self._sglang = self._fast_sync(backend, weight_sync, sglang_weight_sync, options, api_key)
         self._pushing: tuple | None = None  # (train_backend, tokenizer, weights) of the load in progress (fallback)
@@ -232,18 +241,30 @@ class PolicyServer:
         write_buffer(path, weights, str(version))
         return path
 
+    @staticmethod
+    def _make_shm_dir(name: str) -> Path | None:
+        """A private directory in /dev/shm (None when it is not a writable directory): one of the server's
+        --weight-buffer-dir, made before the server starts; whether buffers go there is decided at the first push."""
+        shm = Path("/dev/shm")
+        try:
+            if shm.is_dir() and os.access(shm, os.W_OK):
+                return Path(tempfile.mkdtemp(prefix=f"alloy-{name}-", dir=shm))
+        except OSError:
+            pass
+        return None
+
     def _pick_buffer_dir(self, nbytes: int) -> Path:
-        """/dev/shm (a private directory) when writable with room for three buffers (A, B and the one being
-        written), else `work_dir/weights`."""
+        """The private /dev/shm directory when it has room for three buffers (A, B and the one being written),
+        else `work_dir/weights`."""
         if self._buffer_dir is None:
-            shm, room = Path("/dev/shm"), 0
+            room = 0
             try:
-                if shm.is_dir() and os.access(shm, os.W_OK):
-                    room = shutil.disk_usage(shm).free
+                if self._shm_dir is not None:
+                    room = shutil.disk_usage(self._shm_dir).free
             except OSError:
                 pass
-            if room >= 3 * nbytes + 64 * 2**20:
-                self._buffer_dir = Path(tempfile.mkdtemp(prefix=f"alloy-{self.name}-", dir=shm))
+            if self._shm_dir is not None and room >= 3 * nbytes + 64 * 2**20:
+                self._buffer_dir = self._shm_dir
             else:
                 log.info("%s: /dev/shm has no room for weight buffers (%d bytes free, %d needed); using %s", self.name,
                          room, 3 * nbytes, self.weights_dir)
@@ -284,8 +305,8 @@ class PolicyServer:
         for p in self._buffers:
             p.unlink(missing_ok=True)
         self._buffers.clear()
-        if self._buffer_dir is not None and self._buffer_dir != self.weights_dir:
-            shutil.rmtree(self._buffer_dir, ignore_errors=True)
+        if self._shm_dir is not None:
+            shutil.rmtree(self._shm_dir, ignore_errors=True)
 
     async def aclose(self) -> None:
         """Finish an in-flight load (its error is logged, not raised), close the client, remove the buffers."""

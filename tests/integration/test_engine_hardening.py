@@ -2,11 +2,15 @@
 a half-sent request is dropped after `--read-timeout-s` (headers: the connection closes; body: 408, then closes) while
 a response that takes longer than that is not cut; a body over the limit is 413 with SGLang's error body (whether
 it announces its length or not); the default limit is the one derived from --max-total-tokens; binding a non-loopback
-address without an API key logs a WARNING naming the address and the fix."""
+address without an API key logs a WARNING naming the address and the fix; an answer over --max-logprob-entries
+(log-prob, id) entries is 400 naming the limit and the numbers; /update_weights_from_buffer reads only regular files
+inside --weight-buffer-dir (a FIFO or a path outside is 400 at once, and no error quotes a file's bytes)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,12 +24,17 @@ pytestmark = pytest.mark.integration
 
 TIMEOUT_S = 0.5  # the server's --read-timeout-s in these tests (short: a long response must outlast it)
 LIMIT_MB = 0.5
+MAX_ENTRIES = 1000  # the server's --max-logprob-entries in these tests
+SECRET = b"SECRET-CONTENT-0123456789"  # bytes of files the server must never quote
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
+    buffers = tmp_path_factory.mktemp("buffers")
     srv = EngineProc(tiny_model_dir, tmp_path_factory.mktemp("hardening") / "server.log",
-                     "--read-timeout-s", str(TIMEOUT_S), "--max-body-mb", str(LIMIT_MB)).start()
+                     "--read-timeout-s", str(TIMEOUT_S), "--max-body-mb", str(LIMIT_MB),
+                     "--max-logprob-entries", str(MAX_ENTRIES), "--weight-buffer-dir", str(buffers)).start()
+    srv.buffer_dir = buffers
     try:
         srv.wait_healthy()
         yield srv
@@ -174,3 +183,123 @@ def test_with_a_key_the_non_loopback_bind_does_not_warn(tiny_model_dir, tmp_path
         srv.kill()
     text = log_path.read_text()
     assert "alloy engine server on http://0.0.0.0" in text and "without an API key" not in text, text
+
+
+# -- bounded answers: --max-logprob-entries ---------------------------------------------------------------------------
+def post(server, body: dict) -> tuple[int, dict]:
+    status, payload = http(server.url, "/generate", json.dumps(body).encode())
+    return status, json_body(payload)
+
+
+def scoring_body(top: int, n_ids: int, prompt: int = 10, new: int = 10) -> dict:
+    """prompt + new positions (input log-probs from 0, `new` generated tokens) × (1 + top + n_ids) entries."""
+    return {"input_ids": [1] + [5 + i % 50 for i in range(prompt - 1)], "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": top, "token_ids_logprob": list(range(10, 10 + n_ids)),
+            "sampling_params": {"max_new_tokens": new, "ignore_eos": True, "temperature": 0.0}}
+
+
+def test_an_answer_over_the_logprob_cap_is_400_naming_it(server):
+    # 20 positions × (1 + 41 + 9) = 1020 > 1000
+    status, out = post(server, scoring_body(top=41, n_ids=9))
+    msg = out["error"]["message"]
+    assert status == 400 and f"max_logprob_entries {MAX_ENTRIES}" in msg and "20 × (1 + 41 + 9) = 1020" in msg, out
+    assert "positions × (1 + top_logprobs_num + len(token_ids_logprob))" in msg
+    # a batch is summed over its sequences (n = 2 doubles it): 2 × 20 × (1 + 20 + 9) = 1200
+    body = {**scoring_body(top=20, n_ids=9), "sampling_params": {"max_new_tokens": 10, "ignore_eos": True, "n": 2}}
+    status, out = post(server, body)
+    assert status == 400 and "= 1200" in out["error"]["message"] and str(MAX_ENTRIES) in out["error"]["message"], out
+    assert http(server.url, "/health", method="GET")[0] == 200
+
+
+@pytest.mark.parametrize("top,n_ids", [(40, 8), (40, 9)])  # 20 × 49 = 980 just under; 20 × 50 = 1000, at the cap
+def test_an_answer_at_or_under_the_logprob_cap_is_served(server, top, n_ids):
+    status, out = post(server, scoring_body(top=top, n_ids=n_ids))
+    assert status == 200, out
+    meta = out["meta_info"]
+    assert len(meta["input_token_logprobs"]) == 10 and len(meta["output_token_logprobs"]) == 10
+    assert all(len(e) == top for e in meta["output_top_logprobs"]) and len(meta["input_top_logprobs"]) == 10
+    assert all(len(e) == n_ids for e in meta["output_token_ids_logprobs"])
+    # without return_logprob nothing is counted (no log-probs come back)
+    status, out = post(server, {**scoring_body(top=100, n_ids=50), "return_logprob": False})
+    assert status == 200 and "output_top_logprobs" not in out["meta_info"], out
+
+
+@pytest.mark.parametrize("top", [-1, 101, 10**9])  # the tiny model's vocabulary has 100 ids
+def test_top_logprobs_num_outside_the_vocabulary_is_400(server, top):
+    status, out = post(server, scoring_body(top=top, n_ids=0, new=1))
+    assert status == 400 and "top_logprobs_num" in out["error"]["message"] and "[0, 100]" in out["error"]["message"]
+
+
+# -- /update_weights_from_buffer reads regular files inside --weight-buffer-dir only ----------------------------------
+def update_from(server, path) -> tuple[int, dict, float]:
+    t0 = time.monotonic()
+    status, payload = http(server.url, "/update_weights_from_buffer", json.dumps({"path": str(path)}).encode(),
+                           timeout=30)
+    return status, json_body(payload), time.monotonic() - t0
+
+
+def message(out: dict) -> str:
+    return out["error"]["message"] if "error" in out else out["message"]
+
+
+def test_weight_buffer_paths_outside_the_dir_or_not_regular_are_400_at_once(server, tmp_path):
+    bdir = server.buffer_dir
+    outside = tmp_path / "secret.wbuf"
+    outside.write_bytes(SECRET * 4)
+    fifo = bdir / "pipe.wbuf"
+    os.mkfifo(fifo)
+    (bdir / "leak.wbuf").symlink_to(outside)  # inside the dir, pointing out of it
+    (bdir / "sub").mkdir()
+    cases = [(outside, "outside"), (bdir / "leak.wbuf", "outside"), (bdir / ".." / outside.name, "outside"),
+             ("/etc/passwd", "outside"), (fifo, "a FIFO"), (bdir / "sub", "a directory")]
+    try:
+        for path, why in cases:
+            status, out, took = update_from(server, path)
+            assert status == 400 and why in message(out) and "--weight-buffer-dir" in message(out), (path, out)
+            assert os.path.realpath(bdir) in message(out), out  # the rule names the allowed directory
+            assert SECRET.decode()[:6] not in json.dumps(out), out
+            assert took < 5, (path, took)  # answered at once: no thread waits on a FIFO's writer
+        # a regular file inside the dir that is not a weight buffer: refused without quoting a byte of it
+        (bdir / "junk.wbuf").write_bytes(SECRET * 4)
+        status, out, _ = update_from(server, bdir / "junk.wbuf")
+        assert status == 400 and out["success"] is False and "bad magic" in out["message"], out
+        assert SECRET.decode()[:6] not in json.dumps(out) and "SECR" not in out["message"], out
+        assert http(server.url, "/health", method="GET")[0] == 200
+    finally:
+        fifo.unlink()
+
+
+def test_weight_buffers_inside_the_dir_still_load(server, model):
+    from engine.weight_buffer import write_buffer
+
+    buf = server.buffer_dir / "w.wbuf"
+    write_buffer(buf, model.state_dict(), "inside")
+    (server.buffer_dir / "link.wbuf").symlink_to(buf)  # a symlink that stays inside the dir is fine
+    for path, version in ((buf, "inside"), (server.buffer_dir / "link.wbuf", "inside")):
+        status, out, _ = update_from(server, path)
+        assert status == 200 and out["success"] is True, out
+        info = json_body(http(server.url, "/get_model_info", method="GET")[1])
+        assert info["weight_version"] == version
+
+
+def test_read_buffer_refuses_a_fifo_without_waiting_for_a_writer(tmp_path):
+    from engine.weight_buffer import WeightBufferError, read_buffer
+
+    fifo = tmp_path / "p.wbuf"
+    os.mkfifo(fifo)
+    got: list = []
+
+    def read():
+        try:
+            read_buffer(fifo)
+        except WeightBufferError as e:
+            got.append(str(e))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # unblock the hung open so the test process can end, then fail
+        with open(fifo, "wb"):
+            pass
+        pytest.fail("read_buffer blocked on a FIFO")
+    assert got and "not a regular file" in got[0], got

@@ -35,7 +35,10 @@ def call(base: str, path: str, body=None, *, method: str = "POST", raw: bytes | 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    srv = Server(tiny_model_dir, tmp_path_factory.mktemp("engine-server") / "server.log")
+    buffers = tmp_path_factory.mktemp("weight-buffers")  # where /update_weights_from_buffer may read
+    srv = Server(tiny_model_dir, tmp_path_factory.mktemp("engine-server") / "server.log", "--weight-buffer-dir",
+                 str(buffers))
+    srv.buffer_dir = buffers
     try:
         srv.wait_healthy()
         yield srv
@@ -289,7 +292,8 @@ def test_update_weights_from_buffer_equals_disk(server, tiny_model_dir, model, t
         assert call(server.url, "/update_weights_from_disk", {"model_path": str(tiny_model_dir)})[0] == 200
         assert outputs()[0] == before
         # a buffer file (the tied LM head left out: the embeddings cover it), its version from the request
-        buf = tmp_path / "w.buf"
+        bdir = server.buffer_dir
+        buf = bdir / "w.buf"
         write_buffer(buf, {k: v for k, v in other.items() if k != "lm_head.weight"}, 99)
         status, res = call(server.url, "/update_weights_from_buffer", {"path": str(buf), "weight_version": "b7"})
         assert status == 200 and res["success"] is True and "in place" in res["message"], res
@@ -297,13 +301,17 @@ def test_update_weights_from_buffer_equals_disk(server, tiny_model_dir, model, t
         assert from_buffer == from_disk and from_buffer != before and version == "b7"
         assert call(server.url, "/get_model_info", method="GET")[1]["weight_version"] == "b7"
         # refused sets leave the weights alone: partial, corrupt, missing
-        write_buffer(tmp_path / "part.buf", {k: v for k, v in model.state_dict().items() if "layers.1." not in k}, 3)
-        for path, why in ((tmp_path / "part.buf", "partial set"), (tmp_path / "missing.buf", "FileNotFoundError")):
+        write_buffer(bdir / "part.buf", {k: v for k, v in model.state_dict().items() if "layers.1." not in k}, 3)
+        for path, why in ((bdir / "part.buf", "partial set"), (bdir / "missing.buf", "FileNotFoundError")):
             status, res = call(server.url, "/update_weights_from_buffer", {"path": str(path)})
             assert status == 400 and res["success"] is False and why in res["message"], res
-        (tmp_path / "cut.buf").write_bytes(buf.read_bytes()[:-64])
-        status, res = call(server.url, "/update_weights_from_buffer", {"path": str(tmp_path / "cut.buf")})
-        assert status == 400 and "truncated" in res["message"] and str(tmp_path / "cut.buf") in res["message"], res
+        (bdir / "cut.buf").write_bytes(buf.read_bytes()[:-64])
+        status, res = call(server.url, "/update_weights_from_buffer", {"path": str(bdir / "cut.buf")})
+        assert status == 400 and "truncated" in res["message"] and str(bdir / "cut.buf") in res["message"], res
+        # outside --weight-buffer-dir: refused before anything is opened (tests/integration/test_engine_hardening.py)
+        write_buffer(tmp_path / "elsewhere.buf", other, 5)
+        status, res = call(server.url, "/update_weights_from_buffer", {"path": str(tmp_path / "elsewhere.buf")})
+        assert status == 400 and "--weight-buffer-dir" in res["error"]["message"], res
         assert outputs() == (from_disk, "b7")
         # the buffer as the body (a server on another machine), under a limit sized to the model; its own version
         raw = encode_buffer(model.state_dict(), "w0")

@@ -95,6 +95,11 @@ def test_launch_settings_follow_the_engine_config():
     assert build_command(ServerSpec("t", "/m", **limits), 30000)[-4:] == ["--read-timeout-s", "5.0", "--max-body-mb",
                                                                         "64.0"]
     assert launch_settings(EngineConfig(backend="sglang", read_timeout_s=5))["options"] == {}  # SGLang: no such flag
+    # the answer cap (--max-logprob-entries): a flag only where not the default
+    cap = launch_settings(EngineConfig(max_logprob_entries=2**23))
+    assert cap["options"] == {"max_logprob_entries": 2**23}
+    assert build_command(ServerSpec("t", "/m", **cap), 30000)[-2:] == ["--max-logprob-entries", str(2**23)]
+    assert launch_settings(EngineConfig(backend="sglang", max_logprob_entries=5))["options"] == {}
     # the embedded server's device and dtype: flags only where not "auto"; SGLang takes its own (sglang_args)
     dev = launch_settings(EngineConfig(device="cuda:1", dtype="float16"))
     assert dev["options"] == {"device": "cuda:1", "dtype": "float16"}

@@ -167,3 +167,16 @@ def test_a_cosine_warmup_as_long_as_its_stage_is_refused_when_the_config_loads()
                            "warmup_steps: 5}}}"])
     assert load_config(gpu1, ["base.steps=101", "distill.steps=51"]).base.steps == 101
     load_config(gpu1, ["base.steps=100", "base.train.lr_schedule=constant"])  # no decay, no constraint
+
+
+def test_teacher_scoring_calls_over_the_engine_answer_cap_are_refused_when_the_config_loads():
+    """engine.max_logprob_entries caps an embedded server's answer (engine/protocol.py); the student's scoring calls
+    (score_batch_size × (max_new_tokens + 1) × (1 + top_k) entries) must fit it, and do at the defaults."""
+    smoke = str(Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml")
+    cfg = load_config(smoke, ["distill.max_new_tokens=512"])  # 32 × 513 × 17 = 279,072: far under 2^22
+    assert cfg.distill.score_batch_size * 513 * (1 + cfg.distill.top_k) * 15 < cfg.engine.max_logprob_entries
+    with pytest.raises(ConfigError, match=r"= 4218912 log-prob entries, over engine\.max_logprob_entries=4194304"):
+        load_config(smoke, ["distill.max_new_tokens=512", "distill.top_k=256"])  # 32 × 513 × 257
+    assert load_config(smoke, ["distill.top_k=256", "engine.backend=sglang"]).distill.top_k == 256  # not ours
+    assert load_config(smoke, ["distill.max_new_tokens=512", "distill.top_k=256",
+                               "engine.max_logprob_entries=8388608"]).engine.max_logprob_entries == 2**23

@@ -21,7 +21,7 @@ OPS_CHANGES = {
     "tracking.enabled": False, "tracking.uri": "http://mlflow.example:5000", "tracking.experiment": "other",
     "engine.host": "0.0.0.0", "engine.api_key": "k3y", "engine.threads": 3, "engine.sglang_weight_sync": "disk",
     "engine.weight_sync": "disk", "engine.read_timeout_s": 60.0, "engine.max_body_mb": 64.0, "engine.device": "cpu",
-    "engine.dtype": "bfloat16",
+    "engine.dtype": "bfloat16", "engine.max_logprob_entries": 8_388_608,
     "teachers.health_timeout_s": 5.0, "teachers.max_restarts": 0, "teachers.check_tokenizers": False,
     "distill.score_batch_size": 4, "distill.teacher_timeout_s": 5.0, "distill.teacher_retries": 0,
     "distill.score_attempts": 1, "distill.checkpoint_every": 7, "distill.log_every": 3, "distill.threads": 2,
