@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from infra.devices import ALIASES as DTYPE_ALIASES  # noqa: F401
 from infra.devices import (DTYPE_CHOICES, DTYPES, DeviceError, check_device_name, dtype_name,  # noqa: F401
                            resolve_device, resolve_dtype)
 

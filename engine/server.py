@@ -60,7 +60,8 @@ from engine.client import API_KEY_ENV
 from engine.protocol import (GC_PAUSE_PAIRS, Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output,
                                    gc_paused, logprob_pairs, parse_generate)
 # body_limit_bytes and is_loopback are part of this module's API too (imported from here by callers and tests)
-from engine.device import DTYPE_CHOICES, DeviceError, check_device_name, check_mem_fraction, dtype_name, memory_info
+from engine.device import (DTYPE_ALIASES, DTYPE_CHOICES, DeviceError, check_device_name, check_mem_fraction, dtype_name,
+                           memory_info)
 from engine.request_guards import (BODY_BYTES_PER_SEQ, BODY_BYTES_PER_TOKEN, LIMITS, auth_middleware, body_limit_bytes,
                                    buffer_body, errors_middleware, is_loopback, json_body)
 from engine.scheduler import Engine, Seq
@@ -482,8 +483,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.server") -
         p.error("--read-timeout-s and --max-body-mb must be positive")
     if args.max_logprob_entries < 1:
         p.error("--max-logprob-entries must be positive")
+    args.dtype = DTYPE_ALIASES.get(args.dtype, args.dtype)  # fp32 / bf16 / fp16: the trainers' names work too
     if args.dtype not in DTYPE_CHOICES:
-        p.error(f"--dtype must be one of {' | '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
+        p.error(f"--dtype must be one of {' | '.join(DTYPE_CHOICES)} (or {', '.join(DTYPE_ALIASES)}), "
+                f"got {args.dtype!r}")
     try:
         check_device_name(args.device)
         check_mem_fraction(args.mem_fraction_static)

@@ -19,7 +19,7 @@ def bf16_server(tiny_model_dir, tmp_path_factory):
     # on CPU (or the device the conformance run asks for: ALLOY_TEST_ENGINE_DEVICE=cuda); --mem-fraction-static is
     # accepted (and ignored on CPU)
     srv = EngineProc(tiny_model_dir, tmp_path_factory.mktemp("engine-bf16") / "server.log", "--device", ENGINE_DEVICE,
-                     "--dtype", "bfloat16", "--mem-fraction-static", "0.5").start()
+                     "--dtype", "bf16", "--mem-fraction-static", "0.5").start()
     try:
         srv.wait_healthy()
         yield srv
