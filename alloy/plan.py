@@ -8,8 +8,8 @@ No Prefect server, MLflow store, engine server or trainer is started.
 
 The plan: the stages in order, for each what a run would reuse (a complete checkpoint under the stage's prefix,
 tasks/prefixes.py) and what it would train, with a time estimate from what earlier runs recorded under the storage
-URL (and the other runs under `run.root` when the storage is the default one): per-step times in the specialists'
-and the student's result.json, the base checkpoint's `train_s`, eval and teacher start-up from report.json timings.
+URL (and the other runs under `run.root` when the storage is the default one): per-step times in the base's, the
+specialists' and the student's result.json, eval and teacher start-up from report.json timings.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from infra.choices import StageMode
 from infra.config import AlloyConfig, ConfigError, load_config
-from infra.storage import MANIFEST, RetryPolicy, get_fs, is_local, join, latest_complete, verify_checkpoint
+from infra.storage import RetryPolicy, get_fs, is_local, join, latest_complete, verify_checkpoint
 from tasks.prefixes import base_prefix, specialist_prefix_of, student_prefix_of
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -199,6 +199,12 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _per_step(results: list[Any]) -> float | None:
+    """Mean seconds a step of the trainers' summaries (`<prefix>/result.json`: `wall_s` over `steps`)."""
+    return _mean([r["wall_s"] / r["steps"] for _, r in results
+                  if isinstance(r, dict) and r.get("steps") and isinstance(r.get("wall_s"), (int, float))])
+
+
 def read_estimates(cfg: AlloyConfig) -> Estimates:
     fs, path = get_fs(cfg.storage_url, storage_options=None if is_local(cfg.storage_url) else S3_OPTIONS)
     roots = [path]
@@ -216,9 +222,7 @@ def read_estimates(cfg: AlloyConfig) -> Estimates:
         return out
 
     est = Estimates()
-    est.base_step = _mean([m["meta"]["train_s"] / m["step"] for _, m in files(f"base-*/step-*/{MANIFEST}")
-                           if isinstance(m, dict) and m.get("step") and isinstance(m.get("meta"), dict)
-                           and isinstance(m["meta"].get("train_s"), (int, float))])
+    est.base_step = _per_step(files("base-*/result.json"))
     per: dict[str, list[float]] = {}
     for f, r in files("specialist-*/result.json"):
         domain = posixpath.basename(posixpath.dirname(f)).removeprefix("specialist-").rsplit("-", 1)[0]
@@ -228,8 +232,7 @@ def read_estimates(cfg: AlloyConfig) -> Estimates:
     if per:
         est.specialist_step = {d: _mean(v) for d, v in per.items() if _mean(v)}
         est.specialist_step["*"] = _mean([x for v in per.values() for x in v])
-    est.student_step = _mean([r["wall_s"] / r["steps"] for _, r in files("student-*/result.json")
-                              if isinstance(r, dict) and r.get("steps") and isinstance(r.get("wall_s"), (int, float))])
+    est.student_step = _per_step(files("student-*/result.json"))
     evals, ups = [], []
     for _, rep in files("report.json"):
         t, doms = (rep.get("timings_s") or {}, rep.get("domains") or {}) if isinstance(rep, dict) else ({}, {})
@@ -278,15 +281,14 @@ def build_plan(cfg: AlloyConfig, est: Estimates, domains: list[str]) -> tuple[li
         text = f"{'':<{indent}}{label:<{20 - indent}}{what:<46}{when}".rstrip()
         return text + (f"\n{'':<20}→ {where}" if where and not what.startswith("reuse") else "")
 
-    def trains(prefix: str, pattern: str, steps: int, per_step: float | None) -> tuple[str, float | None]:
-        """What happens under a prefix: reuse (a complete final/ or, for the base, any step), resume or train."""
+    def trains(prefix: str, steps: int, per_step: float | None, resumable: bool = True) -> tuple[str, float | None]:
+        """What happens under a prefix: reuse (a complete final/), resume (a `resumable` trainer's newest step) or
+        train."""
         if not resume:
             return f"train {steps} steps (run.resume: false)", per_step and per_step * steps
-        if pattern == "final" and verify_checkpoint(join(prefix, "final"), retry=QUICK)[0]:
+        if verify_checkpoint(join(prefix, "final"), retry=QUICK)[0]:
             return f"reuse {join(prefix, 'final')}", 0.0
-        if pattern == "step-*" and (found := latest_complete(prefix, retry=QUICK)):
-            return f"reuse {found}", 0.0
-        at = _resume_step(prefix) if pattern == "final" else None
+        at = _resume_step(prefix) if resumable else None
         if at:
             left = max(steps - at, 0)
             return f"resume at step {at}, train {left} more steps", per_step and per_step * left
@@ -295,7 +297,7 @@ def build_plan(cfg: AlloyConfig, est: Estimates, domains: list[str]) -> tuple[li
     n_eval = len(domains) * cfg.eval.n_eval
     eval_s = est.eval_example and est.eval_example * n_eval
     bp = base_prefix(cfg, url)
-    lines.append(row("1. base", *trains(bp, "step-*", cfg.base.steps, est.base_step), bp))
+    lines.append(row("1. base", *trains(bp, cfg.base.steps, est.base_step, resumable=False), bp))
     lines.append(row("2. eval (base)", f"{len(domains)} domains × {cfg.eval.n_eval} examples", eval_s))
     sc = cfg.specialists
     if sc.enabled:
@@ -304,7 +306,7 @@ def build_plan(cfg: AlloyConfig, est: Estimates, domains: list[str]) -> tuple[li
         for d in domains:
             per = est.specialist_step and (est.specialist_step.get(d) or est.specialist_step.get("*"))
             prefix = specialist_prefix_of(cfg, url, d)
-            sub.append(row(d, *trains(prefix, "final", sc.for_domain(d).steps, per), prefix, indent=5))
+            sub.append(row(d, *trains(prefix, sc.for_domain(d).steps, per), prefix, indent=5))
         # the domains train `width` at a time: the stage takes about the sum over the width
         stage = (total - before) / width if est.specialist_step else None
         total = before + (stage or 0.0)
@@ -319,7 +321,7 @@ def build_plan(cfg: AlloyConfig, est: Estimates, domains: list[str]) -> tuple[li
     lines.append(row("4. teachers", f"{len(launched)} launched, {len(ext)} external ({cfg.engine.backend})",
                      est.teachers_up if launched else 0.0, timed=bool(launched)))
     sp = student_prefix_of(cfg, url)
-    lines.append(row("5. distill", *trains(sp, "final", cfg.distill.steps, est.student_step), sp))
+    lines.append(row("5. distill", *trains(sp, cfg.distill.steps, est.student_step), sp))
     lines.append(row("6. eval (student)", f"{len(domains)} domains × {cfg.eval.n_eval} examples", eval_s))
     lines.append(row("7. report", "report.json, MLflow, Prefect artifacts", None, join(url, "report.json"),
                      timed=False))

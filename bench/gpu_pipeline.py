@@ -233,9 +233,9 @@ class GpuSampler:
 
 def process_name(pid: int) -> str:
     """What a process is, from its command line: `teacher/rollout server <model dir>`, `specialist <domain>`,
-    `student`, `base`, or `flow (this process: in-process base SFT and evaluation)`."""
+    `student`, `base`, or `flow (this process: evaluation)`."""
     if pid == os.getpid():
-        return "flow (in-process base SFT, evaluation)"
+        return "flow (evaluation)"
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:

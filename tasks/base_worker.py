@@ -1,8 +1,9 @@
 """Base SFT as a process: `python -m tasks.base_worker` (under torchrun when base.train.world_size > 1).
 
-Every rank runs the same code on its shard of each global batch; rank 0 logs metrics (to an existing MLflow run,
-by id) and writes the HF checkpoint. The Prefect task `train_base` runs this in-process for one rank, or launches it
-under torchrun for several. The process around `run_base_sft` is the trainer skeleton's (training/worker.py).
+Every rank runs the same code on its shard of each global batch; rank 0 reports each step as a progress event
+(training/progress_events.py), logs metrics (to an existing MLflow run, by id) and commits the HF model as
+`<--out>/final`, like every trainer of the pipeline. The Prefect task `train_base` launches it through the stage
+launcher (tasks/stage.py). The process around `run_base_sft` is the trainer skeleton's (training/worker.py).
 """
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ import logging
 import random
 import sys
 import time
+from pathlib import Path
 
 from domains.registry import load_domains
 from domains.tools import demonstration_segments
 from infra.chat import system_of
-from infra.procs import raise_if_stopped
-from infra.progress import progress
 from infra.tracking import NoopTracker
 from training.progress_events import report
 from training.sft import train_sft
-from training.session import train_settings, trainable
+from training.session import commit_final, fresh_final, train_settings, trainable
 from training.worker import Worker, WorkerRun, arg
 
 log = logging.getLogger("alloy")
@@ -41,8 +41,9 @@ def demonstrations(domains: dict, n_per_domain: int, seed: int, tool_trajectorie
     return pairs
 
 
-def run_base_sft(cfg, domains: dict, init_dir: str, out_dir: str, tracker) -> dict:
-    """SFT `init_dir` on the config's demonstrations; rank 0 saves the result to `out_dir` (HF format)."""
+def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tracker) -> dict:
+    """SFT `init_dir` on the config's demonstrations; rank 0 commits the result as `<out_url>/final` (HF format)."""
+    t_start = time.perf_counter()
     pairs = demonstrations(domains, cfg.base.n_train_per_domain, cfg.run.seed, cfg.base.tool_trajectories)
     tok, backend = trainable(init_dir, train_settings(cfg.base.train, cfg.base.steps, cfg.run.seed))
     if not backend.is_main:
@@ -51,36 +52,45 @@ def run_base_sft(cfg, domains: dict, init_dir: str, out_dir: str, tracker) -> di
              len(pairs), len(domains), cfg.base.steps, backend.world_size)
     batch = cfg.base.train.micro_batch_size * backend.world_size
     forwarded = [0.0]  # positions this rank trained on (benchmarks: MFU)
-    with progress("base SFT", cfg.base.steps) as bar:
-        def on_step(step: int, m: dict) -> None:
-            raise_if_stopped("base SFT")  # in-process under `alloy run`: its Ctrl-C stops here
-            forwarded[0] += m.get("forward_tokens", 0.0)
-            if backend.is_main:
-                bar(step, loss=m["loss"], acc=m["token_acc"])
-                report(step, cfg.base.steps, loss=m["loss"], token_acc=m["token_acc"])  # the parent follows these
-            if step % cfg.base.log_every == 0 or step == cfg.base.steps:
-                tracker.log_metrics({"sft/loss": m["loss"], "sft/token_acc": m["token_acc"],
-                                     "sft/grad_norm": float(m.get("grad_norm", 0.0))}, step=step)
 
-        t0 = time.perf_counter()
-        last = train_sft(backend, tok, pairs, cfg.base.steps, batch, seed=cfg.run.seed, on_step=on_step,
-                         chat_template=cfg.model.chat_template)
-        train_s = time.perf_counter() - t0
-    backend.save_hf(out_dir, tokenizer=tok)
+    def on_step(step: int, m: dict) -> None:
+        forwarded[0] += m.get("forward_tokens", 0.0)
+        if not backend.is_main:
+            return
+        report(step, cfg.base.steps, loss=m["loss"], token_acc=m["token_acc"])  # the stage launcher follows these
+        if step % cfg.base.log_every == 0 or step == cfg.base.steps:
+            log.info("base SFT step %d/%d: loss %.4g, token_acc %.4g", step, cfg.base.steps, m["loss"],
+                     m["token_acc"])
+            tracker.log_metrics({"sft/loss": m["loss"], "sft/token_acc": m["token_acc"],
+                                 "sft/grad_norm": float(m.get("grad_norm", 0.0))}, step=step)
+
+    t0 = time.perf_counter()
+    last = train_sft(backend, tok, pairs, cfg.base.steps, batch, seed=cfg.run.seed, on_step=on_step,
+                     chat_template=cfg.model.chat_template)
+    train_s = time.perf_counter() - t0
+    final = fresh_final(Path(work)) if backend.is_main else Path(work) / "final"  # rank 0's folder, emptied by it
+    backend.save_hf(final, tokenizer=tok)  # a collective: every rank takes part, rank 0 writes
     backend.close()
-    # the process group it trained in (report.json `resources`); device, time and positions trained (benchmarks)
-    return {**last, "world_size": backend.world_size, "device": str(backend.device), "train_s": train_s,
-            "train_tokens": forwarded[0] * backend.world_size}
+    summary = {**last, "steps": cfg.base.steps, "world_size": backend.world_size, "device": str(backend.device),
+               "train_s": train_s, "train_tokens": forwarded[0] * backend.world_size}
+    if backend.is_main:
+        summary["checkpoint"] = commit_final(final, out_url, cfg.base.steps,
+                                             meta={"stage": "base", "config_fingerprint": cfg.fingerprint(),
+                                                   "world_size": backend.world_size})
+    # the process group it trained in (report.json `resources`); device, time and positions trained (benchmarks);
+    # `wall_s` from the start to the commit (`alloy run --dry-run` estimates the base from it)
+    return {**summary, "wall_s": time.perf_counter() - t_start}
 
 
 WORKER = Worker("tasks.base_worker", "Alloy base SFT worker (one process per rank)",
                 args=(arg("--init", required=True, help="HF dir to start from"),
-                      arg("--out", required=True, help="where rank 0 writes the HF checkpoint")))
-# `--result`: rank 0 writes the last step's metrics and `world_size` there
+                      arg("--out", required=True, help="storage prefix: rank 0 commits the HF model as <out>/final")),
+                work_subdir="base-work")
+# `--result`: rank 0 writes the last step's metrics, `world_size`, `steps`, `wall_s` and `checkpoint` there
 
 
 def _run(w: WorkerRun) -> dict:
-    return run_base_sft(w.cfg, load_domains(w.cfg), w.args.init, w.args.out, w.tracker)
+    return run_base_sft(w.cfg, load_domains(w.cfg), w.args.init, w.work_dir, w.args.out, w.tracker)
 
 
 def main(argv: list[str] | None = None) -> int:

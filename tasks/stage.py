@@ -1,12 +1,11 @@
-"""The one launcher of a trained stage (the specialists, the student): reuse what storage holds, or run the trainer
-process, then bring its `final/` checkpoint here.
+"""The one launcher of a trained stage (the base SFT, the specialists, the student): reuse what storage holds, or run
+the trainer process, then bring its `final/` checkpoint here.
 
     summary, final = reuse_or_train(ctx, prefix, label, train=lambda: run_trainer(cmd, ctx, lane, log, steps, label))
 
 A stage's trainer commits `<prefix>/final` (COMPLETE manifest last) and writes its summary to a result file; this
 stores the summary beside the checkpoint (`<prefix>/result.json`), so a rerun with `run.resume` reuses both without
-starting the trainer. (The base stage commits `step-N` checkpoints that later stages and other workers start from:
-tasks/base.py.)
+starting the trainer; the result file then gets the stored summary, so it holds the stage's summary either way.
 """
 from __future__ import annotations
 
@@ -35,11 +34,13 @@ def reuse_or_train(ctx, prefix: str, label: str, result: Path, local: Path,
                    train: Callable[[], None]) -> tuple[dict, str]:
     """(the stage's summary, its committed `final/` URL), with `final/` loaded into `local`: the stored summary when
     `run.resume` and `<prefix>/final` verifies, else `train()` (which commits `final/` and writes `result`), its
-    summary stored beside the checkpoint."""
+    summary stored beside the checkpoint. Either way `result` ends up holding the summary."""
     final = join(prefix, "final")
     if ctx.cfg.run.resume and verify_checkpoint(final)[0]:
         log.info("%s: reusing complete %s", label, final)
         summary = read_json(join(prefix, "result.json"))
+        result.parent.mkdir(parents=True, exist_ok=True)
+        result.write_text(json.dumps(summary))
     else:
         result.unlink(missing_ok=True)  # a result file of an earlier attempt must not pass for this one's
         train()

@@ -1,16 +1,19 @@
-"""The base SFT on two ranks, started the way `train_base` starts it (tasks/base.py `run_multi_rank`: torchrun under
-`run_worker`): the task follows the steps the trainer reports as data, each step once (rank 0 alone reports), with
-its metrics; the log keeps its lines for people."""
+"""The base SFT on two ranks, started the way `train_base` starts it (tasks/base.py `base_command` through the stage
+launcher's `run_trainer`: torchrun under `run_worker`): the task follows the steps the trainer reports as data, each
+step once (rank 0 alone reports), with its metrics; rank 0 commits `final/` and writes the result file; the log keeps
+its lines for people."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from infra.config import config_from_dict
-from tasks.base import run_multi_rank
-from tasks.base_worker import WORKER as BASE_WORKER
-from tasks.worker_process import progress_path, torchrun_command
+from infra.storage import join, verify_checkpoint
+from tasks.base import base_command
+from tasks.stage import run_trainer
+from tasks.worker_process import progress_path
 from training.progress_events import read_events
 
 pytestmark = pytest.mark.integration
@@ -25,11 +28,16 @@ def test_two_rank_base_sft_reports_every_step_once(tiny_model_dir, tmp_path):
                                      "train": {"world_size": 2, "micro_batch_size": 4}}})
     cfg_path = tmp_path / "cfg.json"  # JSON is YAML: the worker loads the very same config
     cfg_path.write_text(json.dumps(cfg.model_dump(mode="json")))
+    ctx = SimpleNamespace(cfg=cfg, config_path=str(cfg_path), overrides=[], work_dir=tmp_path / "work")
+    out = f"file://{tmp_path}/storage/base"
     result, log_path = tmp_path / "result.json", tmp_path / "logs" / "base.log"
-    args = BASE_WORKER.flags(config=cfg_path, init=tiny_model_dir, out=tmp_path / "out", result=result)
-    run_multi_rank(torchrun_command(BASE_WORKER.module, 2, args), log_path, STEPS)
-    assert json.loads(result.read_text())["world_size"] == 2
+    cmd = base_command(ctx, tiny_model_dir, out, result, None)
+    assert "torch.distributed.run" in cmd and "--nproc_per_node=2" in cmd
+    run_trainer(cmd, ctx, "base", log_path, STEPS, "base SFT")
+    summary = json.loads(result.read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == STEPS and summary["wall_s"] > 0
+    assert summary["checkpoint"] == join(out, "final") and verify_checkpoint(join(out, "final"), deep=True)[0]
     reported = read_events(progress_path(log_path))[0]
     assert [(e.step, e.total) for e in reported] == [(s, STEPS) for s in range(1, STEPS + 1)]
     assert all({"loss", "token_acc"} <= set(e.metrics) for e in reported)
-    assert "base SFT" in log_path.read_text()
+    assert "2 rank(s)" in log_path.read_text() and f"base SFT step {STEPS}/{STEPS}" in log_path.read_text()

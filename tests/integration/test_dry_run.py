@@ -61,8 +61,8 @@ def completed_run(tmp_path, tiny_model_dir):
     (src / MARKER).write_text("committed by the fixture")
     cfg = load_config(SMOKE, [f"run.root={tmp_path}"])
     url = cfg.storage_url
-    save_checkpoint(src, join(base_prefix(cfg, url), "step-00000150"), step=150,
-                    meta={"stage": "base", "train_s": 75.0})
+    save_checkpoint(src, join(base_prefix(cfg, url), "final"), step=150, meta={"stage": "base"})
+    write_json(join(base_prefix(cfg, url), "result.json"), {"steps": 150, "wall_s": 75.0, "world_size": 1})
     history = [{"step": i, "rollout_s": 0.5, "train_s": 0.25} for i in range(1, 121)]
     for d in DOMAINS:
         prefix = specialist_prefix_of(cfg, url, d)

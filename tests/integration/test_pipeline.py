@@ -105,8 +105,9 @@ def test_cli_run_every_trainer_on_two_ranks_and_exit_codes(tmp_path, prefect_har
     assert mv.tags["alloy.student_mean"] == str(report["summary"]["student_mean"])
     assert f"student mean {report['summary']['student_mean']}" in mv.description
     # storage: the base checkpoint is committed by a valid COMPLETE manifest, the report sits beside it
-    base_ckpt = latest_complete(f"file://{tmp_path}/smoke/{_base_dir(tmp_path)}")
-    assert base_ckpt and verify_checkpoint(base_ckpt, deep=True)[0]
+    base_ckpt = f"file://{tmp_path}/smoke/{_base_dir(tmp_path)}/final"
+    assert verify_checkpoint(base_ckpt, deep=True)[0]
+    assert read_json(f"file://{tmp_path}/smoke/{_base_dir(tmp_path)}/result.json")["world_size"] == 2
     assert read_json(f"file://{tmp_path}/smoke/report.json")["run_id"] == report["run_id"]
     logs = tmp_path / "smoke" / "work" / "logs"
     assert "2 rank(s)" in (logs / "base.log").read_text()
@@ -123,6 +124,8 @@ def test_cli_run_every_trainer_on_two_ranks_and_exit_codes(tmp_path, prefect_har
 
     again = pipeline(config=SMOKE, overrides=FAST + [f"run.root={tmp_path}"] + TWO_RANKS)
     assert again["timings_s"]["base"] < 5.0 and again["timings_s"]["specialists"] < 10.0
+    assert again["resources"]["base"] == {"world_size": 2}  # the stored summary, copied to the result file too
+    assert json.loads((logs / "base-result.json").read_text())["world_size"] == 2
     assert again["domains"] == report["domains"]
 
     bad = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "base.steps=-3"],
