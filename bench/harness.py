@@ -156,9 +156,14 @@ def own_cpu_s() -> float:
 
 def server_cpu_s(urls: list[str]) -> float:
     """CPU seconds the engine servers behind `urls` report for themselves (`process_cpu_seconds`)."""
+    from engine.client import API_KEY_ENV
+
+    key = os.environ.get(API_KEY_ENV)
     total = 0.0
     for url in urls:
-        with urllib.request.urlopen(url.rstrip("/") + "/get_server_info", timeout=60) as r:
+        req = urllib.request.Request(url.rstrip("/") + "/get_server_info",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+        with urllib.request.urlopen(req, timeout=60) as r:
             total += float(json.loads(r.read())["process_cpu_seconds"])
     return total
 

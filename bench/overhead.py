@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -159,6 +160,7 @@ def pipeline(base: Path, teacher: Path, specs: list[dict], root: Path, args) -> 
     from domains.registry import load_domains
     from tasks.teachers import start_teachers
 
+    shutil.rmtree(root / "pipe", ignore_errors=True)  # a repeat starts fresh (no resume from the last one's output)
     cfg = make_cfg(root / "pipe", specs, steps=args.steps, batch_size=args.batch, max_new_tokens=args.max_new_tokens)
     names = [s["name"] for s in specs]
     fleet = start_teachers(names, {d: str(teacher) for d in names}, str(base), log_dir=root / "pipe" / "logs",

@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         args.teachers, args.batch, args.steps, args.warmup, args.max_new_tokens, args.rounds = "1,2", 8, 3, 1, 4, 1
         args.mix = 2
         args.base_steps, args.teacher_steps = 2, 2
+    if not 1 <= args.warmup < args.steps:
+        p.error("need 1 <= --warmup < --steps")
     ns = sorted(int(x) for x in args.teachers.split(","))
     if max(ns) > args.mix:
         p.error(f"--teachers: N = {max(ns)} servers for a mix of {args.mix} domains leaves servers without a domain")

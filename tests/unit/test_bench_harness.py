@@ -70,6 +70,7 @@ def test_add_check_flag():
         p = argparse.ArgumentParser()
         harness.add_check(p, **kw)
         assert p.parse_args(["--check"]).check is True and p.parse_args([]).check is False
+        assert "--check" in p.format_help()  # a help text argparse can format (no stray %)
 
 
 def test_spread_and_own_cpu():
