@@ -45,8 +45,7 @@ def run_seed(args, seed: int, models: Path, main_path: Path, out: Path) -> dict:
     opd = aggregate_opd_only(names, kept["base_scores"], kept["specialists"], run)
     budget = main["config"]["equal_compute"]["budget_C"]
     result = {"bench": "merge_levers", "tag": args.tag, "seed": seed, "meta": meta, "plan": plan_of(args),
-              "models": str(models),
-              "distill": spec["distill"], "opd": opd, "main_file": str(main_path),
+              "models": str(models), "distill": spec["distill"], "opd": opd, "main_file": str(main_path),
               "main": {a: main["aggregate"][a]["mean_score"] for a in MAIN_ARMS},
               "extra_samples_vs_budget": opd["compute"]["total_samples"] - budget, "run": run}
     write_outputs(out, result, f"lever {args.tag}, seed {seed}: OPD mean {opd['mean_score']:.3f} (main run: "

@@ -40,11 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from harness import add_check, end_meta, exit_on_sigterm, start_meta, verdict  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, add_check, end_meta, exit_on_sigterm, start_meta, verdict  # noqa: E402
 
 VARIANTS = ("json_items", "json_vectorised", "binary")
 POINTS = {"tiny": dict(samples=96, prompt_len=16, response_len=16, top_k=16),
