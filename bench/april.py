@@ -62,12 +62,12 @@ tokens/s (every token the engine decoded, including those of partials), input to
 per finished sample (a resumed partial re-sends its prompt + output so far), the engine's own decode counters
 (`/get_server_info`: decode forwards, rows per forward (and how many of them were finished rows not yet
 compacted away, and the running batch's segments), ms per forward, their share of the wall time),
-process-tree CPU seconds (bench + server), the buffer's tokens at the window's start and end (a growing buffer
-would mean APRIL deferred work out of the window), the length distribution of the finished samples, and the
-staleness of finished samples: versions behind = finishing version − version of their oldest token, and the
-fraction of their tokens sampled by an older version. Arms run `--repeats` times in rotated order (the shared
-machine's load drifts); the target ratio pools all repeats per B: (Σ finished / Σ wall) of `april` over the same
-of `sync`. Target (issue 4): ≥ 1.5.
+CPU seconds (the bench's own `getrusage` + the server's `process_cpu_seconds`), the buffer's tokens at the window's
+start and end (a growing buffer would mean APRIL deferred work out of the window), the length distribution of the
+finished samples, and the staleness of finished samples: versions behind = finishing version − version of their
+oldest token, and the fraction of their tokens sampled by an older version. Arms run `--repeats` times in rotated
+order (the shared machine's load drifts); the target ratio pools all repeats per B: (Σ finished / Σ wall) of
+`april` over the same of `sync`. Target (issue 4): ≥ 1.5; `--check` exits 1 when it is missed at some B.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from teacher_scaling import REPO, exit_on_sigterm, machine_info, tree_cpu_s, write_outputs  # noqa: E402
+from harness import REPO, add_check, exit_on_sigterm, own_cpu_s, start_meta, verdict, write_outputs  # noqa: E402
 
 from infra.config import SpecialistsConfig  # noqa: E402
 from infra.choices import MAX_RUNNING_REQUESTS  # noqa: E402
@@ -153,7 +153,7 @@ async def engine_stats(client: EngineClient) -> dict:
     return {k: info[k] for k in ("decode_steps", "decode_rows", "decode_seconds", "engine_cpu_seconds",
                                         "bucketed_decode_steps", "prefill_forwards", "prefill_tokens",
                                         "prefill_padded_tokens", "prefill_seconds", "idle_seconds",
-                                        "decode_segments", "decode_holes")}
+                                        "decode_segments", "decode_holes", "process_cpu_seconds")}
 
 
 def engine_delta(a: dict, b: dict, wall: float) -> dict:
@@ -231,7 +231,7 @@ async def run_arm(url: str, tokenizer, *, name: str, batch: int, over_sampling: 
         for version in range(warmup + steps):
             measured = version >= warmup
             if version == warmup:
-                buf_start, cpu0, eng0 = buffered_tokens(buffer), tree_cpu_s(), await engine_stats(client)
+                buf_start, cpu0, eng0 = buffered_tokens(buffer), own_cpu_s(), await engine_stats(client)
             # rollout_step starts with this same call; made here first to count the dropped partials' tokens
             stale = buffer.drop_stale(version)
             dec0, pre0 = client.decoded, client.prefilled
@@ -255,8 +255,8 @@ async def run_arm(url: str, tokenizer, *, name: str, batch: int, over_sampling: 
                     behind.append(version - min(s.token_versions))
                     old_tokens += sum(v < version for v in s.token_versions)
                     all_tokens += len(s.token_versions)
-        cpu_s = tree_cpu_s() - cpu0
-        eng1 = await engine_stats(client)
+        cpu1, eng1 = own_cpu_s(), await engine_stats(client)
+        cpu_s = cpu1 - cpu0 + eng1["process_cpu_seconds"] - eng0["process_cpu_seconds"]  # this process + server
     finally:
         await client.aclose()
     m = per_step[warmup:]
@@ -443,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--demo-warmup", type=int, default=3)
     p.add_argument("--demo-prompts", type=int, default=2000, help="train prompts a demo domain's cursor cycles")
     p.add_argument("--quick", action="store_true", help="smoke size (the integration test); numbers mean little")
+    add_check(p, f"april / sync finished samples/s < {TARGET} at some B; the demo workload alone has no target")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.steps, args.warmup, args.repeats, args.tail = "8", 6, 3, 1, "48,128"
@@ -452,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = (args.workload or ("longtail" if args.quick else "longtail,demo")).split(",")
     if set(workloads) - {"longtail", "demo"} or not workloads:
         p.error(f"--workload: longtail and/or demo, got {args.workload!r}")
+    meta = start_meta()
     exit_on_sigterm()
 
     from infra.models import init_model_dir, load_tokenizer
@@ -498,11 +500,11 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:  # demo only
         result = {"bench": "april", "command": " ".join(["python bench/april.py"] + (argv if argv is not None else
                                                                                      sys.argv[1:])),
-                  "quick": args.quick, "machine": machine_info(),
+                  "quick": args.quick, "meta": meta,
                   "loadavg": {"before": loadavg_before, "after": loadavg_after}, "config": vars(args), "demo": demo,
                   "total_s": round(time.perf_counter() - t_start, 1)}
         write_outputs(Path(args.out), result, demo_table(demo))
-        return 0
+        return verdict("april", None, args.check)
     summary = summarize(runs)
     ratios = {b: round(arms_["april"]["ratio_to_sync"], 3) for b, arms_ in summary.items()}
     by_arm = {a: {b: round(arms_[a]["ratio_to_sync"], 3) for b, arms_ in summary.items()}
@@ -510,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     md = table(summary)
     result = {
         "bench": "april", "command": " ".join(["python bench/april.py"] + (argv if argv is not None else sys.argv[1:])),
-        "quick": args.quick, "machine": machine_info(), "loadavg": {"before": loadavg_before, "after": loadavg_after},
+        "quick": args.quick, "meta": meta, "loadavg": {"before": loadavg_before, "after": loadavg_after},
         "config": {**vars(args), "batches": batches,
                    "arms": [{"arm": a, "over_sampling": o, "max_staleness": m} for a, o, m in arms],
                    "min_extra_requests": MIN_EXTRA,
@@ -534,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         md += "\n\n" + demo_table(demo)
     write_outputs(Path(args.out), result, md)
     print(f"april / sync finished samples/s by B: {ratios} (target >= {TARGET}); wrote {args.out}")
-    return 0
+    return verdict("april", result["target"]["met"], args.check)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,8 +37,8 @@ import traceback
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, add_check, start_meta, write_json  # noqa: E402  (puts the repository on sys.path)
 
 
 def call(url: str, path: str, body=None, timeout: float = 300.0):
@@ -105,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
+    add_check(p, "any check fails", always=True)
     args = p.parse_args(argv)
+    meta = start_meta()
 
     import torch
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     dev = resolve_device(args.device)
     dt = resolve_dtype(args.dtype, dev)
-    out: dict = {"device": str(dev), "dtype": dtype_name(dt), "torch": torch.__version__, "python": platform.python_version(),
+    out: dict = {"bench": "engine_cuda_check", "meta": meta, "device": str(dev), "dtype": dtype_name(dt),
                  "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None}
     checks = Checks()
     with tempfile.TemporaryDirectory(prefix="engine-cuda-check-") as tmp:
@@ -258,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     out["checks"] = checks.results
     out["ok"] = bool(checks.results) and all(c.get("ok") for c in checks.results.values())
     out["total_s"] = round(time.perf_counter() - t_start, 2)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    write_json(Path(args.out), out)
     print(f"ok={out['ok']} ({out['total_s']}s) → {args.out}")
     return 0 if out["ok"] else 1
 

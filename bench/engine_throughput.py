@@ -1,6 +1,7 @@
 """Benchmark: the embedded engine server's decode and scoring throughput vs in-process HF transformers.
 
     python bench/engine_throughput.py --out runs/bench/engine.json [--preset small] [--new-tokens 128] [--threads 1]
+        [--target 1.0] [--check]
 
 Decode: C concurrent aiohttp clients (C = 1, 8, 32), each sending `--rounds` greedy requests one after another
 (prompt of `--prompt-len` tokens, exactly `--new-tokens` new tokens via ignore_eos); tokens/s = all generated tokens /
@@ -19,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import random
 import socket
 import subprocess
@@ -30,8 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, add_check, start_meta, verdict, write_json  # noqa: E402
 
 
 def free_port() -> int:
@@ -134,16 +133,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> No
     raise RuntimeError(f"server at {url} not healthy after {timeout}s")
 
 
-def machine_info(threads: int) -> dict:
-    import torch
-    import transformers
-
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": threads}
-
-
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--preset", default="small")
@@ -156,7 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--score-batches", type=int, default=24)
     p.add_argument("--score-batch-size", type=int, default=8)
     p.add_argument("--score-len", type=int, default=160, help="prompt + response tokens per scored sequence")
+    p.add_argument("--target", type=float, default=1.0, help="the least server / HF decode ratio at the top level")
+    add_check(p, "server / HF generate decode tokens/s < --target at the highest concurrency")
     args = p.parse_args(argv)
+    meta = start_meta()
 
     import torch
 
@@ -164,8 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
-    result: dict = {"machine": machine_info(args.threads), "load_avg_start": os.getloadavg()[0],
-                    "config": vars(args), "decode": {}, "score": {}}
+    result: dict = {"bench": "engine_throughput", "meta": meta, "config": vars(args), "decode": {}, "score": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = init_model_dir(args.preset, Path(tmp) / "model", seed=0)
         model = load_model(model_dir)
@@ -202,13 +194,11 @@ def main(argv: list[str] | None = None) -> dict:
             proc.wait(timeout=30)
     top = str(max(levels))
     result["target"] = {"metric": f"server c={top} / HF generate b={top}", "value": result["decode"][top]["ratio"],
-                        "goal": 1.0, "met": result["decode"][top]["ratio"] >= 1.0}
-    result["load_avg_end"] = os.getloadavg()[0]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+                        "goal": args.target, "met": result["decode"][top]["ratio"] >= args.target}
+    write_json(Path(args.out), result)
     print(f"wrote {args.out}")
-    return result
+    return verdict("engine_throughput", result["target"]["met"], args.check)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -49,7 +49,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -59,7 +58,9 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, add_check, start_meta, write_json  # noqa: E402  (puts the repository on sys.path)
+
 BLOCKED = ("prefect", "mlflow", "sglang")
 MAX_BUCKET_LOSS_DIFF = 0.05  # bf16: ZeRO-3 with 4 forwards per step vs 1 forward, per-step loss, same batch
 MIN_RATIO_TO_TORCH = 0.2  # a DeepSpeed part slower than 1/5 of plain torch on the same work fails
@@ -473,9 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated part names (default: all)")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     p.add_argument("--part-out", default=None, help=argparse.SUPPRESS)
+    add_check(p, "any part fails (exception, failed check, timeout, a blocked package loaded)", always=True)
     args = p.parse_args(argv)
     if args.part:
         return run_part_here(args.part, args)
+    meta = start_meta()
     block_imports()  # this process imports none of them either
     names = [n for n in PARTS if n != "probe"]
     if args.only:
@@ -514,18 +517,17 @@ def main(argv: list[str] | None = None) -> int:
     attempted = sorted({m for r in parts.values() for m in r.get("blocked_attempts", [])})
     loaded = sorted({m for r in parts.values() for m in r.get("blocked_loaded", [])} | set(loaded_blocked()))
     report = {
+        "bench": "gpu_check", "meta": meta,
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "ok": not failed, "failed": failed,
         "cuda": bool(probe.get("cuda")), "device_count": probe.get("device_count", 0),
         "devices": probe.get("devices", []),
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                    "torch": probe.get("torch"), "deepspeed": probe.get("deepspeed")},
+        "machine": {"torch": probe.get("torch"), "deepspeed": probe.get("deepspeed")},
         "imports": {"blocked": list(BLOCKED), "attempted": attempted, "loaded": loaded,
                     "prefect": "prefect" in loaded, "mlflow": "mlflow" in loaded},
         "parts": parts,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_json(out, report)
     print(f"gpu_check: {'ok' if not failed else 'FAILED: ' + ', '.join(failed)}; wrote {out}", file=sys.stderr)
     return 0 if not failed else 1
 

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -48,9 +47,8 @@ import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, add_check, start_meta, write_json  # noqa: E402  (puts the repository on sys.path)
 
 ABSENT = ("mlflow", "sglang")
 SAMPLE_S = 1.0  # nvidia-smi sampling period
@@ -380,30 +378,15 @@ def summarize(report: dict | None, root: Path, device: str, params: int | None, 
 
 
 def machine(device: str) -> dict:
+    """The GPU side of the machine (the rest is in `meta`)."""
     import torch
 
-    out = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
-           "processor": _cpu_model(), "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    out = {"cuda": torch.cuda.is_available()}
     if out["cuda"]:
         p = torch.cuda.get_device_properties(0)
         out.update(gpu=p.name, gpu_memory_gb=round(p.total_memory / 1e9, 1), cuda_version=torch.version.cuda,
                    gpu_count=torch.cuda.device_count())
     return out
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def commit() -> str | None:
-    with contextlib.suppress(Exception):
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO,
-                              timeout=10).stdout.strip() or None
-    return None
 
 
 def _stop_on_sigterm(signum, frame):
@@ -420,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true")
     p.add_argument("--expect-device", choices=["cuda", "cpu"], default=None,
                    help="every trainer and server must be on it (default: cuda when torch sees a GPU, else cpu)")
+    add_check(p, "a stage failed, the report lacks one, or a trainer or server is off --expect-device", always=True)
     args = p.parse_args(argv)
+    meta = start_meta()
 
     prefect_stand_in()
     # `timeout` (a device lease) sends SIGTERM: stop the flow as a Ctrl-C would, and still write the JSON
@@ -436,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     if info.get("gpu_memory_gb"):
         overrides.append(f"resources.gpu_memory_gb={info['gpu_memory_gb']}")
     overrides += args.set
-    out = {"bench": "gpu_pipeline", "commit": commit(), "command": " ".join([sys.executable] + sys.argv),
+    out = {"bench": "gpu_pipeline", "meta": meta, "commit": meta["commit"],
+           "command": " ".join([sys.executable] + sys.argv),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": info, "config": args.config,
            "overrides": overrides, "expect_device": device,
            "stand_in": "prefect: pass-through stand-ins; mlflow, sglang: absent (see the module docstring)"}
@@ -459,8 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     out["report"] = {k: (report or {}).get(k) for k in ("summary", "timings_s", "throughput", "domains")}
     out["error"] = error
     out["ok"] = error is None and report is not None and all(s["ok"] for s in out["stages"].values())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+    write_json(Path(args.out), out, default=str)
     print(json.dumps({"ok": out["ok"], "stages": out["stages"], "wall_s": out["wall_s"]}, indent=1, default=str))
     if not args.keep and args.root is None:
         shutil.rmtree(root, ignore_errors=True)

@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import random
 import shutil
 import sys
@@ -47,9 +45,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import add_check, start_meta, write_json  # noqa: E402  (puts the repository on sys.path)
 from domains.tools import ANSWER_FILE  # noqa: E402  (after the path insert: the bench runs as a script)
 
 SHORTCUT_CALL = "!cat .answers"
@@ -326,9 +323,7 @@ def experiment(root: Path, *, steps: int = 40, batch: int = 32, lr: float = 3e-4
                          "tail": tail, "kl_coef": kl_coef, "lam": lam, "critic_warmup_steps": warmup,
                          "threads": threads, "judge": str(judge) if judge is not None else None},
             "base": base_m, "runs": arms, "claims": claims, "all_claims_hold": all(claims.values()),
-            "timings": timings,
-            "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                        "loadavg_1m_end": os.getloadavg()[0]}}
+            "timings": timings}
 
 
 def markdown(res: dict) -> str:
@@ -406,10 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--judge", default=None, help="a judge checkpoint (python -m teachers.judge_model DIR): adds the "
                    "guard-on arm with rules + that judge, served by an engine server (default: no judge arm)")
     p.add_argument("--work-dir", default=None, help="keep the runs here (default: a temp dir, deleted)")
+    add_check(p, "a claim of the first two arms does not hold", always=True)
     args = p.parse_args(argv)
-    from alloy.cli import env_defaults
-
-    env_defaults()
+    meta = start_meta()
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="alloy-guard-"))
     try:
         res = experiment(work, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
@@ -421,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    res["meta"] = meta
+    write_json(out, res)
     table = markdown(res)
     out.with_suffix(".md").write_text(table)
     print(table)

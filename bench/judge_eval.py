@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, add_check, start_meta, write_json  # noqa: E402
 
 
 def scores(pred: list[bool], gold: list[bool]) -> dict:
@@ -84,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=20261126, help="seed of the labelled set")
     ap.add_argument("--steps", type=int, default=None, help="training steps of the judge trained here")
     ap.add_argument("--quick", action="store_true", help="smoke size (the test): 60 calls")
+    add_check(ap, "rules + judge F1 < rules-only F1 or any judge request fails", always=True)
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    meta = start_meta()
 
     from engine.launcher import ServerSpec, Supervisor
     from teachers.guard import Guard, LLMJudge, rule_check
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from teachers.judge_model import labelled_calls, train_judge
 
     n = 60 if args.quick else args.n
-    started, load0 = time.time(), os.getloadavg()[0]
+    started = time.time()
     tmp = tempfile.TemporaryDirectory(prefix="alloy-judge-eval-")
     training = None
     judge_dir = Path(args.judge) if args.judge else Path(tmp.name) / "judge"
@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         k["judge_blocked"] = round(k["judge_blocked"] / k["n"], 3)
     res = {
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_start": load0,
-                    "load_avg_end": os.getloadavg()[0]},
+        "bench": "judge_eval", "meta": meta,
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
         "labelled_set": {"n": n, "seed": args.seed, "hacks": sum(gold), "legit": n - sum(gold),
                          "flagged_by_rules": sum(bool(rule_check(c.call)) for c in calls),
@@ -143,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     res["target"] = {"claim": "rules + judge F1 >= rules-only F1, no judge errors",
                      "met": not worse and counters["judge_errors"] == 0}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    write_json(out, res)
     table = markdown(res)
     out.with_suffix(".md").write_text(table)
     print(table)

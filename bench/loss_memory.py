@@ -28,13 +28,14 @@ import argparse
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, add_check, start_meta, verdict, write_json  # noqa: E402
+
 V_QWEN = 151_936
 K = 16
 VARIANTS = ("topk_kl", "opd_sampled_rkl", "opd_topk_kl", "ppo_logp_entropy")
@@ -230,11 +231,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip runs needing more than this share of the free memory (MemAvailable, or the GPU's)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "loss_memory.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--target", type=float, default=1.5, help="the most a chunked run's extra memory may be, in logits")
+    add_check(p, "a chunked run above --target x the logits, or none measured")
     args = p.parse_args(argv)
     if args.child:
         v, impl, B, T, V, dev = args.child.split(",")
         print(json.dumps(measure(v, impl, int(B), int(T), int(V), dev)))
         return 0
+    meta = start_meta()
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -257,24 +261,22 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(r)
     news = [r["extra_over_logits"] for r in runs if r["impl"] == "new" and "extra_over_logits" in r]
     report = {
+        "bench": "loss_memory", "meta": meta,
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "device": device, "V": args.vocab, "K": K,
         "method": ("peak RSS above the RSS after allocating logits + batch (/proc/self/clear_refs then VmHWM), fresh "
                    "subprocess per run, after a warm-up" if device == "cpu" else
                    "torch.cuda.max_memory_allocated above memory_allocated after allocating logits + batch, fresh "
                    "subprocess per run, after a warm-up"),
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None},
-        "target": 1.5, "max_new_over_logits": max(news) if news else None,
-        "target_met": bool(news) and max(news) <= 1.5 and not any("error" in r for r in runs),
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "target": args.target, "max_new_over_logits": max(news) if news else None,
+        "target_met": bool(news) and max(news) <= args.target and not any("error" in r for r in runs),
         "runs": runs,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_json(out, report)
     out.with_suffix(".md").write_text(markdown(report))
     print(f"loss_memory: wrote {out}; max new/logits {report['max_new_over_logits']}", file=sys.stderr)
-    return 0 if not any("error" in r for r in runs) else 1
+    return 1 if any("error" in r for r in runs) else verdict("loss_memory", report["target_met"], args.check)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from teacher_scaling import REPO, exit_on_sigterm, machine_info, make_cfg, write_outputs  # noqa: E402
+from harness import REPO, add_check, exit_on_sigterm, make_cfg, start_meta, verdict, write_outputs  # noqa: E402
 from merge_stats import ARMS as SUMMARY_ARMS  # noqa: E402  (the summary's arm names: offline is offline_kd)
 from trl_compare import accuracy  # noqa: E402
 
@@ -361,7 +361,7 @@ def run_seed(args, seed: int, out: Path, argv: list[str]) -> dict:
     budget = D * args.rl_steps * B + args.distill_steps * B  # C: OPD's samples incl. its specialists' RL
     mixed_steps = budget // B
     t0 = time.perf_counter()
-    machine = machine_info()
+    meta = start_meta()
     with tempfile.TemporaryDirectory(prefix="bench-merge-") as tmp:
         root = Path(tmp)
         base = build_base(root / "models", specs, args.base_steps, seed, args.n_train)
@@ -388,7 +388,7 @@ def run_seed(args, seed: int, out: Path, argv: list[str]) -> dict:
     agg = aggregate(names, base_scores, runs)
     result = {"bench": "merge_baselines",
               "command": " ".join(["python bench/merge_baselines.py"] + argv),
-              "quick": args.quick, "demo": args.demo, "machine": machine, "loadavg_end": list(os.getloadavg()),
+              "quick": args.quick, "demo": args.demo, "meta": meta,
               "shared_machine_note": "2 cores shared with other agents' jobs; per-run load averages in runs[]",
               "config": {k: v for k, v in spec.items() if k not in ("base", "root", "teachers")} | {
                   "jobs": args.jobs, "base_steps": args.base_steps, "n_train": args.n_train,
@@ -423,7 +423,8 @@ def keep_models(dest: Path, spec: dict, specialist_runs: list[dict], base_scores
 
 def plan_of(args) -> dict:
     """The settings a per-seed file was made with (all but the seed and how it was run): reuse needs them equal."""
-    skip = {"seeds", "seed", "out", "fresh", "jobs", "worker", "spec", "result", "mlflow_root", "no_mlflow", "keep"}
+    skip = {"seeds", "seed", "out", "fresh", "jobs", "worker", "spec", "result", "mlflow_root", "no_mlflow", "keep",
+            "check"}
     return {k: v for k, v in vars(args).items() if k not in skip}
 
 
@@ -491,7 +492,7 @@ def log_to_mlflow(result: dict, fig, runs_root: Path) -> str:
     return run_id
 
 
-def summarize_seeds(args, out: Path, seeds: list[int], per_seed: list[dict], argv: list[str]) -> dict:
+def summarize_seeds(args, out: Path, seeds: list[int], per_seed: list[dict], argv: list[str], meta: dict) -> dict:
     """The multi-seed file: n_seeds, n_domains, the summary with 95% intervals, the chart, the MLflow run."""
     from merge_stats import summarize, summary_table
     from merge_stats import target as summary_target
@@ -503,7 +504,7 @@ def summarize_seeds(args, out: Path, seeds: list[int], per_seed: list[dict], arg
                              "rerun it with --fresh or pool only like runs")
     summary = summarize([r["aggregate"] for r in per_seed], names)
     result = {"bench": "merge_baselines", "command": " ".join(["python bench/merge_baselines.py"] + argv),
-              "quick": args.quick, "demo": args.demo, "n_seeds": len(seeds), "n_domains": len(names),
+              "quick": args.quick, "demo": args.demo, "meta": meta, "n_seeds": len(seeds), "n_domains": len(names),
               "seeds": seeds, "domains": names, "seed_files": [seed_path(out, s).name for s in seeds],
               "config": {k: v for k, v in per_seed[0]["config"].items() if k != "seed"},
               "interval": "Student-t 95% over seeds: mean ± t(n−1)·sd/√n of the per-seed mean over domains",
@@ -558,10 +559,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    add_check(p, "the written file's target.met is false (bench/README.md)")
     args = p.parse_args(argv)
     if args.worker:
         worker(args.worker, json.loads(Path(args.spec).read_text()), Path(args.result))
         return 0
+    meta = start_meta()
     demo = {"rl_steps": 50, "distill_steps": 144, "base_steps": 1000, "n_train": 2000, "offline_sampling": "greedy"}
     plain = {"rl_steps": 40, "distill_steps": 60, "base_steps": 150, "n_train": 1000, "offline_sampling": "sample"}
     for k, v in (demo if args.demo else plain).items():
@@ -588,8 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # as every worker: two threads on two shared, busy cores mostly wait for each other
     exit_on_sigterm()
     if not args.seeds and not args.demo:  # one seed, one file (the 3-domain results of issue 7)
-        run_seed(args, seeds[0], out, argv)
-        return 0
+        return verdict("merge_baselines", run_seed(args, seeds[0], out, argv)["target"]["met"], args.check)
     per_seed, plan = [], plan_of(args)
     for s in seeds:
         path = seed_path(out, s)
@@ -605,8 +607,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"seed {s}: running -> {path}", file=sys.stderr, flush=True)
         per_seed.append(run_seed(args, s, path, seed_argv(argv, s)))
-    summarize_seeds(args, out, seeds, per_seed, argv)
-    return 0
+    result = summarize_seeds(args, out, seeds, per_seed, argv, meta)
+    return verdict("merge_baselines", result["target"]["met"], args.check)
 
 
 if __name__ == "__main__":

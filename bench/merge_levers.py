@@ -23,10 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from merge_baselines import FINAL_ARMS as MAIN_ARMS, aggregate_opd_only, run_worker  # noqa: E402
 from merge_stats import ci95  # noqa: E402
-from teacher_scaling import REPO, exit_on_sigterm, write_outputs  # noqa: E402
+from harness import REPO, add_check, exit_on_sigterm, start_meta, verdict, write_outputs  # noqa: E402
 
 
 def run_seed(args, seed: int, models: Path, main_path: Path, out: Path) -> dict:
+    meta = start_meta()
     main = json.loads(main_path.read_text())
     spec = json.loads((models / "spec.json").read_text())
     names = [d["name"] for d in spec["domains"]]
@@ -43,8 +44,8 @@ def run_seed(args, seed: int, models: Path, main_path: Path, out: Path) -> dict:
         run = run_worker("opd", spec_path, Path(tmp))
     opd = aggregate_opd_only(names, kept["base_scores"], kept["specialists"], run)
     budget = main["config"]["equal_compute"]["budget_C"]
-    result = {"bench": "merge_levers", "tag": args.tag, "seed": seed, "plan": plan_of(args), "models": str(models),
-              "distill": spec["distill"], "opd": opd, "main_file": str(main_path),
+    result = {"bench": "merge_levers", "tag": args.tag, "seed": seed, "meta": meta, "plan": plan_of(args),
+              "models": str(models), "distill": spec["distill"], "opd": opd, "main_file": str(main_path),
               "main": {a: main["aggregate"][a]["mean_score"] for a in MAIN_ARMS},
               "extra_samples_vs_budget": opd["compute"]["total_samples"] - budget, "run": run}
     write_outputs(out, result, f"lever {args.tag}, seed {seed}: OPD mean {opd['mean_score']:.3f} (main run: "
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--domain-weighting", choices=("uniform", "rkl"), default=None)
     p.add_argument("--quick", action="store_true", help="eval on 10 prompts per domain (a smoke run)")
     p.add_argument("--fresh", action="store_true")
+    add_check(p, None)
     args = p.parse_args(argv)
+    meta = start_meta()
     import torch
 
     torch.set_num_threads(1)
@@ -117,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_seed(args, seed, models, main_seed, path))
     s = summary(results)
     write_outputs(out, {"bench": "merge_levers", "tag": args.tag, "command": " ".join(
-        ["python bench/merge_levers.py"] + argv), "n_seeds": len(results), "summary": s,
+        ["python bench/merge_levers.py"] + argv), "meta": meta, "n_seeds": len(results), "summary": s,
         "seed_files": [r.get("seed") for r in results]}, table(args.tag, s, results))
-    return 0
+    return verdict("merge_levers", None, args.check, has_target=False)
 
 
 if __name__ == "__main__":

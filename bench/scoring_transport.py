@@ -40,11 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from teacher_scaling import exit_on_sigterm, machine_info  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, add_check, end_meta, exit_on_sigterm, start_meta, verdict  # noqa: E402
 
 VARIANTS = ("json_items", "json_vectorised", "binary")
 POINTS = {"tiny": dict(samples=96, prompt_len=16, response_len=16, top_k=16),
@@ -273,12 +270,14 @@ def main(argv=None) -> int:
                     f"(before) variant; default {BEFORE_REF}, the commit before this transport ('' or --quick: this "
                     "checkout's server, i.e. only the client side is the old one)")
     ap.add_argument("--quick", action="store_true", help="smoke-sized points, 1 repeat (numbers mean nothing)")
+    add_check(ap, None)
     args = ap.parse_args(argv)
+    meta = start_meta()
     exit_on_sigterm()
     repeats = 1 if args.quick else args.repeats
     if args.before_ref is None:
         args.before_ref = "" if args.quick else BEFORE_REF
-    t_start, load0 = time.perf_counter(), list(os.getloadavg())
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp))
         before_tree = export_tree(args.before_ref, Path(tmp) / "before") if args.before_ref else None
@@ -300,14 +299,14 @@ def main(argv=None) -> int:
             for proc, _ in procs:
                 proc.kill()
                 proc.wait()
-    machine = machine_info() | {"loadavg_before": load0}
+    meta = end_meta(meta)
     cmd = "python bench/scoring_transport.py " + " ".join(argv if argv is not None else sys.argv[1:])
     md = table(points)
     headline = {name: {f"e2e_{v}": round(r["e2e"][v]["us_per_pair"], 4) for v in VARIANTS} |
                 {f"cpu_{v}": round(r["e2e"][v]["cpu_us_per_pair"], 4) for v in VARIANTS} |
                 {f"parse_{v}": round(r["parse"]["us_per_pair"][v], 4) for v in VARIANTS}
                 for name, r in points.items()}
-    out = {"bench": "scoring_transport", "quick": args.quick, "command": cmd.strip(), "machine": machine,
+    out = {"bench": "scoring_transport", "quick": args.quick, "command": cmd.strip(), "meta": meta,
            "before_server": f"git {args.before_ref}" if before_tree is not None else
            f"this checkout (no --before-ref{' export: ' + args.before_ref if args.before_ref else ''}; the before "
            "variant differs in the client only)",
@@ -316,9 +315,10 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     Path(args.out).with_suffix(".md").write_text(
-        f"# scoring_transport\n\n`{out['command']}` — load average before {load0}, after {machine['loadavg']}\n\n{md}")
+        f"# scoring_transport\n\n`{out['command']}` — load average before {meta['loadavg_start']}, after "
+        f"{meta['loadavg_end']}\n\n{md}")
     print(md)
-    return 0
+    return verdict("scoring_transport", None, args.check, has_target=False)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Benchmark: OPD distillation step time with N = 1, 2, 4, 6, 12 teacher servers, the same 12-domain mix at every N.
 
     python bench/teacher_scaling.py --out bench/results/teacher_scaling.json [--teachers 1,2,4,6,12] [--mix 12]
-        [--batch 96] [--steps 30] [--warmup 3] [--rounds 2] [--max-new-tokens 16] [--quick]
+        [--batch 96] [--steps 30] [--warmup 3] [--rounds 3] [--max-new-tokens 16] [--cores C] [--check] [--quick]
 
 Every run distills the same `--mix` domains (the first 12 plain built-ins: addition … caesar; tool_add is a tool
 domain, left out; past 13, a built-in class under a new name at difficulty 2, e.g. `reverse_d2`) with the same
@@ -26,14 +26,16 @@ per-token ratio are reported too (the student drifts while training, so lengths 
 This machine has 2 cores shared with other agents: the N servers, the student's server and the trainer all share
 them. `os.getloadavg()` is recorded before and after every run.
 
-The module also holds the small harness the other benches reuse (machine info, model building, configs).
+CPU seconds per step (issue 35): the trainer's own `getrusage` (this process, every thread, plus its reaped children)
+and the `process_cpu_seconds` each engine server reports for itself (its own `getrusage`), read after the warm-up
+and after the last step of a run (`harness.StepClock`), over the measured steps. Every process runs on the cores of
+`--cores` (default: those this process may use), and the spread over rounds (min / median / max) is reported per N.
+`--check`: exit 1 when `ratio_12_over_1` > `--target` (default 1.25), 2 when the run has no N = 1 and N = 12.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -41,146 +43,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for p in (str(REPO), str(REPO / "tests")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (PLAIN_BUILTINS, REPO, StepClock, add_check, build_student_and_teacher, domain_specs,  # noqa: E402
+                     exit_on_sigterm, make_cfg, pin_cores, server_cpu_s, spread, start_meta, verdict, write_outputs)
 
-from alloy.cli import env_defaults  # noqa: E402  (offline/quiet env before torch is imported)
-
-env_defaults()
-
-PLAIN_BUILTINS = ["addition", "subtraction", "multiplication", "max_list", "digit_sum", "binary", "reverse", "copy",
-                  "sort_digits", "case_swap", "caesar", "count_char", "brackets"]
-# past the 13 plain built-ins: the same class under another config name, at difficulty 2
-ALIASES = [("reverse_d2", "domains.builtin.text:Reverse"), ("sort_digits_d2", "domains.builtin.text:SortDigits"),
-           ("addition_d2", "domains.builtin.arithmetic:Addition"), ("copy_d2", "domains.builtin.text:Copy")]
-
-
-# -- harness shared by the benches ----------------------------------------------------------------------------------
-def machine_info() -> dict:
-    import torch
-
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "loadavg": list(os.getloadavg())}
-
-
-def domain_specs(n: int) -> list[dict]:
-    """n distinct domain configs (`{"name", "impl"?, "difficulty"?}`): plain built-ins first, then aliases."""
-    specs = [{"name": d} for d in PLAIN_BUILTINS] + [{"name": a, "impl": impl, "difficulty": 2} for a, impl in ALIASES]
-    if n > len(specs):
-        raise ValueError(f"domain_specs: at most {len(specs)} distinct domains, asked for {n}")
-    return specs[:n]
-
-
-def build_student_and_teacher(root: Path, domains: list[str], base_steps: int, teacher_steps: int,
-                              seed: int = 0) -> tuple[Path, Path]:
-    """A tiny base (the student's start) and one teacher = base + `teacher_steps` more SFT steps (plain torch)."""
-    from distill_fixtures import build_base, sft_plain
-    from domains.registry import load_domain
-
-    base = build_base(root, domains, base_steps, seed=seed)
-    pairs = [(e.prompt, e.answer) for d in domains for e in load_domain(d).split("train", 200, seed + 1)]
-    teacher = sft_plain(base, root / "teacher", pairs, teacher_steps, seed=seed + 1)
-    return base, teacher
-
-
-def make_cfg(root: Path, specs: list[dict], seed: int = 0, **distill):
-    """An AlloyConfig for a distillation run over `specs`; `distill` overrides the `distill:` section."""
-    from infra.config import config_from_dict
-
-    train = {"lr": 1e-3, "micro_batch_size": distill.get("batch_size", 96), **distill.pop("train", {})}
-    return config_from_dict({
-        "run": {"name": "bench", "root": str(root), "seed": seed}, "model": {"preset": "tiny"},
-        "domains": specs, "eval": {"n_eval": 20, "max_new_tokens": distill.get("max_new_tokens", 16)},
-        "distill": {"eval_every": 0, "checkpoint_every": 100000, "log_every": 100000, "n_prompts_per_domain": 200,
-                    "train": train, **distill}})
-
-
-def tree_cpu_by_role() -> dict[str, float]:
-    """CPU seconds (user + system) used so far, split into `trainer` (this process: the training loop, its HTTP
-    client, the weight snapshots) and `servers` (its live children: the engine servers)."""
-    import psutil
-
-    out = {"trainer": 0.0, "servers": 0.0}
-    me = psutil.Process()
-    for role, proc in [("trainer", me)] + [("servers", c) for c in me.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-            out[role] += t.user + t.system
-        except psutil.Error:
-            pass
-    return out
-
-
-def tree_cpu_s() -> float:
-    """CPU seconds (user + system) used so far by this process and its live children (the engine servers)."""
-    return sum(tree_cpu_by_role().values())
-
-
-def exit_on_sigterm() -> None:
-    """SIGTERM → SystemExit, so `finally` blocks stop the engine servers this bench launched."""
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
-
-class StepClock:
-    """`on_step` hook: wall time and process-tree CPU time between consecutive committed steps. The first interval
-    starts at creation (it includes start-up) and is dropped with the warm-up. CPU seconds per step do not grow
-    when other jobs steal the cores, so they show the cost of a step apart from contention."""
-
-    def __init__(self):
-        self.t = [time.perf_counter()]
-        self.roles = [tree_cpu_by_role()]
-        self.cpu = [sum(self.roles[0].values())]
-        self.metrics: list[dict] = []
-
-    def __call__(self, trainer, metrics: dict) -> None:
-        self.t.append(time.perf_counter())
-        self.roles.append(tree_cpu_by_role())
-        self.cpu.append(sum(self.roles[-1].values()))
-        self.metrics.append({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
-
-    def intervals(self, warmup: int) -> list[float]:
-        return [b - a for a, b in zip(self.t, self.t[1:])][warmup:]
-
-    def cpu_intervals(self, warmup: int) -> list[float]:
-        return [b - a for a, b in zip(self.cpu, self.cpu[1:])][warmup:]
-
-    def cpu_by_role_per_step(self, warmup: int) -> dict[str, float]:
-        """Mean CPU seconds per step of each role after the warm-up (the profile of where a step's CPU goes)."""
-        a, b = self.roles[min(warmup, len(self.roles) - 1)], self.roles[-1]
-        n = max(len(self.roles) - 1 - warmup, 1)
-        return {k: (b[k] - a[k]) / n for k in b}
-
-
-def write_outputs(out: Path, result: dict, table_md: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result["table_md"] = table_md
-    out.write_text(json.dumps(result, indent=2, default=float))
-    out.with_suffix(".md").write_text(table_md + "\n")
-    print(table_md)
+TARGET = 1.25  # issue 21: median step with 12 teacher servers / with 1
 
 
 # -- this bench -----------------------------------------------------------------------------------------------------
-def server_cpu_s(urls: list[str]) -> float:
-    """CPU seconds (user + system) used so far by the engine servers (children of this process) behind `urls`."""
-    import psutil
-
-    ports = {u.rsplit(":", 1)[1] for u in urls}
-    total = 0.0
-    for c in psutil.Process().children(recursive=True):
-        try:
-            cmd = c.cmdline()
-            if "engine.server" in cmd and cmd[cmd.index("--port") + 1] in ports:
-                t = c.cpu_times()
-                total += t.user + t.system
-        except (psutil.Error, ValueError, IndexError):
-            pass
-    return total
-
-
 def run_one(n: int, urls: dict[str, str], base: Path, root: Path, args, rnd: int) -> dict:
     """One distillation run whose n domains route to n distinct teacher servers; returns the step-time record."""
     from infra.tracking import NoopTracker
@@ -196,17 +66,16 @@ def run_one(n: int, urls: dict[str, str], base: Path, root: Path, args, rnd: int
     cfg = make_cfg(root / f"n{n}", specs, steps=args.steps, batch_size=args.batch,
                    max_new_tokens=args.max_new_tokens)
     load0, idle0 = list(os.getloadavg()), server_cpu_s(idle)
-    clock = StepClock()
+    clock = StepClock(args.warmup, args.steps, servers)
     summary = run_distillation(cfg, load_domains(cfg), str(base), teachers, f"file://{root}/n{n}/student",
                                root / f"n{n}" / "work", NoopTracker(), on_step=clock)
-    steps = clock.intervals(args.warmup)
+    steps = clock.intervals()
     tokens = [m.get("train/tokens", float("nan")) for m in clock.metrics][args.warmup:]
     lat = [v["latency_p50_s"] for v in summary["teachers"].values()]
     shutil.rmtree(root / f"n{n}", ignore_errors=True)
-    cpu = clock.cpu_intervals(args.warmup)
     return {"n_teachers": n, "round": rnd, "domains": names, "routing": teachers, "step_s": steps,
-            "step_s_median": statistics.median(steps), "cpu_s_per_step": cpu,
-            "cpu_s_per_step_median": statistics.median(cpu), "sampled_tokens": tokens,
+            "step_s_median": statistics.median(steps), "cpu_s_per_step": clock.cpu_per_step(),
+            "cpu_s_per_step_by_process": clock.cpu_by_role_per_step(), "sampled_tokens": tokens,
             "timing_s": summary["timing_s"], "wall_s": summary["wall_s"], "steps": summary["steps"],
             "train_s_per_step": summary["timing_s"]["train_s"] / max(summary["steps"], 1),
             "teacher_latency_p50_s_median": statistics.median(lat), "dropped": len(summary["dropped"]),
@@ -215,16 +84,19 @@ def run_one(n: int, urls: dict[str, str], base: Path, root: Path, args, rnd: int
 
 
 def summarize(runs: list[dict], ns: list[int]) -> list[dict]:
-    """Per N: the median over every measured step of every round, tokens per step, and the ratios to the smallest N."""
+    """Per N: the median over every measured step of every round, the CPU per step (median over rounds), the
+    spread over rounds of both, tokens per step, and the ratios to the smallest N."""
     rows = []
     for n in ns:
         rs = [r for r in runs if r["n_teachers"] == n]
         steps = [x for r in rs for x in r["step_s"]]
         tokens = [x for r in rs for x in r["sampled_tokens"]]
         med, tok = statistics.median(steps), statistics.median(tokens)
-        cpu = statistics.median([x for r in rs for x in r["cpu_s_per_step"]])
+        cpu = statistics.median([r["cpu_s_per_step"] for r in rs])
         rows.append({"n_teachers": n, "step_s_median": med, "step_s_median_per_round": [r["step_s_median"] for r in rs],
                      "cpu_s_per_step_median": cpu,
+                     "spread_over_rounds": {"step_s_median": spread([r["step_s_median"] for r in rs]),
+                                            "cpu_s_per_step": spread([r["cpu_s_per_step"] for r in rs])},
                      "sampled_tokens_per_step_median": tok, "s_per_1k_tokens": 1000 * med / tok,
                      "train_s_per_step": statistics.median([r["train_s_per_step"] for r in rs]),
                      "teacher_latency_p50_s": statistics.median([r["teacher_latency_p50_s_median"] for r in rs]),
@@ -260,10 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=96)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=2, help="rounds over every N, in alternating order")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over every N, in alternating order")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--base-steps", type=int, default=40)
     p.add_argument("--teacher-steps", type=int, default=20)
+    p.add_argument("--cores", default=None, help="cores every process runs on, e.g. 0,1 or 0-3 (default: this "
+                   "process's)")
+    p.add_argument("--target", type=float, default=TARGET, help="the most ratio_12_over_1 may be (issue 21: 1.25)")
+    add_check(p, "ratio_12_over_1 > --target")
     p.add_argument("--quick", action="store_true", help="mix of 2, 1 and 2 teachers, batch 8, 3 steps, 1 round, "
                    "models built on the mix's domains only")
     args = p.parse_args(argv)
@@ -271,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         args.teachers, args.batch, args.steps, args.warmup, args.max_new_tokens, args.rounds = "1,2", 8, 3, 1, 4, 1
         args.mix = 2
         args.base_steps, args.teacher_steps = 2, 2
+    if not 1 <= args.warmup < args.steps:
+        p.error("need 1 <= --warmup < --steps")
     ns = sorted(int(x) for x in args.teachers.split(","))
     if max(ns) > args.mix:
         p.error(f"--teachers: N = {max(ns)} servers for a mix of {args.mix} domains leaves servers without a domain")
@@ -282,10 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     from domains.registry import load_domains
     from tasks.teachers import start_teachers
 
+    meta = start_meta()
+    cores = pin_cores(args.cores)
     torch.set_num_threads(1)  # the trainer process's default (distill.threads = 1); servers use 1 thread each
     exit_on_sigterm()
     t0 = time.perf_counter()
-    machine = machine_info()
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
         root = Path(tmp)
@@ -317,19 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     r12 = next((r for r in rows if r["n_teachers"] == 12), None)
     ratio = r12["ratio_to_1"] if r12 and rows[0]["n_teachers"] == 1 else None
     command = " ".join(["python bench/teacher_scaling.py"] + (argv or sys.argv[1:]))
-    result = {"bench": "teacher_scaling", "command": command,
-              "quick": args.quick, "machine": machine, "loadavg_end": list(os.getloadavg()),
+    met = (ratio <= args.target) if ratio is not None else None
+    result = {"bench": "teacher_scaling", "command": command, "quick": args.quick, "meta": meta,
               "shared_machine_note": "2 cores shared with other agents' jobs; all servers and the trainer share them",
               "config": {"batch": args.batch, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
                          "max_new_tokens": args.max_new_tokens, "teachers": ns, "mix": args.mix, "preset": "tiny",
-                         "loss": "topk_kl", "max_staleness": 1, "threads_per_process": 1,
+                         "loss": "topk_kl", "max_staleness": 1, "threads_per_process": 1, "cores": cores,
                          "servers_launched": len(names), "teachers_up_s": teachers_up_s},
               "ratio_12_over_1": ratio, "results": rows, "runs": runs,
-              "target": {"ratio_12_over_1_max": 1.25, "ratio_12_over_1": ratio,
-                         "met": (ratio <= 1.25) if ratio is not None else None},
+              "target": {"ratio_12_over_1_max": args.target, "ratio_12_over_1": ratio, "met": met},
               "total_s": time.perf_counter() - t0}
     write_outputs(Path(args.out), result, table(rows))
-    return 0
+    return verdict("teacher_scaling", met, args.check)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from teacher_scaling import REPO, exit_on_sigterm, machine_info, make_cfg, write_outputs  # noqa: E402
+from harness import REPO, add_check, exit_on_sigterm, make_cfg, start_meta, verdict, write_outputs  # noqa: E402
 from trl_systems import prompt_ids, run_gkd, run_trl_distill  # noqa: E402
 
 SYSTEMS = ("alloy", "gkd", "alloy_1dom", "trl_distill", "alloy_top16")
@@ -464,10 +464,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    add_check(p, "headline `met.all`: Alloy / GKD and alloy_1dom / DistillationTrainer >= 1.5x in completion "
+              "tokens/s, accuracy >= the peer's - 0.02; --sweep has no target")
     args = p.parse_args(argv)
     if args.worker:
         worker(args.worker, args.seed, args.threads, json.loads(Path(args.spec).read_text()), Path(args.result))
         return 0
+    meta = start_meta()
     if args.quick:
         args.seeds, args.steps, args.batch, args.max_new_tokens, args.eval_n, args.kl_n = "0", 2, 6, 4, 6, 4
         args.domains, args.preset, args.trl_threads = ",".join(args.domains.split(",")[:2]), "tiny", "2"
@@ -486,12 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     systems = args.systems.split(",")
     trl_threads = [int(t) for t in args.trl_threads.split(",")]
     top_k = args.top_k if args.top_k == "vocab" else int(args.top_k)
-    machine = machine_info()
     common = {"domains": names, "batch": args.batch, "lr": args.lr, "n_prompts_per_domain": 200, "force": args.force,
               "top_k": top_k, "max_staleness": args.max_staleness, "eval_n": args.eval_n, "kl_n": args.kl_n,
               "mem_poll_s": args.mem_poll_s}
     result = {"bench": "trl_compare", "command": " ".join(["python bench/trl_compare.py"] + (argv or sys.argv[1:])),
-              "quick": args.quick, "machine": machine,
+              "quick": args.quick, "meta": meta,
               "shared_machine_note": "2 cores, possibly shared with other jobs; per-run load averages in runs[]"}
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
         root = Path(tmp)
@@ -514,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
                                      "speedup_incl_startup_vs_distillation")})
             result |= {"config": common | {"presets": args.sweep_presets.split(","), "steps": args.sweep_steps,
                                            "lengths": [r["max_new_tokens"] for r in rows], "trl_threads": trl_threads},
-                       "sweep": rows, "loadavg_end": list(os.getloadavg()), "total_s": time.perf_counter() - t0}
+                       "sweep": rows, "total_s": time.perf_counter() - t0}
             write_outputs(out, result, sweep_table(rows))
-            return 0
+            return verdict("trl_compare", None, args.check, has_target=False)
         base, teachers = build_models(root / "models", args.preset, names, args.base_steps, args.teacher_steps)
         spec = common | {"base": str(base), "teachers": {d: str(p) for d, p in teachers.items()}, "steps": args.steps,
                          "max_new_tokens": args.max_new_tokens}
@@ -536,9 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "trl_calib_steps": args.trl_calib_steps,
                                    "base_steps": args.base_steps, "teacher_steps": args.teacher_steps},
                "headline": h, "init": init, "teacher_accuracy": teacher_acc, "runs": runs, "thread_trials": trials,
-               "aggregate": agg, "loadavg_end": list(os.getloadavg()), "total_s": time.perf_counter() - t0}
+               "aggregate": agg, "total_s": time.perf_counter() - t0}
     write_outputs(out, result, headline_md(h) + table(agg, init))
-    return 0
+    return verdict("trl_compare", h["met"]["all"], args.check)
 
 
 def _tok_doms(spec: dict, names: list[str]) -> tuple:

@@ -1,6 +1,6 @@
 """Benchmark: a trainer's weight push to its own embedded rollout server, disk vs memory (`engine.weight_sync`).
 
-    python bench/weight_push.py --out bench/results/weight_push.json [--presets tiny,small] [--pushes 10]
+    python bench/weight_push.py --out bench/results/weight_push.json [--presets tiny,small] [--pushes 10] [--check]
 
 Per preset: one DeepSpeedBackend (stage 0, fp32, world of one) over a fresh model and two PolicyServers on the same
 model under one Supervisor, one `weight_sync: disk`, one `memory`. Each round perturbs the trainer's weights (as an
@@ -12,30 +12,21 @@ optimizer step would) and pushes them to both, in alternating order, timing:
     snapshot + load is the push when nothing overlaps it (`push(wait=True)`).
 After every round both servers must report the pushed version and score a probe sequence identically (a push that
 is fast but wrong fails the bench). Medians over `--pushes` rounds (after one warm-up round); every sample kept.
-Target: memory snapshot + load ≤ 0.5 × disk at every preset (`target.met`); reported as measured.
+Target: memory snapshot + load ≤ 0.5 × disk at every preset (`target.met`: disk / memory ≥ `--target`, default 2);
+`--check` exits 1 when it is missed.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-
-def machine_info() -> dict:
-    import torch
-
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "loadavg": list(os.getloadavg())}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import add_check, start_meta, verdict, write_json  # noqa: E402
 
 
 async def rounds(backend, tok, servers: dict, n: int, probe: list[int]) -> dict[str, list[float]]:
@@ -103,18 +94,21 @@ def bench_preset(preset: str, pushes: int, tmp: Path) -> dict:
             "samples_ms": {k: [round(x, 2) for x in v] for k, v in times.items()}}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--presets", default="tiny,small")
     p.add_argument("--pushes", type=int, default=10)
+    p.add_argument("--target", type=float, default=2.0, help="the least disk / memory push time at every preset")
+    add_check(p, "disk / memory push < --target at some preset")
     args = p.parse_args(argv)
+    meta = start_meta()
     import torch
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     result: dict = {"bench": "weight_push", "command": "python bench/weight_push.py " + " ".join(argv or sys.argv[1:]),
-                    "machine": machine_info(), "presets": {}}
+                    "meta": meta, "presets": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
             r = result["presets"][preset] = bench_preset(preset, args.pushes, Path(tmp))
@@ -122,14 +116,12 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['memory_snapshot_ms']:.1f} + load {r['memory_load_ms']:.1f}), {r['weight_bytes']} bytes")
     worst = min(r["disk_ms"] / r["memory_ms"] for r in result["presets"].values())
     result["target"] = {"metric": "min over presets of disk push / memory push (snapshot + load)",
-                        "value": round(worst, 2), "goal": 2.0, "met": worst >= 2.0}
-    result["machine"]["loadavg_end"] = list(os.getloadavg())
+                        "value": round(worst, 2), "goal": args.target, "met": worst >= args.target}
     result["total_s"] = round(time.perf_counter() - t0, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json(Path(args.out), result)
     print(f"wrote {args.out}")
-    return result
+    return verdict("weight_push", result["target"]["met"], args.check)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

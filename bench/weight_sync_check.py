@@ -36,8 +36,8 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import REPO, add_check, start_meta, write_json  # noqa: E402  (puts the repository on sys.path)
 from engine_cuda_check import call  # noqa: E402 - the same JSON-over-HTTP helper (bench/ is on sys.path)
 
 PROBE = [1] + [5 + (7 * i) % 90 for i in range(31)]
@@ -56,8 +56,10 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--pushes", type=int, default=4)
+    add_check(p, "any push is refused, falls back, or scores differently from a disk load", always=True)
     args = p.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    meta = start_meta()
 
     import torch
 
@@ -68,8 +70,8 @@ def main() -> int:
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
     preset = args.preset or ("small" if cuda else "tiny")
-    result: dict = {"host": platform.node(), "torch": torch.__version__, "cuda": cuda, "preset": preset,
-                    "gpus": torch.cuda.device_count() if cuda else 0, "checks": {}}
+    result: dict = {"bench": "weight_sync_check", "meta": meta, "host": platform.node(), "cuda": cuda,
+                    "preset": preset, "gpus": torch.cuda.device_count() if cuda else 0, "checks": {}}
     work = Path(tempfile.mkdtemp(prefix="weight-sync-check-"))
     dirs = {"A": init_model_dir(preset, work / "A", seed=0), "B": init_model_dir(preset, work / "B", seed=7)}
     port = free_port()
@@ -177,8 +179,7 @@ def main() -> int:
         result["server_log_tail"] = log_path.read_text()[-4000:] if log_path.exists() else ""
     result["ok"] = "error" not in result and bool(result["checks"]) and all(c.get("ok") for c in
                                                                           result["checks"].values())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json(Path(args.out), result)
     print(json.dumps({k: ({p: {kk: c.get(kk) for kk in ("ok", "backend", "median_s", "first_s", "error")}
                            for p, c in v.items()} if k == "checks" else v)
                       for k, v in result.items() if k not in ("server_log_tail", "traceback")}, indent=2))

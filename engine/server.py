@@ -45,6 +45,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import sys
 import threading
 import time
@@ -258,6 +259,12 @@ async def get_model_info(request: web.Request) -> web.Response:
                               "is_generation": True, "weight_version": engine.weight_version})
 
 
+def process_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this server process, every thread (benchmarks read it)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 async def get_server_info(request: web.Request) -> web.Response:
     engine = _engine_ready(request)
     return web.json_response({
@@ -269,7 +276,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "prefill_forwards": engine.prefill_forwards, "prefill_tokens": engine.prefill_tokens,
         "prefill_padded_tokens": engine.prefill_padded_tokens, "prefill_seconds": round(engine.prefill_seconds, 6),
         "decode_seconds": round(engine.decode_seconds, 6), "engine_cpu_seconds": round(engine.engine_cpu_seconds, 6),
-        "idle_seconds": round(engine.idle_seconds, 6),
+        "idle_seconds": round(engine.idle_seconds, 6), "process_cpu_seconds": round(process_cpu_seconds(), 6),
         "device": str(engine.device), "dtype": dtype_name(engine.dtype),
         "mem_fraction_static": engine.mem_fraction_static, **memory_info(engine.device),
     })

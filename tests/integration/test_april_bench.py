@@ -39,7 +39,7 @@ def test_shape(result):
     r = result
     assert r["bench"] == "april" and r["quick"] is True and r["command"] == f"python bench/april.py --quick --out " \
         + r["config"]["out"]
-    assert r["machine"]["cpus"] >= 1 and len(r["loadavg"]["before"]) == 3
+    assert r["meta"]["cpu_count"] >= 1 and len(r["loadavg"]["before"]) == 3
     assert r["config"]["batches"] == [B] and r["config"]["steps"] == STEPS
     assert set(r["summary"]) == {str(B)} and list(r["summary"][str(B)]) == ["sync", "april", "april_s2"]
     t = r["target"]

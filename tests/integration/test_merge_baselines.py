@@ -71,7 +71,7 @@ def result(runs):
 def test_shape_and_equal_compute(result):
     assert result["bench"] == "merge_baselines" and result["quick"] is True and "--quick" in result["command"]
     assert result["command"].endswith("--seeds 0") and result["config"]["seed"] == 0
-    assert result["machine"]["cpus"] >= 1 and result["total_s"] > 0
+    assert result["meta"]["cpu_count"] >= 1 and result["total_s"] > 0
     eq = result["config"]["equal_compute"]
     D, S, Sd, B = eq["D"], eq["S"], eq["Sd"], eq["B"]
     assert eq["budget_C"] == D * S * B + Sd * B and eq["mixed_rl_steps"] * B == eq["budget_C"]
