@@ -51,7 +51,7 @@ def build_base(config: str, sets: list[str], root: Path, seed: int, preset: str)
            "--result", str(root / "base-result.json"), *[x for s in sets for x in ("--set", s)]]
     if _run(cmd, root / "base.log").wait() != 0:
         raise SystemExit(f"base SFT failed: see {root / 'base.log'}")
-    return out
+    return Path(json.loads((root / "base-result.json").read_text())["checkpoint"])  # the committed `final/`
 
 
 def run_stage(config: str, sets: list[str], base: Path, domains: list[tuple[str, int]], parallel: int,
