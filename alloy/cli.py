@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "external teachers, print what would be reused and what trained (with time estimates); train nothing")
     r.set_defaults(fn=cmd_run)
 
-    c = sub.add_parser("config", help="validate a config and print it with defaults filled in")
+    c = sub.add_parser("config", help="validate a config (and what a run checks before its first stage: domains, "
+                       "dataset split sizes, the judge checkpoint, URLs, storage) and print it with defaults filled in")
     c.add_argument("config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.set_defaults(fn=cmd_config)
