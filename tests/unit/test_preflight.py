@@ -95,11 +95,16 @@ def test_judge_checkpoint_checks(tmp_path, monkeypatch):
     domains = load_domains(cfg)
     (c,) = check_judge(cfg, domains)
     assert not c.ok and "no config.json" in c.detail
+    # what the pipeline flow checks at its start (a deployment run has no `alloy run` before it)
+    from tasks.judge import judge_checkpoint
+
+    with pytest.raises(ValueError, match=r"^specialists\.guard\.judge_path: .*\(no config\.json"):
+        judge_checkpoint(cfg.specialists.guard)
     (judge / "config.json").write_text(json.dumps({"max_position_embeddings": 40}))
     (c,) = check_judge(cfg, domains)  # 40 positions leave no room for a prompt and 16 new tokens
     assert not c.ok and c.name == "specialists.guard.judge_path" and "leaves no room" in c.detail, c
     (judge / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
-    assert check_judge(cfg, domains)[0].ok
+    assert check_judge(cfg, domains)[0].ok and judge_checkpoint(cfg.specialists.guard) == judge
     # not served: a judge URL wins, the guard is off, specialists are off, or no domain has tools
     for sets in (["specialists.guard.judge_url=http://judge:8000"], ["specialists.guard.enabled=false"],
                  ["specialists.enabled=false"]):
