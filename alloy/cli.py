@@ -51,10 +51,15 @@ def cmd_run(args) -> int:
         # secrets (`--set engine.api_key=…`) go to the environment, so they never become flow-run parameters
         overrides, secret = split_secret_overrides(args.set)
         os.environ.update(secret_overrides_env(secret, os.environ))
-        load_config(args.config, overrides)  # fail fast, before Prefect starts
+        cfg = load_config(args.config, overrides)  # fail fast, before Prefect starts
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if not args.dry_run:  # every path and size a stage needs, before any stage (the dry run checks these too)
+        from alloy.plan import preflight, report_failures
+
+        if report_failures(preflight(cfg)[0]) != EXIT_OK:
+            return EXIT_USAGE
     if args.dry_run:  # check everything that can be checked without training, print the plan (alloy/plan.py)
         from alloy.plan import dry_run
 
@@ -83,14 +88,17 @@ def cmd_run(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from domains.registry import load_domains
+    from alloy.plan import preflight, report_failures
     from infra.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.set)
-        load_domains(cfg)  # a plugin that fails to import or to build fails here, named by its dotted path
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    # what a run checks before its first stage: a plugin that fails to import or to build (named by its dotted
+    # path), a dataset too small for the split sizes, the judge checkpoint, URL syntax, the storage
+    if report_failures(preflight(cfg)[0]) != EXIT_OK:
         return EXIT_USAGE
     import yaml
 
@@ -186,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "external teachers, print what would be reused and what trained (with time estimates); train nothing")
     r.set_defaults(fn=cmd_run)
 
-    c = sub.add_parser("config", help="validate a config and print it with defaults filled in")
+    c = sub.add_parser("config", help="validate a config (and what a run checks before its first stage: domains, "
+                       "dataset split sizes, the judge checkpoint, URLs, storage) and print it with defaults filled in")
     c.add_argument("config")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     c.set_defaults(fn=cmd_config)

@@ -6,6 +6,12 @@ preset builds its char tokenizer); the domain plugins; the storage URL (a probe 
 under it with the credentials of the environment); the ports the config fixes; every external teacher's /health.
 No Prefect server, MLflow store, engine server or trainer is started.
 
+`preflight` is the part of these checks that needs no network but the storage's, run by `alloy config`, by
+`alloy run` before any stage starts and by the dry run: the domains (plugin imports; a dataset's split sizes
+against every field that asks for rows, e.g. `specialists.val_n`), the guard judge's checkpoint
+(`specialists.guard.judge_path`, when the stage would serve it), the syntax of every URL the run will call
+(`teachers.external.<domain>`, `specialists.guard.judge_url`) and the storage.
+
 The plan: the stages in order, for each what a run would reuse (a complete checkpoint under the stage's prefix,
 tasks/prefixes.py) and what it would train, with a time estimate from what earlier runs recorded under the storage
 URL (and the other runs under `run.root` when the storage is the default one): per-step times in the base's, the
@@ -98,13 +104,90 @@ def check_model(cfg: AlloyConfig) -> Check:
 
 
 def check_domains(cfg: AlloyConfig) -> tuple[Check, dict]:
+    """Every domain loads (a plugin imports and builds; a dataset is read and is large enough for the split sizes
+    the config asks for); a failure is named by the field the ConfigError names (e.g. `domains.0.dataset.path`)."""
     from domains.registry import load_domains
 
     try:
         domains = load_domains(cfg)
     except ConfigError as exc:
-        return Check("domains", False, str(exc)), {}
+        field, sep, rest = str(exc).partition(": ")
+        named = sep and field.startswith("domains.") and " " not in field
+        return (Check(field, False, rest) if named else Check("domains", False, str(exc))), {}
     return Check("domains", True, ", ".join(domains) + " loaded"), domains
+
+
+def serves_judge(cfg: AlloyConfig, domains: dict) -> bool:
+    """Whether the specialists stage will serve `specialists.guard.judge_path` (tasks/judge.wants_judge_server):
+    specialists train, the guard is on, a checkpoint and no URL, and some domain has tools."""
+    gc = cfg.specialists.guard
+    return bool(cfg.specialists.enabled and gc.enabled and gc.judge_path and not gc.judge_url
+                and any(hasattr(d, "env") for d in domains.values()))
+
+
+def check_judge(cfg: AlloyConfig, domains: dict) -> list[Check]:
+    """The judge checkpoint the specialists stage will serve: a model directory whose context leaves room for a
+    prompt (checked here, not after the base stage's SFT)."""
+    if not serves_judge(cfg, domains):
+        return []
+    name, raw = "specialists.guard.judge_path", cfg.specialists.guard.judge_path
+    path = Path(raw).expanduser()
+    if not (path / "config.json").is_file():
+        where = "does not exist" if not path.exists() else "is not a model checkpoint directory (no config.json)"
+        return [Check(name, False, f"{raw} {where} (from {Path.cwd()}); build the judge with `python -m "
+                                   f"teachers.judge_model {raw}`, or set specialists.guard.judge_url to a served "
+                                   "judge, or leave judge_path out for a rule-only guard")]
+    if cfg.specialists.guard.judge_prompt_chars is None:
+        from tasks.judge import judge_prompt_chars
+
+        try:
+            judge_prompt_chars(path, cfg.specialists.guard.judge_max_tokens)
+        except ValueError as exc:
+            return [Check(name, False, str(exc).removeprefix(f"{name}: "))]
+    return [Check(name, True, f"{raw}: a judge checkpoint (served for the specialists stage)")]
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` is not an http(s) URL a client can call (scheme, host, port, spaces), or None."""
+    from urllib.parse import urlsplit
+
+    if url != url.strip() or any(c.isspace() for c in url):
+        return "contains whitespace"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # a port that is not a number in 0..65535 raises here
+    except ValueError as exc:
+        return f"not a URL: {exc}"
+    if parts.scheme not in ("http", "https"):
+        return f"scheme must be http or https, got {parts.scheme!r}"
+    if not parts.hostname:
+        return "no host"
+    if port == 0:
+        return "port 0"
+    return None
+
+
+def check_urls(cfg: AlloyConfig) -> list[Check]:
+    """The syntax of every URL a stage will call: the external teachers and the guard's judge."""
+    urls = {f"teachers.external.{d}": u for d, u in cfg.teachers.external.items()}
+    if cfg.specialists.enabled and cfg.specialists.guard.enabled and cfg.specialists.guard.judge_url:
+        urls["specialists.guard.judge_url"] = cfg.specialists.guard.judge_url
+    return [Check(name, False, f"{u!r}: {why}") for name, u in urls.items() if (why := url_problem(u))]
+
+
+def preflight(cfg: AlloyConfig) -> tuple[list[Check], dict]:
+    """(the checks every command runs before a stage could start, the loaded domains): domains and their split
+    sizes, the judge checkpoint, URL syntax, the storage. No server is started and no model is loaded."""
+    dom_check, domains = check_domains(cfg)
+    return [dom_check, *check_judge(cfg, domains), *check_urls(cfg), check_storage(cfg)], domains
+
+
+def report_failures(checks: list[Check], err=None) -> int:
+    """Print each failed check as `error: <field>: <detail>`; EXIT_USAGE if any failed, else EXIT_OK."""
+    failed = [c for c in checks if not c.ok]
+    for c in failed:
+        print(f"error: {c.name}: {c.detail}", file=err or sys.stderr)
+    return EXIT_USAGE if failed else EXIT_OK
 
 
 def check_storage(cfg: AlloyConfig) -> Check:
@@ -167,6 +250,8 @@ def check_teachers(cfg: AlloyConfig) -> list[Check]:
     headers = {"Authorization": f"Bearer {cfg.engine.api_key}"} if cfg.engine.api_key else {}
     out = []
     for domain, url in cfg.teachers.external.items():
+        if url_problem(url):  # reported by check_urls
+            continue
         name, health = f"teachers.external.{domain}", url.rstrip("/") + "/health"
         try:
             req = urllib.request.Request(health, headers=headers)
@@ -338,9 +423,9 @@ def dry_run(config_path: str, overrides: list[str], out=None, err=None) -> int:
         print(f"error: {exc}", file=err)
         return EXIT_USAGE
     print(f"dry run of {config_path}: run {cfg.run.name!r}, storage {cfg.storage_url} (nothing is trained)", file=out)
-    dom_check, domains = check_domains(cfg)
-    checks = [Check("config", True, f"{config_path}: valid"), check_model(cfg), dom_check, check_storage(cfg),
-              *check_ports(cfg), *check_teachers(cfg)]
+    pre, domains = preflight(cfg)
+    checks = [Check("config", True, f"{config_path}: valid"), check_model(cfg), *pre, *check_ports(cfg),
+              *check_teachers(cfg)]
     print("checks:", file=out)
     for c in checks:
         print(f"  {'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}", file=out)
@@ -354,7 +439,4 @@ def dry_run(config_path: str, overrides: list[str], out=None, err=None) -> int:
                   f"an estimate not counted; dry run took {time.monotonic() - t0:.1f} s)", file=out)
         except Exception as exc:  # noqa: BLE001  (the storage answered the probe but not this)
             checks.append(Check("run.storage", False, f"{cfg.storage_url}: cannot list checkpoints: {_short(exc)}"))
-    failed = [c for c in checks if not c.ok]
-    for c in failed:
-        print(f"error: {c.name}: {c.detail}", file=err)
-    return EXIT_USAGE if failed else EXIT_OK
+    return report_failures(checks, err)

@@ -16,6 +16,7 @@ from infra.report import GUARD_KEYS, resources_of
 from tasks.base import base_checkpoint_url, train_base
 from tasks.context import RunContext, open_context
 from tasks.evaluate import evaluate_stage
+from tasks.judge import judge_checkpoint, wants_judge_server
 from tasks.report import publish_report
 
 log = logging.getLogger("alloy")
@@ -49,10 +50,12 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
     """Run the whole pipeline for CONFIG (a YAML path) with `a.b=c` overrides; returns the report dict.
     Secrets are refused in `overrides` (a flow parameter, stored by Prefect): they come from the environment."""
     refuse_secret_overrides(overrides, "flow alloy-pipeline, parameter `overrides`")
-    ctx = open_context(config, overrides or [])
+    ctx = open_context(config, overrides or [])  # loads the domains: plugins, a dataset's split sizes
     print(where_am_i("alloy-pipeline", ctx))
     status = "FAILED"
     try:
+        if ctx.cfg.specialists.enabled and wants_judge_server(ctx):  # before the base stage, not after its SFT
+            judge_checkpoint(ctx.cfg.specialists.guard)
         base_dir = train_base(ctx)
         # another worker's flow run (deployment modes) is handed storage URLs, never this run's local paths
         remote = StageMode.DEPLOYMENT in (ctx.cfg.specialists.mode, ctx.cfg.distill.mode)

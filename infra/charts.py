@@ -73,8 +73,13 @@ def close(fig: Figure) -> None:
     plt.close(fig)
 
 
+# The MLflow UI (3.x) shows every experiment in a global view, GenAI unless the user switched it (or the URL names
+# one): links of Alloy's open the "Model training" view, where runs, their metrics and charts are.
+TRAINING_VIEW = "?workflowType=machine_learning"
+
+
 def mlflow_run_url(ui_url: str | None, experiment_id: str | None, run_id: str | None) -> str | None:
-    """The MLflow UI page of a run, or None when the UI address or the run is unknown."""
+    """The MLflow UI page of a run (in the UI's training view), or None when the UI address or the run is unknown."""
     if not (ui_url and experiment_id and run_id):
         return None
-    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}"

@@ -28,6 +28,10 @@ log = logging.getLogger("alloy.tracking")
 
 CHILD_TAG = "alloy.child"
 PARENT_TAG = "mlflow.parentRunId"
+# The MLflow UI (3.x) opens an experiment without a kind on its GenAI views ("Evaluation runs"); this kind is its
+# "Model training" view. Set when Alloy creates or first uses an experiment; a kind a user set is left alone.
+KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # a run's Description in the MLflow UI (markdown)
 _STATUSES = ("FINISHED", "FAILED", "KILLED")
 _MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 _BATCH = 100  # MLflow's limit on params/tags per log_batch call (metrics: 1000)
@@ -132,7 +136,8 @@ class Tracker:
         exp = self._client.get_experiment_by_name(name)
         if exp is None:
             try:
-                return self._client.create_experiment(name, artifact_location=artifact_location)
+                return self._client.create_experiment(name, artifact_location=artifact_location,
+                                                      tags={KIND_TAG: TRAINING_KIND})
             except MlflowException:  # another process created it between our get and create
                 exp = self._client.get_experiment_by_name(name)
                 if exp is None:
@@ -140,6 +145,8 @@ class Tracker:
         if exp.lifecycle_stage == "deleted":
             raise RuntimeError(f"MLflow experiment {name!r} is deleted; restore it (`mlflow experiments restore "
                                f"--experiment-id {exp.experiment_id}`) or set tracking.experiment to another name")
+        if not (exp.tags or {}).get(KIND_TAG):  # made before Alloy set kinds, or by someone else: first use
+            self._client.set_experiment_tag(exp.experiment_id, KIND_TAG, TRAINING_KIND)
         return exp.experiment_id
 
     def _bind(self, run_id: str, experiment_id: str | None = None) -> "Tracker":
@@ -273,6 +280,21 @@ class Tracker:
     def log_figure(self, figure, artifact_file: str) -> None:
         """A matplotlib (or plotly) figure as an image artifact."""
         self._client.log_figure(self._rid("log_figure"), figure, artifact_file)
+
+    def log_image(self, figure, key: str) -> None:
+        """A matplotlib figure as an MLflow image of `key` (shown in the run's "Model metrics" charts, unlike a
+        plain artifact, which only the Artifacts tab lists); logged again, the key gets a new step."""
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        buf = io.BytesIO()
+        figure.savefig(buf, format="png", dpi=100)
+        buf.seek(0)
+        with Image.open(buf) as img:
+            arr = np.asarray(img.convert("RGB"))
+        self._client.log_image(self._rid("log_image"), arr, key=key, step=0)
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """A file, or a directory's contents, under artifact_path."""
@@ -419,6 +441,9 @@ class NoopTracker:
         return None
 
     def log_figure(self, figure, artifact_file: str) -> None:
+        return None
+
+    def log_image(self, figure, key: str) -> None:
         return None
 
     def log_artifact(self, path, artifact_path: str | None = None) -> None:

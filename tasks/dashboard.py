@@ -1,4 +1,6 @@
-"""The MLflow side of a finished run: chart artifacts on the parent run, results on the registered student version.
+"""The MLflow side of a finished run: chart artifacts on the parent run (the per-domain score bars also as an MLflow
+image, which the run's "Model metrics" tab shows), results on the registered student version, and a link from the
+parent run to that version (tags and the run's description).
 
 Called by `publish_report` once the report exists. Everything here reads what the stages already logged (child runs'
 metric histories), so a retried publish redraws the same charts (an artifact of the same path is overwritten).
@@ -9,10 +11,12 @@ import logging
 import os
 
 from infra import charts
+from infra.tracking import NOTE_TAG
 
 log = logging.getLogger("alloy")
 
 SCORES_PNG = "charts/scores_by_domain.png"
+SCORES_IMAGE_KEY = "scores_by_domain"  # the same chart as an MLflow image (the run's "Model metrics" tab)
 SPECIALIST_PNG = "charts/specialist_reward.png"
 STUDENT_PNG = "charts/student_{name}.png"
 # student metric → (file name part, title, y label)
@@ -39,8 +43,13 @@ def log_charts(tracker, report: dict) -> list[str]:
     if getattr(tracker, "run_id", None) is None:
         return []
     logged: list[str] = []
-    _log(tracker, charts.scores_figure(report["domains"], title=f"Per-domain eval score ({report['config']})"),
-         SCORES_PNG, logged)
+    fig = charts.scores_figure(report["domains"], title=f"Per-domain eval score ({report['config']})")
+    try:
+        tracker.log_image(fig, SCORES_IMAGE_KEY)
+    except Exception as exc:  # noqa: BLE001 - the artifact below still carries the chart
+        log.warning("MLflow: the score chart as an image failed (%s: %s); it is still a run artifact",
+                    type(exc).__name__, exc)
+    _log(tracker, fig, SCORES_PNG, logged)
     kids = tracker.children()
     spec = {name.split("/", 1)[1]: tracker.metric_history(rid, "reward")
             for name, rid in kids.items() if name.startswith("specialist/")}
@@ -63,12 +72,25 @@ def log_charts(tracker, report: dict) -> list[str]:
     return logged
 
 
+def student_link(name: str, version: str) -> dict[str, str]:
+    """Tags of the parent run that point at the registered student version, and its description (markdown, a link
+    that the MLflow UI opens on the version's page)."""
+    uri = f"models:/{name}/{version}"
+    return {"alloy.registered_model.name": name, "alloy.registered_model.version": str(version),
+            "alloy.registered_model.uri": uri,
+            NOTE_TAG: f"Registered student: [{name} version {version}](#/models/{name}/versions/{version}) "
+                      f"(`{uri}`, alias `candidate`)"}
+
+
 def annotate_registered_student(tracker, report: dict) -> None:
-    """Put the run's results on the registered student version: tags (means, recovery) and a description line."""
+    """Put the run's results on the registered student version (tags: means, recovery; a description line), and
+    link the parent run to that version (`student_link`)."""
     ref = (report.get("artifacts") or {}).get("registered_model")
     if not ref or "/" not in ref:
         return
     name, version = ref.rsplit("/", 1)
+    if getattr(tracker, "run_id", None) is not None:
+        tracker.set_tags(student_link(name, version))
     s = report["summary"]
     tags = {f"alloy.{k}": s[k] for k in ("base_mean", "specialist_mean", "student_mean", "mean_recovery",
                                           "min_recovery", "n_teachers") if s.get(k) is not None}

@@ -69,6 +69,17 @@ def judge_overrides(gc, url: str, engine_api_key: str | None, path: str) -> list
     return out
 
 
+def judge_checkpoint(gc) -> Path:
+    """The checkpoint directory of `specialists.guard.judge_path` (`gc`: the guard config); a ValueError naming the
+    field when it is no checkpoint. Checked when the pipeline flow starts (a deployment run has no `alloy run`
+    before it) and again when the stage serves it."""
+    path = Path(gc.judge_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"specialists.guard.judge_path: {gc.judge_path} is not a model checkpoint directory "
+                         f"(no config.json, from {Path.cwd()}); build one with `python -m teachers.judge_model DIR`")
+    return path
+
+
 @contextlib.contextmanager
 def serve_judge(ctx: RunContext, domains: list[str] | None = None) -> Iterator[RunContext]:
     """Serve `specialists.guard.judge_path` while the block runs and yield a context whose worker overrides point
@@ -78,10 +89,7 @@ def serve_judge(ctx: RunContext, domains: list[str] | None = None) -> Iterator[R
         yield ctx
         return
     gc, ec = ctx.cfg.specialists.guard, ctx.cfg.engine
-    path = Path(gc.judge_path).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"specialists.guard.judge_path: {gc.judge_path} is not a model checkpoint directory "
-                         "(no config.json); build one with `python -m teachers.judge_model DIR`")
+    path = judge_checkpoint(gc)
     overrides = judge_overrides(gc, "", ec.api_key, str(path))  # checks the context before anything starts
     sup = Supervisor(ctx.work_dir / "logs" / "judge", max_restarts=ctx.cfg.teachers.max_restarts,
                      health_timeout=ctx.cfg.teachers.health_timeout_s, threads_per_server=ec.threads)

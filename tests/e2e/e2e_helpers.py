@@ -36,3 +36,12 @@ def api_get(url: str):
         return json.loads(r.read())
 
 
+def api_send(url: str, body: dict, method: str = "POST"):
+    """A JSON request to a REST API; its JSON answer (None for an empty one, e.g. Prefect's 204 of a PATCH)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method=method,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        raw = r.read()
+    return json.loads(raw) if raw else None
+
+

@@ -1,23 +1,28 @@
 """A real browser on the real UIs: headless Chromium (Debian's `chromium` + `chromium-driver`, through selenium)
 opens the Prefect UI page of the smoke deployment's flow run and the MLflow page of its parent run, and checks
 that the run's name, state and metrics are rendered (both UIs are single-page apps: we wait for the JS-rendered
-text, not the HTML). Screenshots go to a temporary folder, so a test run leaves the tree clean; `make screenshots`
+text, not the HTML); the MLflow experiment opens on its training view ("Model training": the experiment kind Alloy
+sets) with the parent run, whose description links the registered student; and a user's first click path in the
+Prefect UI, the smoke deployment's "Run" → "Quick run", starts a flow run that completes. Screenshots go to a temporary folder, so a test run leaves the tree clean; `make screenshots`
 sets ALLOY_SCREENSHOTS_DIR=docs/img to refresh the README's images (a relative path is from the repository)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
-from e2e_helpers import ROOT, api_get
+from e2e_helpers import ROOT, api_get, api_send
 
 pytestmark = pytest.mark.e2e
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver")
 TIMEOUT_S = 60
+QUICK_RUN_S = 480  # a run of the smoke run's fast settings: ~2 min on 2 loaded cores
+FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +72,42 @@ def wait_for_text(driver, *texts: str) -> str:
     return body
 
 
+def click_text(driver, text: str, tag: str = "*", within: str = "") -> None:
+    """Click the displayed element `tag` whose whole text is `text` (with tag "*": the innermost such element),
+    inside the element of the XPath `within` if given, once the page has rendered one."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    xpath = f"{within}//{tag}[normalize-space(.)='{text}'" + ("]" if tag != "*" else
+                                                                f" and not(.//*[normalize-space(.)='{text}'])]")
+
+    def shown(d):
+        return next((e for e in d.find_elements("xpath", xpath) if e.is_displayed() and e.is_enabled()), False)
+
+    try:
+        WebDriverWait(driver, TIMEOUT_S, poll_frequency=0.5).until(shown).click()
+    except TimeoutException:
+        body = driver.find_element("tag name", "body").text
+        raise AssertionError(f"{driver.current_url}: no {tag} {text!r} to click; page text:\n{body[:2000]}") from None
+
+
+def patient(call, tries: int = 5):
+    """call(), again after a second on an HTTP 5xx or a refused connection (the Prefect server answered 503 once
+    while a flow run kept the 2 shared cores busy)."""
+    import urllib.error
+
+    for i in range(tries):
+        try:
+            return call()
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500 or i == tries - 1:
+                raise
+        except urllib.error.URLError:
+            if i == tries - 1:
+                raise
+        time.sleep(1)
+
+
 def test_prefect_ui_shows_the_flow_run(browser, stack, smoke_run, shots):
     fr = smoke_run["flow_run"]
     browser.get(f"{stack['urls']['prefect_ui']}/runs/flow-run/{fr['id']}")
@@ -104,3 +145,85 @@ def test_mlflow_ui_shows_the_run_and_its_metrics(browser, stack, smoke_run, shot
     metrics = browser.find_element("xpath", "//*[starts-with(normalize-space(text()), 'Metrics (')]")
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", metrics)
     assert browser.save_screenshot(str(shots / "mlflow-run.png"))
+
+
+def test_mlflow_experiment_opens_on_training_view_with_run_and_student_link(browser, stack, smoke_run, shots):
+    """The experiment has the "Model training" kind, and the links Alloy gives (the Prefect summary's, with the
+    UI's `workflowType`: MLflow 3.17's UI picks its view by a global switch, GenAI by default, not by the kind)
+    open the training view: the experiment's runs with the parent run, whose description links the registered
+    student version."""
+    from infra.charts import TRAINING_VIEW, mlflow_run_url
+
+    mlflow = stack["urls"]["mlflow_ui"]
+    report = json.loads(Path(smoke_run["report_path"]).read_text())
+    run_id = report["mlflow"]["parent_run_id"]
+    run = api_get(f"{mlflow}/api/2.0/mlflow/runs/get?run_id={run_id}")["run"]
+    name, exp_id = run["info"]["run_name"], run["info"]["experiment_id"]
+    exp = api_get(f"{mlflow}/api/2.0/mlflow/experiments/get?experiment_id={exp_id}")["experiment"]
+    assert {t["key"]: t["value"] for t in exp["tags"]}["mlflow.experimentKind"] == "custom_model_development"
+    model, version = report["artifacts"]["registered_model"].rsplit("/", 1)
+    tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+    assert tags["alloy.registered_model.uri"] == f"models:/{model}/{version}"
+
+    browser.get(f"{mlflow}/#/experiments/{exp_id}{TRAINING_VIEW}")
+    body = wait_for_text(browser, exp["name"], "Runs", "Models", name)
+    assert "Evaluation runs" not in body, body[:2000]  # a tab of the GenAI view
+    assert browser.save_screenshot(str(shots / "mlflow-experiment.png"))
+    browser.get(mlflow_run_url(mlflow, exp_id, run_id))
+    wait_for_text(browser, name, f"Registered student: {model} version {version}")
+    link = browser.find_element("xpath", f"//a[normalize-space(.)='{model} version {version}']")
+    href = link.get_attribute("href")
+    assert href.endswith(f"#/models/{model}/versions/{version}"), href
+    browser.get(href)  # the link opens a new tab; the same page here
+    wait_for_text(browser, model, f"Version {version}", "candidate")
+
+
+def test_prefect_ui_quick_run_of_the_smoke_deployment_completes(browser, stack, smoke_run, shots):
+    """The smoke deployment's page → "Run" → "Quick run" (→ the dialog's "Run"): a flow run of the deployment's
+    default parameters, which completes. For the test those defaults are the smoke run's fast settings on a runs
+    root of its own under the stack's (set through the API, restored after): the smoke run's storage and report stay
+    as the deploy tests check them, and nothing is written in the tree. Its flow runs (the pipeline's and its
+    sub-flows') are deleted after, so `alloy status`'s latest runs still show the smoke run."""
+    api, ui = stack["urls"]["prefect_api"], stack["urls"]["prefect_ui"]
+    dep_id = smoke_run["flow_run"]["deployment_id"]
+    dep = api_get(f"{api}/deployments/{dep_id}")
+    root = Path(stack["runs_root"]) / "quick-run"
+    report = root / "report.json"
+    overrides = [o for o in smoke_run["params"]["overrides"] if not o.startswith("run.root=")] + [f"run.root={root}"]
+    api_send(f"{api}/deployments/{dep_id}", {"parameters": {
+        **dep["parameters"], "overrides": overrides, "report_path": str(report)}}, "PATCH")
+    try:
+        def runs() -> list[dict]:
+            return patient(lambda: api_send(f"{api}/flow_runs/filter", {"deployments": {"id": {"any_": [dep_id]}}}))
+
+        every_before = {r["id"] for r in patient(lambda: api_send(f"{api}/flow_runs/filter", {}))}
+        before = {r["id"] for r in runs()}
+        browser.get(f"{ui}/deployments/deployment/{dep_id}")
+        wait_for_text(browser, "smoke", "alloy-local")
+        click_text(browser, "Run", tag="button")
+        click_text(browser, "Quick run")
+        # Prefect 3.8's UI then shows the "Run Deployment" dialog, filled with the deployment's parameters (the
+        # flow has a required one, `config`): its own "Run" button submits them
+        wait_for_text(browser, "Run Deployment", "Validate parameters")
+        click_text(browser, "Run", tag="button", within="//*[normalize-space(text())='Run Deployment']/ancestor::*"
+                                                        "[.//button[normalize-space(.)='Run']][1]")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (new := [r for r in runs() if r["id"] not in before]):
+            assert time.monotonic() < deadline, "no flow run appeared after Quick run"
+            time.sleep(1)
+        (fr,) = new
+        deadline = time.monotonic() + QUICK_RUN_S
+        while (fr := patient(lambda: api_get(f"{api}/flow_runs/{fr['id']}")))["state_type"] not in FINAL:
+            assert time.monotonic() < deadline, f"flow run {fr['name']} still {fr['state_name']}"
+            time.sleep(2)
+        assert fr["state_type"] == "COMPLETED", fr["state"]
+        assert fr["parameters"]["report_path"] == str(report) and report.is_file()
+        browser.get(f"{ui}/runs/flow-run/{fr['id']}")
+        wait_for_text(browser, fr["name"], "Completed", "smoke")
+        assert browser.save_screenshot(str(shots / "prefect-quick-run.png"))
+    finally:
+        api_send(f"{api}/deployments/{dep_id}", {"parameters": dep["parameters"]}, "PATCH")
+        if "every_before" in locals():
+            for r in patient(lambda: api_send(f"{api}/flow_runs/filter", {})):
+                if r["id"] not in every_before:
+                    patient(lambda: api_send(f"{api}/flow_runs/{r['id']}", {}, "DELETE"))

@@ -48,6 +48,12 @@ def test_up_registers_pool_deployments_and_worker(stack):
         assert d["enforce_parameter_schema"] is True
         assert set(d["parameter_openapi_schema"]["properties"]) == {"config", "overrides", "report_path"}
     assert deps["smoke"]["parameters"]["config"] == "configs/smoke.yaml"
+    # prefect.yaml's example schedule: on the demo deployment, created paused (shown on the Deployments page)
+    (sched,) = api_get(f"{api}/deployments/{deps['demo']['id']}/schedules")
+    assert sched["active"] is False and sched["schedule"]["cron"] == "0 2 * * *", sched
+    assert sched["schedule"]["timezone"] == "UTC"
+    assert api_get(f"{api}/deployments/{deps['smoke']['id']}/schedules") == []
+    assert not deps["demo"]["paused"]  # the deployment itself runs on demand; only its schedule is off
     workers = api_post(f"{api}/work_pools/alloy-local/workers/filter", {})
     assert [w["status"] for w in workers if w["name"] == "alloy-local-worker"] == ["ONLINE"]
     # a stock worker started in the repository: no ALLOY_HOME, no PYTHONPATH of ours (the smoke run below proves

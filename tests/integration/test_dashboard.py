@@ -8,8 +8,8 @@ import math
 import pytest
 
 from infra import charts
-from infra.tracking import Tracker
-from tasks.dashboard import SCORES_PNG, SPECIALIST_PNG, annotate_registered_student, log_charts
+from infra.tracking import KIND_TAG, NOTE_TAG, TRAINING_KIND, Tracker
+from tasks.dashboard import SCORES_IMAGE_KEY, SCORES_PNG, SPECIALIST_PNG, annotate_registered_student, log_charts
 from tasks.report import summary_markdown
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ def test_curves_sorted_by_step_and_nan_skipped():
 @pytest.mark.unit
 def test_mlflow_link_in_prefect_summary():
     url = charts.mlflow_run_url("http://127.0.0.1:5000/", "7", "abc")
-    assert url == "http://127.0.0.1:5000/#/experiments/7/runs/abc"
+    assert url == "http://127.0.0.1:5000/#/experiments/7/runs/abc?workflowType=machine_learning"
     assert charts.mlflow_run_url(None, "7", "abc") is None and charts.mlflow_run_url("http://x", "7", None) is None
     md = summary_markdown(report("alloy-student/3"), url, [SCORES_PNG])
     assert f"**MLflow run:** [pid]({url})" in md and "`charts/scores_by_domain.png`" in md
@@ -106,10 +106,33 @@ def test_charts_and_registered_version_from_what_the_stages_logged(tracker, tmp_
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert log_charts(tracker, report()) == logged  # a retried publish overwrites, same paths
+    # the score bars are also an MLflow image of a key, which the run's "Model metrics" tab shows
+    images = [a.path for a in tracker._client.list_artifacts(pid, "images")]
+    assert images and all(p.startswith(f"images/{SCORES_IMAGE_KEY}") for p in images), images
 
     annotate_registered_student(tracker, report(f"alloy-dash-student/{version}"))
     mv = tracker._client.get_model_version("alloy-dash-student", version)
     assert mv.tags["alloy.mean_recovery"] == "0.75" and mv.tags["alloy.recovery.sort"] == "0.75"
     assert mv.tags["alloy.student_mean"] == "0.5" and "alloy.recovery.copy" not in mv.tags
     assert "student mean 0.5" in mv.description and "mean recovery 0.75" in mv.description
+    # the parent run links to the registered student: tags, and a description the MLflow UI renders as a link
+    tags = tracker._client.get_run(pid).data.tags
+    assert tags["alloy.registered_model.name"] == "alloy-dash-student"
+    assert tags["alloy.registered_model.version"] == version
+    assert tags["alloy.registered_model.uri"] == f"models:/alloy-dash-student/{version}"
+    assert f"(#/models/alloy-dash-student/versions/{version})" in tags[NOTE_TAG]
     tracker.end()
+
+
+def test_experiment_opens_on_the_training_view_and_a_users_kind_is_kept(tracker, tmp_path):
+    """A new experiment gets the kind of MLflow's "Model training" view; an old one without a kind gets it at its
+    first use by Alloy; a kind a user set stays."""
+    client = tracker._client
+    assert client.get_experiment(tracker.experiment_id).tags[KIND_TAG] == TRAINING_KIND
+    old = client.create_experiment("made-before-kinds")
+    assert KIND_TAG not in client.get_experiment(old).tags
+    Tracker(runs_root=tmp_path / "runs", experiment="made-before-kinds")
+    assert client.get_experiment(old).tags[KIND_TAG] == TRAINING_KIND
+    mine = client.create_experiment("genai-by-choice", tags={KIND_TAG: "genai_development"})
+    Tracker(runs_root=tmp_path / "runs", experiment="genai-by-choice")
+    assert client.get_experiment(mine).tags[KIND_TAG] == "genai_development"

@@ -131,7 +131,8 @@ def test_cli_run_every_trainer_on_two_ranks_and_exit_codes(tmp_path, prefect_har
     bad = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "base.steps=-3"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
     assert bad.returncode == 2 and "base.steps" in bad.stderr
-    # the plugin fails inside the flow: on the session's Prefect API (a temporary server would take ~20 s to start)
+    # the plugin fails before any stage (alloy/plan.py `preflight`); the session's Prefect API all the same, in case
+    # it did not (a temporary server would take ~20 s to start)
     from prefect.settings import PREFECT_API_URL
 
     plugin = subprocess.run([sys.executable, "-m", "alloy.cli", "run", SMOKE, "--set", "domains.0.impl=nowhere.mod:Cls",
