@@ -96,8 +96,11 @@ def run_gkd(spec: dict, names: list[str], seed: int, work: Path):
     if spec["force"]:  # no EOS id: generate runs max_new_tokens, the completion mask keeps every token
         student.generation_config.eos_token_id = None  # (also in training_step: the Trainer sets it again)
     teacher = RoutedTeacher([load_model(spec["teachers"][d]) for d in names])
+    # GKDConfig inherits SFTConfig's gradient_checkpointing=True, and GKDTrainer then generates with
+    # use_cache=False (no KV cache): off, as for DistillationTrainer, the peer at its fastest (TRL's docs: gradient
+    # checkpointing trades speed for memory)
     args = trl_args(GKDConfig, spec, seed, work / "gkd", lmbda=1.0, beta=1.0, temperature=1.0,
-                    max_new_tokens=spec["max_new_tokens"], disable_dropout=True)
+                    max_new_tokens=spec["max_new_tokens"], gradient_checkpointing=False, disable_dropout=True)
     trainer = RoutedGKD(model=student, teacher_model=teacher, args=args, data_collator=collate,
                         train_dataset=Dataset.from_list(rows), processing_class=tok)
     if spec["force"]:
