@@ -38,8 +38,8 @@ QUICK = ["base.steps=40", "specialists.steps=8", "specialists.batch_size=16", "s
 
 
 def _run(cmd: list[str], log: Path) -> subprocess.Popen:
-    fh = open(log, "wb")
-    return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    with open(log, "wb") as fh:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
 
 
 def build_base(config: str, sets: list[str], root: Path, seed: int, preset: str) -> Path:
