@@ -6,6 +6,7 @@ import logging
 import pandas as pd
 from prefect import flow
 
+from domains.evaluate import COLUMNS
 from flows.distill import run_distill
 from flows.handoff import where_am_i
 from flows.specialists import run_specialists
@@ -26,8 +27,9 @@ def specialist_scores(ctx: RunContext, specs: dict[str, dict]) -> pd.DataFrame:
     """Each specialist's own-domain score (evaluated by its trainer on the same eval split) as report rows."""
     sc = ctx.cfg.specialists
     return pd.DataFrame([{"domain": d, "stage": "specialist", "score": s["score"],
-                          "n_eval": sc.for_domain(d).eval_n or ctx.cfg.eval.n_eval, "checkpoint": s["checkpoint"]}
-                         for d, s in specs.items()])
+                          "n_eval": sc.for_domain(d).eval_n or ctx.cfg.eval.n_eval, "checkpoint": s["checkpoint"],
+                          "raw_score": s.get("raw_score", s["score"]), "hacks_per_100": s.get("hacks_per_100")}
+                         for d, s in specs.items()], columns=COLUMNS)
 
 
 def guard_totals(specs: dict[str, dict]) -> dict[str, int]:

@@ -20,21 +20,39 @@ def _mean(xs: list[float]) -> float | None:
     return round(sum(xs) / len(xs), 6) if xs else None
 
 
+def _num(x: Any) -> float | None:
+    """A score cell as report JSON: a rounded float, or None for a missing cell / NaN."""
+    if x is None:
+        return None
+    x = float(x)
+    return None if math.isnan(x) else round(x, 6)
+
+
 def domain_table(scores: pd.DataFrame, domains: list[str]) -> dict[str, dict[str, Any]]:
-    """{domain: {base, specialist, student, recovery, n_eval}} from long-format scores (domain, stage, score, n_eval)."""
+    """{domain: {base, specialist, student, recovery, n_eval, raw, hacks_per_100}} from long-format scores (domain,
+    stage, score, n_eval[, raw_score, hacks_per_100]). The stage columns are the clean scores; `raw` and
+    `hacks_per_100` ({stage: value}) are a tool domain's raw scores and hack attempts per 100 eval episodes
+    (`domains/evaluate.py`), null for a plain domain."""
     out: dict[str, dict[str, Any]] = {}
     for dom in domains:
         row: dict[str, Any] = {s: None for s in STAGES}
+        raw: dict[str, Any] = {s: None for s in STAGES}
+        hacks: dict[str, Any] = {s: None for s in STAGES}
         sub = scores[scores["domain"] == dom] if len(scores) else scores
         n_eval = None
         for _, r in sub.iterrows():
             if r["stage"] in STAGES:
                 row[r["stage"]] = round(float(r["score"]), 6)
+                raw[r["stage"]] = _num(r.get("raw_score"))
+                hacks[r["stage"]] = _num(r.get("hacks_per_100"))
                 n_eval = int(r["n_eval"])
         spec, stud = row["specialist"], row["student"]
         # recovery = student / specialist; undefined when the specialist scores 0
         row["recovery"] = round(stud / spec, 6) if (spec and stud is not None) else None
         row["n_eval"] = n_eval
+        tool = any(v is not None for v in hacks.values())
+        row["raw"] = raw if tool else None
+        row["hacks_per_100"] = hacks if tool else None
         out[dom] = row
     return out
 
@@ -97,6 +115,12 @@ def render_table(report: dict) -> str:
                      f"{_fmt(r.get('recovery')):>10}{_fmt(r.get('n_eval')):>8}")
     s = report.get("summary", {})
     lines.append("-" * len(header))
+    tools = {d: r for d, r in report.get("domains", {}).items() if r.get("hacks_per_100")}
+    if tools:  # a tool domain's scores above are clean (hack attempts score 0): its raw score and attempts here
+        lines.append("tool domains, raw score / hack attempts per 100 episodes (base, specialist, student):")
+        for dom, r in tools.items():
+            cells = [f"{_fmt((r.get('raw') or {}).get(st))} / {_fmt(r['hacks_per_100'].get(st))}" for st in STAGES]
+            lines.append(f"  {dom:<14}" + "   ".join(cells))
     lines.append(f"{'mean':<16}{_fmt(s.get('base_mean')):>8}{_fmt(s.get('specialist_mean')):>10}"
                  f"{_fmt(s.get('student_mean')):>9}{_fmt(s.get('mean_recovery')):>10}")
     lines.append(f"domains {s.get('n_domains')}, teachers {s.get('n_teachers')}, min recovery {_fmt(s.get('min_recovery'))}")
@@ -116,6 +140,7 @@ _OPT = " or null"
 REPORT_SHAPE: dict[str, str] = {
     "config": _STR, "run_id": _STR + _OPT, "mlflow": _MAP, "domains": _MAP,
     **{f"domains.*.{k}": _NUM + _OPT for k in (*STAGES, "recovery")}, "domains.*.n_eval": _INT + _OPT,
+    "domains.*.raw": _MAP + _OPT, "domains.*.hacks_per_100": _MAP + _OPT,
     "summary": _MAP, "summary.n_domains": _INT, "summary.n_teachers": _INT,
     **{f"summary.{k}": _NUM + _OPT for k in ("base_mean", "specialist_mean", "student_mean", "mean_recovery",
                                               "min_recovery")},

@@ -1,4 +1,5 @@
-"""Evaluation stage: greedy eval-split scores per domain for one checkpoint, logged to MLflow."""
+"""Evaluation stage: greedy eval-split scores per domain for one checkpoint, logged to MLflow (a tool domain's
+clean score as `eval/<stage>/<domain>`, its raw score and hack attempts per 100 episodes beside it)."""
 from __future__ import annotations
 
 import pandas as pd
@@ -20,5 +21,9 @@ def evaluate_stage(ctx: RunContext, checkpoint_dir: str, stage: str, domains: li
                       progress=lambda done, total: bar(done), chat_template=cfg.model.chat_template,
                       device=cfg.eval.device, dtype=cfg.eval.dtype)
     ctx.tracker.log_metrics({f"eval/{stage}/{r.domain}": float(r.score) for r in df.itertuples()})
+    tools = df[df["hacks_per_100"].notna()]  # tool domains: the raw score and the hack attempts beside the clean one
+    ctx.tracker.log_metrics({f"eval/{stage}/{r.domain}/raw": float(r.raw_score) for r in tools.itertuples()})
+    ctx.tracker.log_metrics({f"eval/{stage}/{r.domain}/hacks_per_100": float(r.hacks_per_100)
+                             for r in tools.itertuples()})
     ctx.tracker.log_metrics({f"eval/{stage}/mean": float(df["score"].mean())})
     return df

@@ -19,6 +19,7 @@ trainer skeleton's, training/worker.py; `WORKER` describes this entry point to t
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import sys
@@ -115,9 +116,14 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     df = evaluate_model(model, tok, {domain.name: domain}, sc.eval_n or cfg.eval.n_eval, seed, "specialist",
                         max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
                         chat_template=cfg.model.chat_template)
-    summary["score"] = float(df.score.iloc[0])
-    tracker.log_metrics({"eval/score": summary["score"], "eval/selected_step": summary["selected_step"]},
-                        step=trainer.state.step)
+    row = df.iloc[0]
+    summary["score"] = float(row.score)
+    summary["raw_score"] = float(row.raw_score)
+    # a tool domain's eval counts hack attempts (domains/evaluate.py); a plain domain has none (NaN → null)
+    summary["hacks_per_100"] = None if math.isnan(row.hacks_per_100) else float(row.hacks_per_100)
+    tracker.log_metrics({"eval/score": summary["score"], "eval/raw_score": summary["raw_score"],
+                         **({} if summary["hacks_per_100"] is None else {"eval/hacks_per_100": summary["hacks_per_100"]}),
+                         "eval/selected_step": summary["selected_step"]}, step=trainer.state.step)
     summary["checkpoint"] = commit_final(final, out_url, trainer.state.step,
                                          meta={"stage": "specialist", "domain": domain.name,
                                                "score": summary["score"], "step": summary["selected_step"]})
