@@ -28,6 +28,9 @@ def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harne
     assert set(report["domains"]) == {"tool_add", "tool_files", "tool_chain"}
     for dom, row in report["domains"].items():
         assert row["n_eval"] == 8 and 0.0 <= row["student"] <= 1.0, dom
+        # eval read every call with the guard's rules: clean <= raw, hack attempts per 100 for every stage
+        for stage in ("base", "specialist", "student"):
+            assert row[stage] <= row["raw"][stage] and 0.0 <= row["hacks_per_100"][stage] <= 100.0, (dom, row)
     g = report["guard"]
     assert g["tool_calls"] > 0 and g["flagged"] > 0, g
     assert g["judged"] > 0 and g["judge_errors"] == 0, g  # the judge model answered every flagged call
