@@ -216,6 +216,14 @@ class DomainScores:
                 "hacks_per_100": 100.0 * sum(self.hack) / n if self.tool else float("nan")}
 
 
+def tool_metrics(df: pd.DataFrame, prefix: str) -> dict[str, float]:
+    """MLflow metrics of an eval table's tool domains beside their clean score `<prefix><domain>`:
+    `<prefix><domain>/raw` and `<prefix><domain>/hacks_per_100` (plain domains have none)."""
+    tools = df[df["hacks_per_100"].notna()]
+    return {**{f"{prefix}{r.domain}/raw": float(r.raw_score) for r in tools.itertuples()},
+            **{f"{prefix}{r.domain}/hacks_per_100": float(r.hacks_per_100) for r in tools.itertuples()}}
+
+
 def evaluate_model(model, tokenizer, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,
                    max_new_tokens: int = 16, batch_size: int = 128, checkpoint: str = "",
                    progress: Callable[[int, int], None] | None = None, chat_template: str = "auto") -> pd.DataFrame:

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from domains.compaction import episode_of
-from domains.evaluate import episode_budget, evaluate_model
+from domains.evaluate import episode_budget, evaluate_model, tool_metrics
 from infra.chat import stop_token_ids, token_budget
 from training.batching import MAX_BUCKETS, length_buckets, length_sorted_split
 from engine.client import seed_for
@@ -287,7 +287,7 @@ class DistillTrainer:
     async def _evaluate(self) -> dict:
         t = time.perf_counter()
 
-        def run() -> dict:
+        def run():
             self.backend.eval_mode()
             try:
                 df = evaluate_model(self.backend.module, self.tok, self.domains, self.dc.eval_n, self.seed, "student",
@@ -295,13 +295,15 @@ class DistillTrainer:
                                     chat_template=self.chat_template)
             finally:
                 self.backend.train_mode()
-            return {r.domain: float(r.score) for r in df.itertuples()}
+            return df
 
-        scores = await asyncio.to_thread(run)
+        df = await asyncio.to_thread(run)
+        scores = {r.domain: float(r.score) for r in df.itertuples()}
+        extra = tool_metrics(df, "eval/")  # tool domains: raw score and hack attempts beside the clean one
         self.timing["eval_s"] += time.perf_counter() - t
         mean = float(np.mean(list(scores.values())))
         self.state.evals.append({"step": self.state.step, "scores": scores, "mean": mean})
-        self.tracker.log_metrics({**{f"eval/{d}": v for d, v in scores.items()}, "eval/mean": mean},
+        self.tracker.log_metrics({**{f"eval/{d}": v for d, v in scores.items()}, **extra, "eval/mean": mean},
                                  step=self.state.step)
         log.info("student eval at step %d: mean %.3f", self.state.step, mean)
         return scores

@@ -6,7 +6,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from domains.evaluate import evaluate
+from domains.evaluate import evaluate, tool_metrics
 from infra.progress import progress
 from tasks.context import RunContext, stage_timer
 
@@ -21,9 +21,6 @@ def evaluate_stage(ctx: RunContext, checkpoint_dir: str, stage: str, domains: li
                       progress=lambda done, total: bar(done), chat_template=cfg.model.chat_template,
                       device=cfg.eval.device, dtype=cfg.eval.dtype)
     ctx.tracker.log_metrics({f"eval/{stage}/{r.domain}": float(r.score) for r in df.itertuples()})
-    tools = df[df["hacks_per_100"].notna()]  # tool domains: the raw score and the hack attempts beside the clean one
-    ctx.tracker.log_metrics({f"eval/{stage}/{r.domain}/raw": float(r.raw_score) for r in tools.itertuples()})
-    ctx.tracker.log_metrics({f"eval/{stage}/{r.domain}/hacks_per_100": float(r.hacks_per_100)
-                             for r in tools.itertuples()})
+    ctx.tracker.log_metrics(tool_metrics(df, f"eval/{stage}/"))  # tool domains: raw score, hack attempts
     ctx.tracker.log_metrics({f"eval/{stage}/mean": float(df["score"].mean())})
     return df

@@ -97,3 +97,13 @@ def test_report_carries_raw_and_hacks_for_tool_domains_and_null_for_plain_ones()
     old = scores.drop(columns=["raw_score", "hacks_per_100"])
     rep_old = build_report(config="c.yaml", run_id="r", mlflow={}, scores=old, domains=["addition", "tool_add"])
     assert report_problems(rep_old) == [] and rep_old["domains"]["tool_add"]["hacks_per_100"] is None
+
+
+def test_tool_metrics_name_raw_and_hacks_beside_the_clean_score_of_tool_domains_only():
+    from domains.evaluate import tool_metrics
+
+    df = pd.DataFrame([{"domain": "addition", "stage": "s", "score": 0.5, "n_eval": 2, "checkpoint": "",
+                        "raw_score": 0.5, "hacks_per_100": float("nan")},
+                       {"domain": "tool_add", "stage": "s", "score": 0.25, "n_eval": 4, "checkpoint": "",
+                        "raw_score": 0.75, "hacks_per_100": 50.0}], columns=COLUMNS)
+    assert tool_metrics(df, "eval/base/") == {"eval/base/tool_add/raw": 0.75, "eval/base/tool_add/hacks_per_100": 50.0}
