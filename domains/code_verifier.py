@@ -292,12 +292,18 @@ def judge_code_record(tests: list[CodeTest], stdout: str, delim: str) -> CodeRep
 def code_report(response: str, answer: str, row: Mapping[str, Any] | None = None,
                 timeout_s: float = 5.0) -> CodeReport:
     """Run the response's code against `row["tests"]` (module docstring: the protocol and the threat model)."""
+    return run_code_tests(extract_code(response), parse_code_tests(row_tests(row)), timeout_s)
+
+
+def run_code_tests(code: str, tests: list[CodeTest], timeout_s: float = 5.0) -> CodeReport:
+    """Run `code` (the solution's source) against parsed `tests` in the sandbox and decide here: only the tests'
+    expressions reach the child (module docstring). Also used by tool domains that hold the solution apart from the
+    response (`domains.tool_code`)."""
     from sandbox.runner import run_tool
-    tests = parse_code_tests(row_tests(row))
     work = tempfile.mkdtemp(prefix="alloy-code-")
     try:
         os.chmod(work, 0o755)  # the sandbox runs as `nobody` when we are root
-        for name, text in (("solution.py", extract_code(response)), ("runner.py", _CODE_RUNNER),
+        for name, text in (("solution.py", code), ("runner.py", _CODE_RUNNER),
                            ("calls.json", json.dumps([t.expr for t in tests]))):
             path = os.path.join(work, name)
             with open(path, "w", encoding="utf-8", errors="replace") as f:

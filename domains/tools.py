@@ -191,14 +191,20 @@ class ToolEnv:
             if not verdict.allowed:
                 self.calls.append(CallRecord(command, self.blocked_output, False, False, rules))
                 return render_output(self.blocked_output, self.max_output_chars)
-        res = await asyncio.to_thread(self._runner, command, self.workdir, timeout_s=self.timeout_s,
-                                      memory_mb=self.memory_mb, allowed=self.allowed)
+        res = await self.run_command(command, trajectory)
         ok = res.exit_code == 0 and not res.timed_out and res.blocked_reason is None
         out = res.stdout if ok else ERROR_OUTPUT
         line = render_output(out, self.max_output_chars)
         self.calls.append(CallRecord(command, line[len(RESULT_PREFIX):-1], True, True, rules, res.exit_code,
                                      res.blocked_reason))
         return line
+
+    async def run_command(self, command: str, trajectory: str = "") -> Any:
+        """Run one allowed call (the guard has passed it): the sandbox's `run_tool` in a worker thread. Returns its
+        `ToolResult` (`stdout`, `exit_code`, `timed_out`, `blocked_reason`). An env with tools of its own (handled
+        by the env, not by a program: `domains.tool_code`) overrides this."""
+        return await asyncio.to_thread(self._runner, command, self.workdir, timeout_s=self.timeout_s,
+                                       memory_mb=self.memory_mb, allowed=self.allowed)
 
     async def step(self, response: str) -> str | None:
         """If `response` ends with a complete tool call line, run it and return the line to append; else None

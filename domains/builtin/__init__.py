@@ -1,13 +1,14 @@
-"""The built-in domains (21). Each class documents its prompt format, difficulty knob and partial credit."""
+"""The built-in domains (22). Each class documents its prompt format, difficulty knob and partial credit."""
 from domains.builtin.arithmetic import Addition, DigitSum, MaxList, Multiplication, Subtraction, ToBinary
 from domains.builtin.positional import Dedupe, Interleave, Rotate, SwapPairs
 from domains.builtin.text import Brackets, Caesar, CaseSwap, Copy, CountChar, Reverse, SortDigits
 from domains.tool_domains import ToolChain, ToolFiles
+from domains.tool_code import ToolCode
 from domains.tools import ToolAdd
 from domains.tool_long import ToolLong
 
 ALL = [Addition, Subtraction, Multiplication, MaxList, DigitSum, ToBinary,
        Reverse, Copy, SortDigits, CaseSwap, Caesar, CountChar, Brackets,
-       Rotate, SwapPairs, Interleave, Dedupe, ToolAdd, ToolLong, ToolFiles, ToolChain]
+       Rotate, SwapPairs, Interleave, Dedupe, ToolAdd, ToolLong, ToolFiles, ToolChain, ToolCode]
 
 __all__ = [cls.__name__ for cls in ALL] + ["ALL"]
