@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from domains.compaction import (Compaction, Planner, SubTrace, current_context, notes_summarizer, plan, split_turns,
-                                subtrace_spans)
+from domains.compaction import (Compaction, Planner, PolicySummary, SubTrace, compaction_counts, current_context,
+                                notes_summarizer, plan, split_turns, subtrace_spans)
 from domains.registry import load_domain
 from teachers import ppo_math
 from teachers.april import Sample
-from teachers.compaction import expand, subtrace_samples
+from teachers.compaction import counts, expand, subtrace_samples
 from teachers.ppo_step import build_batch
 
 pytestmark = pytest.mark.unit
@@ -185,3 +185,130 @@ def test_the_planner_kept_between_turns_equals_planning_anew():
         assert len(planner.turns) == len(split_turns(mask))
         compacted += len(planner.subs) > 1
     assert compacted > 50  # the comparison is about compacted episodes, most of them
+
+
+# -- the policy writes the summary ------------------------------------------------------------------------------------
+# hand-built ids: 80 = the env's request line, 70 = the summary prefix '#', 50 = a newline (a turn ends there)
+class PolicyNotes:
+    """`summarize` (the rules' notes, the fallback) with the `.policy` that recognises the policy's summary."""
+
+    policy = PolicySummary(marker=(80,), line_end=lambda t: t == 50,
+                           valid=lambda ids: len(ids) > 2 and ids[0] == 70 and ids[-1] == 50 and 50 not in ids[:-1])
+
+    def __call__(self, out, dropped):
+        return summarize(out, dropped)
+
+
+NOTES_P = PolicyNotes()
+T = [[10 + k, 50, 60 + k, 50] for k in range(3)]  # turn k: model [10+k, 50], env [60+k, 50]
+S1, S2 = [70, 60, 50], [70, 99, 50]  # the policy's summaries (e.g. '#0⏎', '#9⏎')
+OUT_P = T[0] + T[1] + [80] + S1 + T[2] + [80] + S2 + [99, 2]
+MASK_P = [1, 1, 0, 0] * 2 + [0] + [1] * 3 + [1, 1, 0, 0] + [0] + [1] * 3 + [1, 1]
+CFG_P = Compaction(max_context_tokens=16, keep_last=1, summary="policy", summary_tokens=3)
+# by hand (reserve = request 1 + summary 3: due when 16 − used < longest 4 + 4):
+#   after turn 0: used 7, room 9: no; after turn 1 (at 8): used 11 → due, drop turn 0, keep turn 1; request at 8,
+#   summary 9..12 → context P + turn 1 + request + summary = 11 < 15 used, room 5 ≥ 4: the policy's, from 12
+#   after turn 2 (at 16): used 11 + 4 = 15 → due, drop turns 0-1, keep turn 2: request at 16, summary 17..20 → P +
+#   turn 2 + request + summary (11 < 19), from 20; the answer [99, 2] in it
+PCTX1 = tuple(P + OUT_P[4:12])
+PCTX2 = tuple(P + OUT_P[12:20])
+
+
+def test_plan_with_policy_summaries_in_the_history():
+    subs = plan(P, OUT_P, MASK_P, CFG_P, NOTES_P)
+    assert subs == [SubTrace(tuple(P), 0, 12), SubTrace(PCTX1, 12, 20), SubTrace(PCTX2, 20, 22)]
+    assert [s.made_by for s in subs] == ["", "policy", "policy"]
+    assert compaction_counts(subs) == {"events": 2, "fallbacks": 0}
+    # the summary is the last, trained, turn of the sub-trace before the compaction (the request: env, untrained)
+    spans = subtrace_spans(P, OUT_P, MASK_P, CFG_P, NOTES_P)
+    assert [(s.start, s.end) for s in spans] == [(0, 12), (12, 20), (20, 22)]
+    assert MASK_P[8:12] == [0, 1, 1, 1] and OUT_P[9:12] == S1
+    # rules: the same history without requests/summaries compacts by the notes; "policy" needs a .policy
+    with pytest.raises(ValueError, match="summary 'policy' needs a summarize with a `.policy`"):
+        plan(P, OUT_P, MASK_P, CFG_P, summarize)
+    with pytest.raises(ValueError, match="summary must be one of"):
+        Compaction(16, 1, "model")
+
+
+def test_a_malformed_policy_summary_falls_back_to_the_rules_notes():
+    bad = OUT_P[:17] + [99, 50] + [99, 2]  # the second summary lacks its '#' prefix
+    mask = MASK_P[:17] + [1, 1] + [1, 1]
+    subs = plan(P, bad, mask, CFG_P, NOTES_P)
+    # the rules' context (notes of turns 0-1 + turn 2) from the summary's end on; the bad summary still trains
+    assert subs[2] == SubTrace(tuple(P + [90, 60, 61] + T[2]), 19, 21) and subs[2].made_by == "fallback"
+    assert compaction_counts(subs) == {"events": 2, "fallbacks": 1}
+    # a summary that hits summary_tokens without ending its line: malformed too
+    capped = OUT_P[:17] + [70, 99, 99] + [99, 2]
+    assert plan(P, capped, mask[:17] + [1] * 5, CFG_P, NOTES_P)[2].made_by == "fallback"
+    # no request after a due boundary (the budget had no room for it): the rules compact there, if they must
+    no_req = T[0] + T[1] + T[2]
+    rules = plan(P, no_req, [1, 1, 0, 0] * 3, CFG_P, NOTES_P)
+    assert rules == plan(P, no_req, [1, 1, 0, 0] * 3, Compaction(16, 1), summarize)
+
+
+def test_a_policy_summary_plan_is_a_function_of_the_history_prefix():
+    planner = Planner(P, CFG_P, NOTES_P)
+    full = plan(P, OUT_P, MASK_P, CFG_P, NOTES_P)
+    for k in range(len(OUT_P) + 1):
+        pre = plan(P, OUT_P[:k], MASK_P[:k], CFG_P, NOTES_P)
+        assert pre == planner.update(OUT_P[:k], MASK_P[:k]), k  # kept between calls == planned anew
+        if k == 0 or MASK_P[k - 1] or MASK_P[k]:  # where an episode can stop (an env line and its request: whole)
+            assert [(s.context, s.start) for s in pre] == [(s.context, s.start) for s in full if s.start <= k], k
+    # the pending states the turn loop acts on: a request wanted at 8; mid-summary at 10 (2 tokens left)
+    planner = Planner(P, CFG_P, NOTES_P)
+    planner.update(OUT_P[:8], MASK_P[:8])
+    assert planner.pending == "request"
+    assert planner.context(OUT_P[:10], MASK_P[:10]) == P + OUT_P[:10]  # the summary is written in the full context
+    assert planner.pending == "summary" and planner.summary_left == 2
+    assert planner.context(OUT_P[:13], MASK_P[:13]) == list(PCTX1) + [12]
+
+
+def test_a_loss_on_the_policy_written_summary_has_a_gradient():
+    logps = [-0.3 if m else 0.0 for m in MASK_P]
+    ep = Sample("ep-2", "ep-2", P, OUT_P, logps, [0] * len(OUT_P), "tool_long", {"prompt": "x"}, "stop", MASK_P, 0)
+    rows, rewards = expand([ep], [1.0], CFG_P, NOTES_P)
+    assert [r.sample_id for r in rows] == ["ep-2", "ep-2~1", "ep-2~2"] and rewards == [1.0] * 3
+    assert rows[0].output_ids[-3:] == S1 and rows[0].loss_mask[-4:] == [0, 1, 1, 1]  # request 0, summary 1
+    batch = build_batch(rows, pad_id=0, rewards=rewards)
+    summary_pos = [len(P) - 1 + j for j in range(9, 12)]  # row 0: output tokens 9..11 predicted from P + j − 1
+    assert batch.mask[0, summary_pos].tolist() == [1.0, 1.0, 1.0]
+    adv, _ = ppo_math.compute_gae(ppo_math.token_rewards(batch.rewards, batch.mask), torch.zeros_like(batch.mask),
+                                  batch.mask, gamma=1.0, lam=0.95)
+    logp = (batch.rollout_logprobs + 0.05).requires_grad_(True)  # a policy that moved a little since the rollout
+    loss, _ = ppo_math.policy_loss(logp, batch.rollout_logprobs, adv, batch.mask)
+    loss.backward()
+    assert float(loss.detach()) != 0.0
+    assert all(float(logp.grad[0, t]) != 0.0 for t in summary_pos)  # the summary tokens are trained
+    request_pos = len(P) - 1 + 8
+    assert float(logp.grad[0, request_pos]) == 0.0  # the env's request is not
+    assert counts([ep], CFG_P, NOTES_P) == {"events": 2, "fallbacks": 0}
+
+
+def test_random_histories_with_policy_summaries_plan_the_same_kept_or_anew():
+    """Random histories in the shape the turn loop writes with a policy summary (a request after a due boundary,
+    then a summary, well-formed or not): the `Planner` kept between turns equals `plan`, at every prefix."""
+    import random
+
+    rng = random.Random(5)
+    compacted = fell_back = 0
+    for trial in range(150):
+        prompt = [1] * rng.randint(1, 6)
+        cfg = Compaction(rng.randint(10, 40), rng.randint(0, 3), "policy", rng.randint(2, 4))
+        out, mask = [], []
+        planner = Planner(prompt, cfg, NOTES_P)
+        for _ in range(rng.randint(1, 9)):
+            out += [rng.randint(10, 49) for _ in range(rng.randint(1, 4))] + [50]
+            mask += [1] * (len(out) - len(mask))
+            out += [rng.randint(60, 69) for _ in range(rng.randint(1, 3))] + [50]
+            mask += [0] * (len(out) - len(mask))
+            planner.update(out, mask)
+            if planner.pending == "request" and rng.random() < 0.9:
+                s = rng.choice([[70, 61, 50], [70, 50], [61, 50], [70, 62, 63, 64, 65]])
+                out, mask = out + [80] + s, mask + [0] + [1] * len(s)
+            for k in range(len(out) + 1):
+                assert planner.update(out[:k], mask[:k]) == plan(prompt, out[:k], mask[:k], cfg, NOTES_P), (trial, k)
+            planner.update(out, mask)
+        subs = plan(prompt, out, mask, cfg, NOTES_P)
+        compacted += len(subs) > 1
+        fell_back += compaction_counts(subs)["fallbacks"] > 0
+    assert compacted > 40 and fell_back > 10
