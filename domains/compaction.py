@@ -17,7 +17,7 @@ What happens then depends on `Compaction.summary`:
   dropped turn (the whole history before the kept turns) into ONE env line, `>notes: 7; 3; 5⏎`: deterministic, not
   written by the policy.
 - `"policy"`: the reserve is the request line + `summary_tokens`, the room the policy needs to write its summary in
-  the current context. The env appends the request `>compact⏎` (env tokens, loss mask 0; `PolicySummary.marker`)
+  the current context (a boundary with less room than the reserve left compacts by the rules). The env appends the request `>compact⏎` (env tokens, loss mask 0; `PolicySummary.marker`)
   and the policy writes ONE summary line, `#7;3;5⏎` (model tokens, loss mask 1: sampled and trained like any turn),
   which ends at the first token whose text holds a newline (or after `summary_tokens` tokens). Both stay in the
   history. At the summary's end e the sub-trace ends (the summary is its last, trained, turn) and the next starts
@@ -204,8 +204,8 @@ class Planner:
         if n_drop == 0:
             return
         kept_from = self.turns[n_drop][0] if n_drop < t else e
-        if self.policy is not None:
-            self.due = (n_drop, kept_from)  # what follows the boundary decides (`_resolve`)
+        if self.policy is not None and cfg.max_context_tokens - used >= self.reserve:
+            self.due = (n_drop, kept_from)  # room to write a summary: what follows the boundary decides (`_resolve`)
             return
         if self._rules_due(e):
             self.subs = self._rules_at(output_ids, n_drop, kept_from, e, "rules") or self.subs
