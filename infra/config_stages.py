@@ -189,8 +189,8 @@ class SpecialistsConfig(_Strict):
     max_new_tokens: int | None = Field(None, ge=1, le=512, description="Response budget (None: eval.max_new_tokens).")
     max_context_tokens: int | None = Field(
         None, ge=2, description="Compaction (teachers/compaction.py): a tool episode whose context (prompt + response "
-        "so far) would outgrow this many tokens continues from a compacted one (a `>notes: …` line condensing the "
-        "older tool outputs + the last compact_keep_last turns); each sub-trace trains as its own PPO row with the "
+        "so far) would outgrow this many tokens continues from a compacted one (a summary, see compaction_summary, "
+        "with the last compact_keep_last turns); each sub-trace trains as its own PPO row with the "
         "episode's reward. None: off (an episode is one sequence).")
     compact_keep_last: int = Field(2, ge=0, description="Completed turns kept verbatim after a compaction's summary.")
     compaction_summary: Literal["policy", "rules"] = Field(
