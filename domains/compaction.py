@@ -282,6 +282,15 @@ def current_context(prompt_ids: Sequence[int], output_ids: Sequence[int], loss_m
     return Planner(prompt_ids, cfg, summarize).context(output_ids, loss_mask)
 
 
+def summary_allowance(budget: int, cfg: Compaction | None, request_tokens: int = len(COMPACT_REQUEST)) -> int:
+    """Tokens to add to a tool episode's budget `budget` for the policy's requests and summaries (they count
+    against it, like tool output): room for one per third of a window of the episode, + 1; 0 without a policy
+    summary. `request_tokens`: the request's length in tokens (its characters are an upper bound)."""
+    if cfg is None or cfg.summary != "policy":
+        return 0
+    return (-(-budget // max(1, cfg.max_context_tokens // 3)) + 1) * (request_tokens + cfg.summary_tokens)
+
+
 def compaction_counts(subs: Sequence[SubTrace]) -> dict[str, int]:
     """`{"events": compactions, "fallbacks": policy summaries replaced by the rules' notes}` of one plan."""
     return {"events": sum(1 for s in subs if s.made_by), "fallbacks": sum(1 for s in subs if s.made_by == "fallback")}

@@ -361,3 +361,10 @@ def test_tool_long_demonstrations_teach_the_summary_when_compaction_is_configure
     plain = compacted_demonstration(prompt, dom.intended_calls(ex), ex.answer, lambda n: "", Compaction(96, 0),
                                     notes)
     assert "".join(t for t, _ in plain) == dom.tool_demonstration(ex)[len(ex.prompt):]
+
+
+def test_a_policy_summary_budget_allowance():
+    from domains.compaction import summary_allowance
+    # requests and summaries count against a tool episode's budget: room for one per third of a window, + 1
+    assert summary_allowance(135, Compaction(96, 0, "policy", 24)) == (5 + 1) * (9 + 24)
+    assert summary_allowance(135, Compaction(96, 0, "rules")) == 0 and summary_allowance(135, None) == 0
