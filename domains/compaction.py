@@ -17,8 +17,9 @@ What happens then depends on `Compaction.summary`:
   dropped turn (the whole history before the kept turns) into ONE env line, `>notes: 7; 3; 5⏎`: deterministic, not
   written by the policy.
 - `"policy"`: the reserve is the request line + `summary_tokens`, the room the policy needs to write its summary in
-  the current context (a boundary with less room than the reserve left compacts by the rules). The env appends the request `>compact⏎` (env tokens, loss mask 0; `PolicySummary.marker`)
-  and the policy writes ONE summary line, `#7;3;5⏎` (model tokens, loss mask 1: sampled and trained like any turn),
+  the current context (a boundary with less room than the reserve left compacts by the rules). The env appends
+  the request `>compact⏎` (env tokens, loss mask 0; `PolicySummary.marker`) and the policy writes ONE summary
+  line, `#7;3;5⏎` (model tokens, loss mask 1: sampled and trained like any turn),
   which ends at the first token whose text holds a newline (or after `summary_tokens` tokens). Both stay in the
   history. At the summary's end e the sub-trace ends (the summary is its last, trained, turn) and the next starts
   with context  prompt + turns[t − k : t] + request + summary  (the history with the dropped turns cut out: the
@@ -316,7 +317,7 @@ class NotesSummarizer:
     def __call__(self, output_ids: Sequence[int], dropped: Sequence[tuple[int, int]]) -> list[int]:
         outs = []
         for s, e in dropped:
-            env = self.decode(list(output_ids[s:e]))  # the model part is decoded too, then split off at its last newline
+            env = self.decode(list(output_ids[s:e]))  # the model part is decoded too, split off at its last newline
             line = env[:-1] if env.endswith("\n") else env
             line = line.rsplit("\n", 1)[-1]
             outs.append(line[len(RESULT_PREFIX):] if line.startswith(RESULT_PREFIX) else line)

@@ -9,8 +9,9 @@
 N = `files` (param) or 4 + 2·difficulty (6 at difficulty 1); one turn is 11 tokens with the char tokenizer
 (`!cat fK⏎` + `>d⏎`; 12 from f10 on), so the episode is ~N·11 tokens: with `specialists.max_context_tokens` below
 that, the specialists' rollout compacts it (teachers/compaction.py); with the rules' summary (`compaction_summary:
-rules`, and a policy summary's fallback) the older outputs become one `>notes: 7; 3⏎` line, which is all the task needs to go on (the number of notes + kept turns says which file is next, their sum so
-far is in the notes). With a policy-written summary (`specialists.compaction_summary: policy`) the env asks with
+rules`, and a policy summary's fallback) the older outputs become one `>notes: 7; 3⏎` line, which is all the
+task needs to go on (the number of notes + kept turns says which file is next, their sum so far is in the notes).
+With a policy-written summary (`specialists.compaction_summary: policy`) the env asks with
 `>compact⏎` and the model writes `#7;3;5⏎`, the digits read so far (`summary_of`: what a compacted demonstration
 of the base SFT writes there); the next context is the prompt, the kept turns, the request and that line, and the
 answer is the sum of the summary's digits and those read after it. Reward 1.0 iff the final answer equals the sum
