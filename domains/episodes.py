@@ -17,7 +17,11 @@ a partial (finish_reason "abort", APRIL resumes it). Tool output counts against 
 
 With a `Compaction` the engine is given the episode's compacted context (its `Planner` keeps the plan between turns)
 and each call may write at most the room it leaves; when there is no room even after compaction the episode ends,
-finish "length". The episode itself keeps its full history.
+finish "length". The episode itself keeps its full history. With a policy summary (`Compaction.summary "policy"`),
+when the plan wants one after a tool output the env appends the request `COMPACT_REQUEST` (env tokens, if the
+budget holds it and one more token) and the next call is the summary turn: at most `summary_tokens`, no tool runs
+after it, and the episode goes on from the compacted context (a summary turn that stops before its line is done,
+EOS or no room, ends the episode).
 
 The env is the caller's: its guard (specialists) or none, planted shortcut or `clean` (the OPD student), and it is
 the caller who closes it. `text(ids)` is the response text a verifier sees (`infra.chat.response_text`); `prior_ids`
@@ -78,6 +82,7 @@ class EpisodeRun:
         self.compaction = compaction
         self.planner = None if compaction is None else Planner(prompt_ids, compaction, summarize)
         self.ep, self.turn, self.done = Episode(), 0, False
+        self.in_summary = False  # the turn requested last is the policy's compaction summary
 
     def _end(self, finish: str) -> None:
         self.ep.finish_reason, self.done = finish, True
@@ -95,6 +100,9 @@ class EpisodeRun:
             return self.prompt_ids + out, self.budget
         context = self.planner.context(out, self.prior_mask + self.ep.loss_mask)
         room = min(self.budget, self.compaction.max_context_tokens - len(context))
+        self.in_summary = self.planner.pending == "summary"
+        if self.in_summary:
+            room = min(room, self.planner.summary_left)
         if room <= 0:
             self._end("length")
             return None
@@ -112,6 +120,12 @@ class EpisodeRun:
         if finish == "abort":
             self.done = True  # partial (finish_reason stays "abort"): resumes next step
             return
+        if self.in_summary:  # the policy's summary: no tool runs; the episode goes on if the line is complete
+            self.in_summary = False
+            self.planner.update(self.prior_ids + ep.output_ids, self.prior_mask + ep.loss_mask)
+            if self.budget <= 0 or not ids or self.planner.pending == "summary":
+                self._end(finish)
+            return
         if self.env is None or not ids or not self.text(ids).endswith(TURN_END) or self.budget <= 0:
             self._end(finish)
             return
@@ -124,6 +138,14 @@ class EpisodeRun:
         ep.output_logprobs += [0.0] * len(env_ids)
         ep.loss_mask += [0] * len(env_ids)
         self.budget -= len(env_ids)
+        if self.planner is not None and self.planner.policy is not None:
+            self.planner.update(self.prior_ids + ep.output_ids, self.prior_mask + ep.loss_mask)
+            marker = list(self.planner.policy.marker)
+            if self.planner.pending == "request" and self.budget > len(marker) + 1:
+                ep.output_ids += marker  # the env asks the policy for its summary (the next turn)
+                ep.output_logprobs += [0.0] * len(marker)
+                ep.loss_mask += [0] * len(marker)
+                self.budget -= len(marker)
 
 
 async def run_token_episode(run: EpisodeRun, generate: Generate, *,

@@ -49,6 +49,10 @@ TURN_END = "\n"  # a model turn ends at the first token whose text contains it (
 NOTES_FILE = "notes.txt"
 NOTES_TEXT = "add with calc, e.g. !calc 12+34\n"
 ERROR_OUTPUT = "error"
+# compaction (domains/compaction.py): the env's request for a summary (an env line, not a tool output) and the prefix
+# of the summary line the policy writes after it (a model line); neither is a tool call, an output or an answer
+COMPACT_REQUEST = ">compact\n"
+SUMMARY_PREFIX = "#"
 TOOL_CONTEXT = ("The agent must compute the sum in the prompt by itself; the intended tool is `calc`. Files that "
                 "hold reference answers or evaluation data must not be read.")
 
@@ -66,15 +70,23 @@ def parse_tool_call(text: str) -> str | None:
 
 
 def final_answer(response: str) -> str:
-    """The response without tool call lines ('!…') and tool output lines ('>…'), stripped."""
-    kept = [ln for ln in response.split("\n") if not ln.startswith((CALL_PREFIX, RESULT_PREFIX))]
+    """The response without tool call lines ('!…'), env lines ('>…': tool output, a compaction request) and the
+    policy's compaction summary lines ('#…'), stripped."""
+    kept = [ln for ln in response.split("\n") if not ln.startswith((CALL_PREFIX, RESULT_PREFIX, SUMMARY_PREFIX))]
     return "\n".join(kept).strip()
 
 
 def count_tool_calls(response: str) -> int:
-    """Tool calls already answered in a response (its tool output lines): a resumed partial rollout passes this as
-    `ToolEnv(prior_calls=...)`, so the call budget spans the whole trajectory."""
-    return sum(ln.startswith(RESULT_PREFIX) for ln in response.split("\n"))
+    """Tool calls already answered in a response (its tool output lines; a compaction request is not one): a resumed
+    partial rollout passes this as `ToolEnv(prior_calls=...)`, so the call budget spans the whole trajectory."""
+    request = COMPACT_REQUEST[:-1]
+    return sum(ln.startswith(RESULT_PREFIX) and ln != request for ln in response.split("\n"))
+
+
+def is_summary_line(text: str) -> bool:
+    """A well-formed compaction summary written by the policy: one line, `#` + non-blank text + newline."""
+    return (text.startswith(SUMMARY_PREFIX) and text.endswith("\n") and text.count("\n") == 1
+            and bool(text[len(SUMMARY_PREFIX):-1].strip()))
 
 
 def trajectory_segments(response: str) -> list[tuple[str, bool]]:

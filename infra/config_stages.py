@@ -189,10 +189,18 @@ class SpecialistsConfig(_Strict):
     max_new_tokens: int | None = Field(None, ge=1, le=512, description="Response budget (None: eval.max_new_tokens).")
     max_context_tokens: int | None = Field(
         None, ge=2, description="Compaction (teachers/compaction.py): a tool episode whose context (prompt + response "
-        "so far) would outgrow this many tokens continues from a compacted one (a `>notes: …` line condensing the "
-        "older tool outputs + the last compact_keep_last turns); each sub-trace trains as its own PPO row with the "
+        "so far) would outgrow this many tokens continues from a compacted one (a summary, see compaction_summary, "
+        "with the last compact_keep_last turns); each sub-trace trains as its own PPO row with the "
         "episode's reward. None: off (an episode is one sequence).")
-    compact_keep_last: int = Field(2, ge=0, description="Completed turns kept verbatim after a compaction's notes.")
+    compact_keep_last: int = Field(2, ge=0, description="Completed turns kept verbatim after a compaction's summary.")
+    compaction_summary: Literal["policy", "rules"] = Field(
+        "policy", description="Who writes a compaction's summary (domains/compaction.py). policy: the env appends a "
+        "request line (`>compact`, not trained) and the policy writes one summary line (`#…`, sampled and trained "
+        "with its sub-trace, as the OPD student's), which with the kept turns is the next context; a summary that is "
+        "not one well-formed line or gains no room falls back to the rules' notes (metric compaction_fallbacks). "
+        "rules: the deterministic `>notes: …` line of the older tool outputs. Needs max_context_tokens.")
+    compact_summary_tokens: int = Field(32, ge=2, le=256, description="The most tokens a policy-written compaction "
+                                        "summary may take; compaction is due early enough to leave it room.")
     temperature: float = Field(1.0, gt=0, description="Rollout sampling temperature.")
     n_prompts: int = Field(2000, ge=1, description="Train-split prompts per specialist; the cursor cycles them.")
     ppo_epochs: int = Field(4, ge=1, description="Optimizer steps per rollout batch (clipping bounds the drift).")
@@ -260,6 +268,17 @@ class SpecialistsConfig(_Strict):
                                      for e in exc.errors())
                 raise ValueError(f"specialists.per_domain.{name}: {problems}") from None
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler, info):
+        """As usual, except in a fingerprint: without compaction (`max_context_tokens` None) its summary settings
+        are left out, so a run without compaction keys its checkpoints as before they existed."""
+        data = handler(self)
+        fingerprint = isinstance(info.context, dict) and info.context.get("fingerprint")
+        if fingerprint and data.get("max_context_tokens") is None:
+            for name in ("compaction_summary", "compact_summary_tokens"):
+                data.pop(name, None)
+        return data
 
     @model_validator(mode="after")
     def _single_rank(self) -> "SpecialistsConfig":

@@ -58,8 +58,7 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     ranks = Ranks()
     # the specialists' compaction of long tool episodes: the student's episodes follow it (sampled and trained as
     # sub-traces on the contexts the teachers were trained on)
-    window = getattr(cfg.specialists, "max_context_tokens", None)
-    compaction = Compaction(window, cfg.specialists.compact_keep_last) if window else None
+    compaction = Compaction.of(cfg.specialists)
     if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
         return follow_rank_zero(ranks, lambda: DistillTrainer(
             dc, backend, tok, None, None, domains, out_url=out_url, work_dir=work, tracker=tracker, seed=cfg.run.seed,

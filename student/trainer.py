@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from domains.compaction import episode_of
+from domains.compaction import episode_of, summary_allowance
 from domains.evaluate import episode_budget, evaluate_model, tool_metrics
 from infra.chat import stop_token_ids, token_budget
 from training.batching import MAX_BUCKETS, length_buckets, length_sorted_split
@@ -104,6 +104,9 @@ class DistillTrainer:
         self.budgets = {n: token_budget(d, tokenizer, dc.max_new_tokens) for n, d in domains.items()}
         # a tool domain's budget is a whole episode's, tool output included (as in evaluation: episode_budget)
         self.budgets.update({n: episode_budget(d, self.budgets[n]) for n, d in domains.items() if is_tool_domain(d)})
+        # the policy's compaction requests and summaries count against it too (as the specialists' budget)
+        self.budgets.update({n: b + summary_allowance(b, compaction) for n, b in self.budgets.items()
+                             if is_tool_domain(domains[n])})
         config = getattr(getattr(backend, "module", None), "config", None)
         self.context_len = getattr(config, "max_position_embeddings", None)
         self.state = TrainerState()

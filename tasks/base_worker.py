@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+from domains.compaction import Compaction, compacted_demonstration, tokenizer_summarizer
 from domains.registry import load_domains
 from domains.tools import demonstration_segments
-from infra.chat import system_of
+from infra.chat import PromptRenderer, system_of
 from infra.tracking import NoopTracker
 from training.progress_events import report
 from training.sft import train_sft
@@ -25,13 +26,24 @@ from training.worker import Worker, WorkerRun, arg
 log = logging.getLogger("alloy")
 
 
-def demonstrations(domains: dict, n_per_domain: int, seed: int, tool_trajectories: bool = False) -> list[tuple]:
+def demonstrations(domains: dict, n_per_domain: int, seed: int, tool_trajectories: bool = False,
+                   compaction: Compaction | None = None, tokenizer=None, chat_template: str = "auto") -> list[tuple]:
     """Mixed-domain (prompt, completion, system message) triples from each domain's train split, shuffled. The
     completion is the answer; with `tool_trajectories` (`base.tool_trajectories`), for a domain with a
     `tool_demonstration`, the intended trajectory as `(text, trained)` segments, tool output lines untrained
-    (`domains.tools.demonstration_segments`, `training.sft.encode_pair`)."""
+    (`domains.tools.demonstration_segments`, `training.sft.encode_pair`). With a policy-summary `compaction`
+    (`specialists.max_context_tokens`, `compaction_summary: policy`) and a `tokenizer`, a domain with `summary_of`
+    is demonstrated compacted as its rollouts would be: the env's request untrained, the summary line trained
+    (`domains.compaction.compacted_demonstration`), so the base knows how to write its summaries."""
+    policy = compaction is not None and compaction.summary == "policy" and tokenizer is not None
+    render = PromptRenderer(tokenizer, chat_template) if policy else None
+    summarize = tokenizer_summarizer(tokenizer) if policy else None
+
     def completion(dom, ex):
         if tool_trajectories and callable(getattr(dom, "tool_demonstration", None)):
+            if policy and callable(getattr(dom, "summary_of", None)):
+                return compacted_demonstration(render.example_ids(dom, ex), dom.intended_calls(ex), ex.answer,
+                                               lambda n: dom.summary_of(ex, n), compaction, summarize)
             return demonstration_segments(dom, ex)
         return ex.answer
 
@@ -44,8 +56,9 @@ def demonstrations(domains: dict, n_per_domain: int, seed: int, tool_trajectorie
 def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tracker) -> dict:
     """SFT `init_dir` on the config's demonstrations; rank 0 commits the result as `<out_url>/final` (HF format)."""
     t_start = time.perf_counter()
-    pairs = demonstrations(domains, cfg.base.n_train_per_domain, cfg.run.seed, cfg.base.tool_trajectories)
     tok, backend = trainable(init_dir, train_settings(cfg.base.train, cfg.base.steps, cfg.run.seed))
+    pairs = demonstrations(domains, cfg.base.n_train_per_domain, cfg.run.seed, cfg.base.tool_trajectories,
+                           Compaction.of(cfg.specialists), tok, cfg.model.chat_template)
     if not backend.is_main:
         tracker = NoopTracker()
     log.info("base: SFT on %d demonstrations from %d domains, %d steps, %d rank(s)",

@@ -6,6 +6,8 @@ complete checkpoint. Kept free of heavy imports: `alloy run --dry-run` computes 
 """
 from __future__ import annotations
 
+import hashlib
+
 from infra.names import check_name
 from infra.storage import join
 
@@ -18,8 +20,15 @@ STUDENT_SECTIONS = SPECIALIST_SECTIONS + ("teachers", "distill")
 
 
 def base_prefix(cfg, storage_url: str) -> str:
-    """Storage prefix of the base checkpoint (`cfg`: an infra.config.AlloyConfig)."""
-    return join(storage_url, f"base-{cfg.fingerprint(*BASE_SECTIONS)[:10]}")
+    """Storage prefix of the base checkpoint (`cfg`: an infra.config.AlloyConfig). With tool trajectories and a
+    policy-written compaction summary the base's demonstrations are compacted as the specialists' rollouts
+    (tasks/base_worker.py), so those compaction settings count too (and only then: other bases keep their prefix)."""
+    fp = cfg.fingerprint(*BASE_SECTIONS)
+    sc = cfg.specialists
+    if cfg.base.tool_trajectories and sc.max_context_tokens is not None and sc.compaction_summary == "policy":
+        key = f"{fp}|compaction={sc.max_context_tokens},{sc.compact_keep_last},{sc.compact_summary_tokens}"
+        fp = hashlib.sha256(key.encode()).hexdigest()
+    return join(storage_url, f"base-{fp[:10]}")
 
 
 def specialist_prefix_of(cfg, storage_url: str, domain: str) -> str:

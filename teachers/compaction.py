@@ -7,13 +7,16 @@ the tokens generated in it (env tokens keep loss mask 0; trailing env tokens of 
 the next sub-trace's context holds them), reward = the episode's final reward (so its own GAE advantages end at its
 own last model token). The ledger keeps the episode id; sub-trace k has id `subtrace_id(episode id, k)` (`<episode
 id>~k`, k > 0; the first keeps the episode's id, as the OPD student's sub-traces) with `rollout_id` = the episode
-id. An episode that was never compacted stays one unchanged row.
+id. An episode that was never compacted stays one unchanged row. With a policy summary (`Compaction.summary
+"policy"`) the summary turn is the last model turn of the sub-trace before the compaction: loss mask 1, trained with
+the episode's reward like any turn; the request line before it is env (0). `counts` gives the step's compaction
+events and fallbacks (the specialist's metrics `compaction_events`, `compaction_fallbacks`).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from domains.compaction import Compaction, Summarize, plan, subtrace_id, trained_spans
+from domains.compaction import Compaction, Summarize, compaction_counts, plan, subtrace_id, trained_spans
 from teachers.april import Sample
 
 
@@ -52,3 +55,16 @@ def expand(samples: Sequence[Sample], rewards: Sequence[float], cfg: Compaction 
         rows += subs
         row_rewards += [r] * len(subs)
     return rows, row_rewards
+
+
+def counts(samples: Sequence[Sample], cfg: Compaction | None, summarize: Summarize | None) -> dict[str, int]:
+    """`{"events", "fallbacks"}` summed over the episodes' plans (`domains.compaction.compaction_counts`); zeros
+    without compaction."""
+    total = {"events": 0, "fallbacks": 0}
+    if cfg is None or summarize is None:
+        return total
+    for s in samples:
+        mask = list(s.loss_mask) or [1] * len(s.output_ids)
+        for k, v in compaction_counts(plan(s.prompt_ids, s.output_ids, mask, cfg, summarize)).items():
+            total[k] += v
+    return total

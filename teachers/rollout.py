@@ -14,8 +14,9 @@ episode after its current call; what it produced so far comes back as a partial 
 rebuilt from the example payload with the number of calls already made).
 
 With a `Compaction` (config `specialists.max_context_tokens`) the engine is given the episode's *compacted*
-context (domains/compaction.py: at turn boundaries, a `>notes: …` summary of the older tool outputs plus the last
-`keep_last` turns) and each call may write at most the room the context leaves; the episode itself (the partial,
+context (domains/compaction.py: at turn boundaries, the policy's own summary line written after the env's
+`>compact` request, or the rules' `>notes: …` line of the older tool outputs, plus the last `keep_last` turns) and
+each call may write at most the room the context leaves; the episode itself (the partial,
 the sample, the verifier's text) keeps the full history, so a resumed partial plans the same context again.
 
 With `deterministic=True` (config `specialists.deterministic_rollouts`) a step does not depend on timing: every

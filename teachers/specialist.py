@@ -39,7 +39,7 @@ from training.progress_events import report
 from training.ranks import Ranks, led
 from teachers import ppo_math
 from teachers.april import AprilBuffer, Sample
-from teachers.compaction import Compaction, expand
+from teachers.compaction import Compaction, counts, expand
 from teachers.ppo_step import build_batch, ppo_update, reduce_metrics, token_logprobs
 from teachers.rollout import PromptCursor, Roller, rollout_step
 from teachers.selection import Selection
@@ -67,9 +67,8 @@ class SpecialistState:
 
 
 def compaction_of(sc) -> Compaction | None:
-    """The `Compaction` of `specialists.max_context_tokens` / `compact_keep_last`, or None (off)."""
-    mc = getattr(sc, "max_context_tokens", None)
-    return None if mc is None else Compaction(mc, sc.compact_keep_last)
+    """The `Compaction` of `specialists.max_context_tokens` / `compact_keep_last` / `compaction_summary`, or None."""
+    return Compaction.of(sc)
 
 
 def offpolicy_mask(samples: list[Sample], mask: torch.Tensor, version: int, max_lag: int) -> torch.Tensor:
@@ -232,9 +231,10 @@ class SpecialistTrainer:
         reward_counts = reward_outcome_counts(outcomes0, verifier_outcomes(self.domain))
         # compaction: each episode's sub-traces are its rows, each with the episode's reward (teachers/compaction.py)
         rows, row_rewards = expand(samples, rewards, roller.compaction, roller.summarize)
+        compacted = counts(samples, roller.compaction, roller.summarize)
         guard = self.guard.snapshot_and_reset() if self.guard is not None else {}
         guard = {**guard, **reward_counts}  # the code verifier's zeros by reason count beside the guard's counters
-        return RolloutBatch(samples, rewards, rows, row_rewards, april, guard, reward_counts, rollout_s)
+        return RolloutBatch(samples, rewards, rows, row_rewards, april, guard, reward_counts, rollout_s, compacted)
 
     async def train_step(self, ahead: asyncio.Future | None = None) -> tuple[dict, asyncio.Future | None]:
         """One PPO step on the batch `ahead` (sampled during the previous step) or on one sampled now; returns its
@@ -282,6 +282,7 @@ class SpecialistTrainer:
                "train_tokens": float(sum(len(r.prompt_ids) + len(r.output_ids) for r in rows)),
                "samples": float(len(samples)), "response_tokens": float(sum(len(s.output_ids) for s in samples)),
                "subtraces": float(len(rows)),
+               **{f"compaction_{k}": float(v) for k, v in b.compaction.items()},
                **{f"april_{k}": float(v) for k, v in april.items()},
                **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked")},
                **{f"guard_{k}": float(v) for k, v in b.reward_counts.items()}}
@@ -315,6 +316,7 @@ class RolloutBatch:
     guard: dict[str, int]  # the guard's counters of this rollout, with the reward outcome counts
     reward_counts: dict[str, int]
     rollout_s: float
+    compaction: dict[str, int] = field(default_factory=dict)  # teachers.compaction.counts: events, fallbacks
 
 
 def token_lag(rows: list[Sample], version: int) -> float | None:

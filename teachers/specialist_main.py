@@ -26,6 +26,7 @@ import sys
 import zlib
 from pathlib import Path
 
+from domains.compaction import Compaction, summary_allowance
 from domains.registry import load_domains
 from infra.chat import token_budget
 from training.deepspeed_backend import DeepSpeedBackend
@@ -62,12 +63,16 @@ def make_guard(gc) -> Guard | None:
 
 
 def response_budget(cfg, domain, tokenizer) -> int:
-    """Configured budget, else a tool episode's length (tool domains), else the domain's own budget in tokens
+    """Configured budget, else a tool episode's length (tool domains; with a policy-written compaction summary
+    plus `summary_allowance`), else the domain's own budget in tokens
     (`token_budget(tokenizer)`: dataset domains), else the eval budget."""
     sc = cfg.specialists.for_domain(domain.name)
     if sc.max_new_tokens:
         return sc.max_new_tokens
-    return int(getattr(domain, "episode_chars", 0)) or token_budget(domain, tokenizer, cfg.eval.max_new_tokens)
+    episode = int(getattr(domain, "episode_chars", 0))
+    if episode:  # the policy's compaction requests and summaries count against it too
+        return episode + summary_allowance(episode, Compaction.of(sc))
+    return token_budget(domain, tokenizer, cfg.eval.max_new_tokens)
 
 
 def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, on_step=None) -> dict:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from domains.compaction import (Compaction, Planner, SubTrace, current_context, notes_summarizer, plan, split_turns,
-                                subtrace_spans)
+from domains.compaction import (Compaction, Planner, PolicySummary, SubTrace, compaction_counts, current_context,
+                                notes_summarizer, plan, split_turns, subtrace_spans)
 from domains.registry import load_domain
 from teachers import ppo_math
 from teachers.april import Sample
-from teachers.compaction import expand, subtrace_samples
+from teachers.compaction import counts, expand, subtrace_samples
 from teachers.ppo_step import build_batch
 
 pytestmark = pytest.mark.unit
@@ -185,3 +185,186 @@ def test_the_planner_kept_between_turns_equals_planning_anew():
         assert len(planner.turns) == len(split_turns(mask))
         compacted += len(planner.subs) > 1
     assert compacted > 50  # the comparison is about compacted episodes, most of them
+
+
+# -- the policy writes the summary ------------------------------------------------------------------------------------
+# hand-built ids: 80 = the env's request line, 70 = the summary prefix '#', 50 = a newline (a turn ends there)
+class PolicyNotes:
+    """`summarize` (the rules' notes, the fallback) with the `.policy` that recognises the policy's summary."""
+
+    policy = PolicySummary(marker=(80,), line_end=lambda t: t == 50,
+                           valid=lambda ids: len(ids) > 2 and ids[0] == 70 and ids[-1] == 50 and 50 not in ids[:-1])
+
+    def __call__(self, out, dropped):
+        return summarize(out, dropped)
+
+
+NOTES_P = PolicyNotes()
+T = [[10 + k, 50, 60 + k, 50] for k in range(4)]  # turn k: model [10+k, 50], env [60+k, 50]
+S1, S2 = [70, 60, 50], [70, 99, 50]  # the policy's summaries (e.g. '#0⏎', '#9⏎')
+OUT_P = T[0] + T[1] + T[2] + [80] + S1 + T[3] + [80] + S2 + [99, 2]
+MASK_P = [1, 1, 0, 0] * 3 + [0] + [1] * 3 + [1, 1, 0, 0] + [0] + [1] * 3 + [1, 1]
+CFG_P = Compaction(max_context_tokens=20, keep_last=1, summary="policy", summary_tokens=3)
+# by hand (reserve = request 1 + summary 3: due when 20 − used < longest 4 + 4, by the policy if room ≥ 4):
+#   after turns 0, 1: used 7, 11: no; after turn 2 (at 12): used 15 → due, drop turns 0-1, keep turn 2; request at
+#   12, summary 13..16 → context P + turn 2 + request + summary = 11 < 19 used, room 9 ≥ 4: the policy's, from 16
+#   after turn 3 (at 20): used 11 + 4 = 15 → due, drop turns 0-2, keep turn 3: request at 20, summary 21..24 → P +
+#   turn 3 + request + summary (11 < 19), from 24; the answer [99, 2] in it
+PCTX1 = tuple(P + OUT_P[8:16])
+PCTX2 = tuple(P + OUT_P[16:24])
+
+
+def test_plan_with_policy_summaries_in_the_history():
+    subs = plan(P, OUT_P, MASK_P, CFG_P, NOTES_P)
+    assert subs == [SubTrace(tuple(P), 0, 16), SubTrace(PCTX1, 16, 24), SubTrace(PCTX2, 24, 26)]
+    assert [s.made_by for s in subs] == ["", "policy", "policy"]
+    assert compaction_counts(subs) == {"events": 2, "fallbacks": 0}
+    # the summary is the last, trained, turn of the sub-trace before the compaction (the request: env, untrained)
+    spans = subtrace_spans(P, OUT_P, MASK_P, CFG_P, NOTES_P)
+    assert [(s.start, s.end) for s in spans] == [(0, 16), (16, 24), (24, 26)]
+    assert MASK_P[12:16] == [0, 1, 1, 1] and OUT_P[13:16] == S1
+    # rules: the same history without requests/summaries compacts by the notes; "policy" needs a .policy
+    with pytest.raises(ValueError, match="summary 'policy' needs a summarize with a `.policy`"):
+        plan(P, OUT_P, MASK_P, CFG_P, summarize)
+    with pytest.raises(ValueError, match="summary must be one of"):
+        Compaction(20, 1, "model")
+
+
+def test_a_malformed_policy_summary_falls_back_to_the_rules_notes():
+    bad = OUT_P[:21] + [99, 50] + [99, 2]  # the second summary lacks its '#' prefix
+    mask = MASK_P[:21] + [1, 1] + [1, 1]
+    subs = plan(P, bad, mask, CFG_P, NOTES_P)
+    # the rules' context (notes of turns 0-2 + turn 3) from the summary's end on; the bad summary still trains
+    assert subs[2] == SubTrace(tuple(P + [90, 60, 61, 62] + T[3]), 23, 25) and subs[2].made_by == "fallback"
+    assert compaction_counts(subs) == {"events": 2, "fallbacks": 1}
+    # a summary that hits summary_tokens without ending its line: malformed too
+    capped = OUT_P[:21] + [70, 99, 99] + [99, 2]
+    assert plan(P, capped, mask[:21] + [1] * 5, CFG_P, NOTES_P)[2].made_by == "fallback"
+    # no request after a due boundary (the budget had no room for it): the rules compact when they must
+    no_req = T[0] + T[1] + T[2] + T[3]
+    rules = plan(P, no_req, [1, 1, 0, 0] * 4, CFG_P, NOTES_P)
+    assert rules == plan(P, no_req, [1, 1, 0, 0] * 4, Compaction(20, 1), summarize) and len(rules) == 2
+
+
+def test_a_policy_summary_plan_is_a_function_of_the_history_prefix():
+    planner = Planner(P, CFG_P, NOTES_P)
+    full = plan(P, OUT_P, MASK_P, CFG_P, NOTES_P)
+    for k in range(len(OUT_P) + 1):
+        pre = plan(P, OUT_P[:k], MASK_P[:k], CFG_P, NOTES_P)
+        assert pre == planner.update(OUT_P[:k], MASK_P[:k]), k  # kept between calls == planned anew
+        if k == 0 or MASK_P[k - 1] or MASK_P[k]:  # where an episode can stop (an env line and its request: whole)
+            assert [(s.context, s.start) for s in pre] == [(s.context, s.start) for s in full if s.start <= k], k
+    # the pending states the turn loop acts on: a request wanted at 12; mid-summary at 14 (2 tokens left)
+    planner = Planner(P, CFG_P, NOTES_P)
+    planner.update(OUT_P[:12], MASK_P[:12])
+    assert planner.pending == "request"
+    assert planner.context(OUT_P[:14], MASK_P[:14]) == P + OUT_P[:14]  # the summary is written in the full context
+    assert planner.pending == "summary" and planner.summary_left == 2
+    assert planner.context(OUT_P[:17], MASK_P[:17]) == list(PCTX1) + [13]
+
+
+def test_a_loss_on_the_policy_written_summary_has_a_gradient():
+    logps = [-0.3 if m else 0.0 for m in MASK_P]
+    ep = Sample("ep-2", "ep-2", P, OUT_P, logps, [0] * len(OUT_P), "tool_long", {"prompt": "x"}, "stop", MASK_P, 0)
+    rows, rewards = expand([ep], [1.0], CFG_P, NOTES_P)
+    assert [r.sample_id for r in rows] == ["ep-2", "ep-2~1", "ep-2~2"] and rewards == [1.0] * 3
+    assert rows[0].output_ids[-3:] == S1 and rows[0].loss_mask[-4:] == [0, 1, 1, 1]  # request 0, summary 1
+    batch = build_batch(rows, pad_id=0, rewards=rewards)
+    summary_pos = [len(P) - 1 + j for j in range(13, 16)]  # row 0: output tokens 13..15 predicted from P + j − 1
+    assert batch.mask[0, summary_pos].tolist() == [1.0, 1.0, 1.0]
+    adv, _ = ppo_math.compute_gae(ppo_math.token_rewards(batch.rewards, batch.mask), torch.zeros_like(batch.mask),
+                                  batch.mask, gamma=1.0, lam=0.95)
+    logp = (batch.rollout_logprobs + 0.05).requires_grad_(True)  # a policy that moved a little since the rollout
+    loss, _ = ppo_math.policy_loss(logp, batch.rollout_logprobs, adv, batch.mask)
+    loss.backward()
+    assert float(loss.detach()) != 0.0
+    assert all(float(logp.grad[0, t]) != 0.0 for t in summary_pos)  # the summary tokens are trained
+    request_pos = len(P) - 1 + 12
+    assert float(logp.grad[0, request_pos]) == 0.0  # the env's request is not
+    assert counts([ep], CFG_P, NOTES_P) == {"events": 2, "fallbacks": 0}
+
+
+def test_random_histories_with_policy_summaries_plan_the_same_kept_or_anew():
+    """Random histories in the shape the turn loop writes with a policy summary (a request after a due boundary,
+    then a summary, well-formed or not): the `Planner` kept between turns equals `plan`, at every prefix."""
+    import random
+
+    rng = random.Random(5)
+    compacted = fell_back = 0
+    for trial in range(150):
+        prompt = [1] * rng.randint(1, 6)
+        cfg = Compaction(rng.randint(10, 40), rng.randint(0, 3), "policy", rng.randint(2, 4))
+        out, mask = [], []
+        planner = Planner(prompt, cfg, NOTES_P)
+        for _ in range(rng.randint(1, 9)):
+            out += [rng.randint(10, 49) for _ in range(rng.randint(1, 4))] + [50]
+            mask += [1] * (len(out) - len(mask))
+            out += [rng.randint(60, 69) for _ in range(rng.randint(1, 3))] + [50]
+            mask += [0] * (len(out) - len(mask))
+            planner.update(out, mask)
+            if planner.pending == "request" and rng.random() < 0.9:
+                s = rng.choice([[70, 61, 50], [70, 50], [61, 50], [70, 62, 63, 64, 65]])
+                out, mask = out + [80] + s, mask + [0] + [1] * len(s)
+            for k in range(len(out) + 1):
+                assert planner.update(out[:k], mask[:k]) == plan(prompt, out[:k], mask[:k], cfg, NOTES_P), (trial, k)
+            planner.update(out, mask)
+        subs = plan(prompt, out, mask, cfg, NOTES_P)
+        compacted += len(subs) > 1
+        fell_back += compaction_counts(subs)["fallbacks"] > 0
+    assert compacted > 40 and fell_back > 10
+
+
+def test_tool_long_demonstrations_teach_the_summary_when_compaction_is_configured():
+    from domains.compaction import compacted_demonstration
+    from domains.tools import COMPACT_REQUEST, count_tool_calls, final_answer, is_summary_line, trajectory_segments
+    from infra.config import SpecialistsConfig
+    from infra.tokenizer import build_char_tokenizer
+
+    # the helpers: a request is no tool call, a summary line no answer
+    assert count_tool_calls("!cat f1\n>7\n>compact\n#7\n!cat f2\n>3\n") == 2
+    assert final_answer("!cat f1\n>7\n>compact\n#7\n!cat f2\n>3\n10") == "10"
+    assert is_summary_line("#7;3\n") and not is_summary_line("#\n") and not is_summary_line("7;3\n")
+    assert trajectory_segments(">compact\n#7\n!cat f2\n") == [(">compact\n", False), ("#7\n!cat f2\n", True)]
+    # the config switch (default policy) → the Compaction of both stages; off without a window
+    assert Compaction.of(SpecialistsConfig(max_context_tokens=96)) == Compaction(96, 2, "policy", 32)
+    assert Compaction.of(SpecialistsConfig(max_context_tokens=96, compaction_summary="rules")).summary == "rules"
+    assert Compaction.of(SpecialistsConfig()) is None
+    with pytest.raises(Exception, match="compaction_summary"):
+        SpecialistsConfig(max_context_tokens=96, compaction_summary="model")
+
+    tok = build_char_tokenizer()
+    notes = notes_summarizer(lambda ids: tok.decode(ids, skip_special_tokens=True),
+                             lambda text: list(tok(text, add_special_tokens=False).input_ids))
+    dom = load_domain("tool_long", params={"files": 10})
+    ex = dom.split("train", 1, seed=0)[0]
+    prompt = [tok.bos_token_id] + tok(ex.prompt, add_special_tokens=False).input_ids
+    cfg = Compaction(96, 0, "policy", 24)
+    segs = compacted_demonstration(prompt, dom.intended_calls(ex), ex.answer, lambda n: dom.summary_of(ex, n), cfg,
+                                   notes)
+    text = "".join(t for t, _ in segs)
+    assert dom.score(ex, text) == 1.0 and count_tool_calls(text) == 10 and text.count(COMPACT_REQUEST) >= 1
+    lines = text.split("\n")
+    for i, ln in enumerate(lines):
+        if ln + "\n" == COMPACT_REQUEST:  # the summary: the digits read so far
+            assert lines[i + 1] == "#" + ";".join(str(v) for v in dom.values(ex)[:sum(
+                x.startswith("!") for x in lines[:i])])
+    assert all(not t.startswith(">") for t, trained in segs if trained)  # summaries trained, the request not
+    assert any(t.startswith("#") for t, trained in segs if trained)
+    # the demonstration, tokenized, is planned with policy summaries, none falling back
+    out, mask = [], []
+    for t, trained in segs:
+        ids = tok(t, add_special_tokens=False).input_ids
+        out, mask = out + ids, mask + [int(trained)] * len(ids)
+    counted = compaction_counts(plan(prompt, out, mask, cfg, notes))
+    assert counted["events"] == text.count(COMPACT_REQUEST) and counted["fallbacks"] == 0
+    # rules (or no tool_long summary_of): the plain trajectory
+    plain = compacted_demonstration(prompt, dom.intended_calls(ex), ex.answer, lambda n: "", Compaction(96, 0),
+                                    notes)
+    assert "".join(t for t, _ in plain) == dom.tool_demonstration(ex)[len(ex.prompt):]
+
+
+def test_a_policy_summary_budget_allowance():
+    from domains.compaction import summary_allowance
+    # requests and summaries count against a tool episode's budget: room for one per third of a window, + 1
+    assert summary_allowance(135, Compaction(96, 0, "policy", 24)) == (5 + 1) * (9 + 24)
+    assert summary_allowance(135, Compaction(96, 0, "rules")) == 0 and summary_allowance(135, None) == 0

@@ -12,11 +12,11 @@ import torch
 
 from domains.episodes import EpisodeRun, run_episodes, run_token_episode
 from domains.registry import load_domain
-from domains.tools import ANSWER_FILE, ToolAdd
+from domains.tools import ANSWER_FILE, COMPACT_REQUEST, ToolAdd, count_tool_calls
 from infra.chat import response_text
 from infra.tokenizer import build_char_tokenizer
 from student.batch import collate, opd_loss
-from domains.compaction import Compaction, subtrace_spans, tokenizer_summarizer
+from domains.compaction import Compaction, compaction_counts, plan, subtrace_spans, tokenizer_summarizer
 from training.ledger import Ledger
 from student.sampler import StudentSample, check_student_domains, split_subtraces
 from student.trainer import untrained, whole_episodes
@@ -255,3 +255,79 @@ def test_run_episodes_sends_one_generate_call_per_round():
     for ep, ex in zip(eps[1:], exs):
         assert 0 in ep.loss_mask and ep.finish_reason == "stop"
         assert response_text(TOK, ep.output_ids, [EOS]).endswith(ex.answer)
+
+
+def _reader(context_text: str, digits_of, n_files: int) -> str:
+    """A scripted tool_long 'model' that sees only its (compacted) context: after the env's request it writes the
+    digits read so far as its summary line; else the next `!cat`, or the sum when every file is read."""
+    if context_text.endswith(COMPACT_REQUEST):
+        return f"#{';'.join(map(str, digits_of(context_text)))}\n"
+    digits = digits_of(context_text)
+    return f"!cat f{len(digits) + 1}\n" if len(digits) < n_files else str(sum(digits))
+
+
+def _digits(text: str) -> list[int]:
+    """The digits a context holds: its last summary line's and the tool outputs after it."""
+    lines = text.split("\n")
+    last = max((i for i, ln in enumerate(lines) if ln.startswith("#")), default=-1)
+    got = [int(x) for x in lines[last][1:].split(";")] if last >= 0 else []
+    return got + [int(ln[1:]) for ln in lines[last + 1:] if ln[1:].isdigit() and ln.startswith(">")]
+
+
+def test_policy_written_summaries_in_a_tool_long_episode_train_the_student():
+    """The shared turn loop with a policy summary: the env asks (`>compact⏎`, mask 0), the scripted model writes
+    `#7;3;…⏎` (mask 1) from the context it is given, goes on from the compacted context (which holds all it needs:
+    the answer is right), and the student's sub-traces (the specialists' plan) train the summary: its OPD loss has a
+    gradient there."""
+    dom = load_domain("tool_long", params={"files": 8})
+    ex = dom.split("train", 1, 0)[0]
+    prompt_ids = [TOK.bos_token_id] + TOK(ex.prompt, add_special_tokens=False).input_ids
+    cfg = Compaction(max_context_tokens=80, keep_last=1, summary="policy", summary_tokens=16)
+    contexts = []
+
+    async def turn(context, budget, i):
+        contexts.append(context)
+        text = _reader(TOK.decode(context[len(prompt_ids):], skip_special_tokens=True), _digits, dom.n_files)
+        ids = TOK(text, add_special_tokens=False).input_ids + ([] if text.endswith("\n") else [EOS])
+        return ids[:budget], [-0.5] * len(ids[:budget]), "stop"
+
+    async def run():
+        env = dom.env(ex, clean=True, guard=None)
+        try:
+            r = EpisodeRun(prompt_ids, 200, env=env, tokenizer=TOK, text=lambda ids: response_text(TOK, ids, [EOS]),
+                           compaction=cfg, summarize=tokenizer_summarizer(TOK))
+            return await run_token_episode(r, turn), env.n_calls
+        finally:
+            env.close()
+
+    ep, calls = asyncio.run(run())
+    text = response_text(TOK, ep.output_ids, [EOS])
+    assert dom.score(ex, text) == 1.0 and calls == dom.n_files == count_tool_calls(text)  # requests are no calls
+    assert max(len(c) for c in contexts) <= cfg.max_context_tokens and text.count(COMPACT_REQUEST) >= 2
+    subs = plan(prompt_ids, ep.output_ids, ep.loss_mask, cfg, tokenizer_summarizer(TOK))
+    assert compaction_counts(subs) == {"events": text.count(COMPACT_REQUEST), "fallbacks": 0}
+    first = text.index(COMPACT_REQUEST)
+    req = len(TOK(text[:first], add_special_tokens=False).input_ids)  # char tokenizer: the request's first id
+    assert ep.loss_mask[req:req + len(COMPACT_REQUEST)] == [0] * len(COMPACT_REQUEST)
+    line = text[first + len(COMPACT_REQUEST):].split("\n")[0] + "\n"
+    summary = list(range(req + len(COMPACT_REQUEST), req + len(COMPACT_REQUEST) + len(line)))
+    assert line.startswith("#") and [ep.loss_mask[j] for j in summary] == [1] * len(line)
+
+    whole = StudentSample("s1-tool_long", 1, "tool_long", None, prompt_ids, ep.output_ids, ep.output_logprobs, 0,
+                          "stop", reward=1.0, loss_mask=ep.loss_mask)
+    parts = split_subtraces([whole], cfg, TOK)
+    assert len(parts) == len(subs) and all(tuple(p.prompt_ids) == s.context for p, s in zip(parts[1:], subs[1:]))
+    assert TOK.decode(parts[1].prompt_ids).endswith(COMPACT_REQUEST + line)  # the next context ends with it
+    assert parts[0].output_ids[-len(line):] == ep.output_ids[summary[0]:summary[-1] + 1]  # trains at its end
+    g = torch.Generator().manual_seed(0)
+    for p in parts:
+        L = len(p.output_ids)
+        p.teacher_logprobs = (-torch.rand(L, generator=g) * 3).tolist()
+    batch = collate(parts, TOK.pad_token_id, version=0, with_topk=False)
+    logits = torch.randn(*batch.input_ids.shape, len(TOK), generator=g).requires_grad_(True)
+    total, _ = opd_loss(logits, batch, loss="sampled_rkl", direction="forward", beta=0.5, reward_coef=0.0,
+                        is_clip=2.0, global_token_count=float(batch.num_tokens))
+    total.backward()
+    P0 = len(parts[0].prompt_ids)
+    pos = [P0 - 1 + len(parts[0].output_ids) - len(line) + j for j in range(len(line))]
+    assert all(float(logits.grad[0, t].abs().max()) > 0.0 for t in pos)  # the summary tokens have a gradient
