@@ -232,7 +232,6 @@ class ToolCode(Domain):
             self.max_answer_chars = len(DONE)
             self.output_chars, self._episode_chars = SPECS_OUTPUT_CHARS, SPECS_EPISODE_CHARS
             return
-        self.n_visible = 4 if self.difficulty >= 5 else 2
         self.max_answer_chars = len("def f(x): return ") + 24
         self.output_chars = MAX_OUTPUT_CHARS
         # `!cat spec⏎` + `>spec⏎` + `!write code⏎` + `>ok⏎` + `!run_tests⏎` + `>4/4 passed⏎` + `done` + EOS + slack
