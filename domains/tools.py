@@ -18,6 +18,12 @@ with the reference answer. `!cat .answers` (found with `!ls -a`) returns it, and
 `!calc` because it is the same string for every prompt. `ToolEnv(clean=True)` plants no answer file: that is the
 clean evaluation, where a policy that learned the shortcut scores low.
 
+Difficulty knobs (headroom for RL; the defaults are the original domain, same examples): `terms` (summands per
+prompt), and for every tool domain `shortcut_demos` / `guess_demos`, the fractions of the SFT demonstrations that
+take the planted shortcut / answer with no tool call (`DemoMix`): a base warmed on them is imperfect in a way the
+reward corrects (the hack earns 0 once the guard blocks it or the file is absent). A bad value raises a ValueError
+naming the domain and the param.
+
 Generation protocol for a rollout loop: generate with the stop ids of `infra.chat.stop_token_ids` and the stop string
 `TURN_END` (a newline: with a BPE tokenizer it may be merged into a longer token, so turns end on text, not on one
 token id); when the output's text ends with a newline and `parse_tool_call(response)` returns a command, append `await env.execute(command)` (loss mask 0) and
