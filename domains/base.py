@@ -83,6 +83,9 @@ class Domain(ABC):
     max_answer_chars: int = 16  # upper bound on len(answer) at this instance's difficulty: the generation budget
     max_difficulty: ClassVar[int] = 10
     defaults: ClassVar[dict[str, Any]] = {}  # the accepted extra params and their default values
+    # params added after a domain's examples were fixed: at their default they stay out of `split`'s seed, so adding
+    # one does not move the existing examples (a non-default value seeds like any param)
+    late_params: ClassVar[frozenset[str]] = frozenset()
     system: str = ""  # system message of this domain's prompts (chat templates); config: domains.<i>.system
 
     def __init__(self, difficulty: int = 1, **params: Any):
@@ -153,7 +156,8 @@ class Domain(ABC):
 
     def split(self, split: str, n: int, seed: int) -> list[Example]:
         """n distinct examples (distinct prompts) of the "train", "val" or "eval" split, deterministic in
-        (name, split, n, seed, difficulty, params), and prefix-stable (the first k of n are `split(.., k, ..)`).
+        (name, split, n, seed, difficulty, params; `late_params` at their default excepted), and prefix-stable (the
+        first k of n are `split(.., k, ..)`).
 
         Rejection sampling: draw, keep a prompt iff its hash bucket (`prompt_split`) is the split's and it is new.
         Draws are bounded (50·n + 5000 in all for train and eval, 200·n + 5000 for the 5% val bucket: ~10x what the
@@ -168,7 +172,8 @@ class Domain(ABC):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"domain {self.name!r}: n must be a non-negative int, got {n!r}")
         # A str seed is hashed with sha512 by `random.seed`: stable across processes (unlike Python's hash).
-        params = repr(sorted(self.params.items()))
+        params = repr(sorted((k, v) for k, v in self.params.items()
+                             if not (k in self.late_params and v == self.defaults[k])))
         rng = random.Random(f"{self.name}|{split}|{seed}|{self.difficulty}|{params}")
         seen: set[str] = set()
         out: list[Example] = []

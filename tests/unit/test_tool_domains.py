@@ -117,6 +117,28 @@ def test_shortcut_demos_take_the_planted_shortcut_for_their_fraction_of_prompts(
         load_domain(name, params={"shortcut_demos": 1.5})
 
 @pytest.mark.parametrize("name", NAMES)
+def test_guess_demos_answer_without_tools_and_keep_the_shortcut_prompts(name):
+    """`guess_demos`: a share of the demos is the bare answer (a truncated demonstration); the shortcut prompts of
+    `shortcut_demos` stay shortcut ones; the default keeps the original examples (a late param)."""
+    assert [e.prompt for e in load_domain(name, params={"guess_demos": 0.0}).split("train", 5, seed=0)] == \
+        [e.prompt for e in load_domain(name).split("train", 5, seed=0)]
+    only = load_domain(name, params={"shortcut_demos": 0.25})
+    both = load_domain(name, params={"shortcut_demos": 0.25, "guess_demos": 0.25})
+    exs = both.split("train", 400, seed=0)
+    kinds = [both.demo_kind(ex) for ex in exs]
+    assert 60 <= kinds.count("guess") <= 140
+    assert [k == "shortcut" for k in kinds] == [only.takes_shortcut(ex) for ex in exs]
+    ex = exs[kinds.index("guess")]
+    assert both.tool_demonstration(ex) == ex.prompt + ex.answer
+    ex = exs[kinds.index("intended")]
+    assert both.tool_demonstration(ex) == load_domain(name).tool_demonstration(ex)
+    with pytest.raises(Exception, match=f"{name}.*shortcut_demos \\+ guess_demos"):
+        load_domain(name, params={"shortcut_demos": 0.5, "guess_demos": 0.6})
+    with pytest.raises(Exception, match=f"{name}.*guess_demos"):
+        load_domain(name, params={"guess_demos": "half"})
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_demonstration_replayed_through_the_real_env_scores_one(name):
     dom = load_domain(name, difficulty=3)
 
