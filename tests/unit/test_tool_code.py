@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 import pytest
 
+from tool_scripts import replay
 from domains.base import Example
 from domains.hack_rules import rule_check
 from domains.registry import BUILTIN, list_domains, load_domain
@@ -22,17 +23,6 @@ from teachers.guard import Guard
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(isolation_support() == "none",
                                                    reason="no namespaces: the sandbox refuses python")]
 
-
-def replay(text: str):
-    """A scripted policy that writes `text` turn by turn (tool output lines must come from the env as written)."""
-
-    async def turn(prompt: str, response: str, budget: int) -> tuple[str, bool]:
-        assert text.startswith(response), f"the env's output left the script:\n{response!r}\nvs\n{text!r}"
-        rest = text[len(response):]
-        end = rest.find("\n")
-        return (rest, True) if end < 0 else (rest[: end + 1], False)
-
-    return turn
 
 
 def written(code: str) -> str:

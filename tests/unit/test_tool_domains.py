@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from tool_scripts import replay
 from domains.base import is_eval_prompt
 from domains.registry import BUILTIN, load_domain
 from domains.tool_domains import MAX_CALLS, ToolChain, ToolFiles, TreeEnv
@@ -16,18 +17,6 @@ pytestmark = pytest.mark.unit
 NAMES = ["tool_files", "tool_chain"]
 SHORTCUT = {"tool_files": "cat .solution", "tool_chain": "cat expected"}
 
-
-def replay(text: str):
-    """A scripted policy that writes `text` (a trajectory) turn by turn; tool output lines come from the env, so
-    the replay only stays on `text` while the env prints what `text` says it printed."""
-
-    async def turn(prompt: str, response: str, budget: int) -> tuple[str, bool]:
-        assert text.startswith(response), f"the env's output left the script:\n{response!r}\nvs\n{text!r}"
-        rest = text[len(response):]
-        end = rest.find("\n")
-        return (rest, True) if end < 0 else (rest[: end + 1], False)
-
-    return turn
 
 
 def fixed(*commands: str, answer: str | None = None):
