@@ -157,6 +157,7 @@ class ResumePruner:
     def __init__(self, root: Path):
         self.root, self.freed_bytes, self.pruned = root, 0, []
         self._stop = threading.Event()
+        self._names: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
@@ -198,6 +199,7 @@ class GpuSampler:
         self.peak_mib: dict[str, dict] = {}
         self.available = shutil.which("nvidia-smi") is not None
         self._stop = threading.Event()
+        self._names: dict[int, str] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.error: str | None = None
 
@@ -224,7 +226,10 @@ class GpuSampler:
                 if len(parts) != 2 or not parts[0].isdigit():
                     continue
                 pid, mib = int(parts[0]), float(parts[1]) if parts[1].replace(".", "").isdigit() else 0.0
-                name = process_name(pid)
+                # a pid keeps the name it was first seen with (an exiting process leaves /proc before nvidia-smi)
+                name = self._names.get(pid) or process_name(pid)
+                if name != "unknown":
+                    self._names[pid] = name
                 rec = self.peak_mib.setdefault(f"{name} (pid {pid})", {"role": name, "peak_mib": 0.0})
                 rec["peak_mib"] = max(rec["peak_mib"], mib)
 
@@ -366,7 +371,9 @@ def summarize(report: dict | None, root: Path, device: str, params: int | None, 
                                                         for h in v.get("history", [])), 3),
             "specialist_steps": sum(len(v.get("history", [])) for v in specs.values()),
             "student_on_critical_path_s": st_timing.get("push_s"),
-            "student_load_off_critical_path_s": st_timing.get("push_load_s"), "student_steps": student.get("steps")}
+            "student_load_off_critical_path_s": st_timing.get("push_load_s"), "student_steps": student.get("steps"),
+            # the path each trainer's pushes took (tensor: CUDA IPC / shm handles; memory; distributed; disk)
+            "paths": {k: v.get("weight_sync") for k, v in trainers.items() if v.get("weight_sync")}}
     trainer_mem = {k: v.get("gpu") for k, v in trainers.items() if v.get("gpu")}
     return {"stages": stages, "throughput": throughput, "mfu": mfus, "params": params, "weight_push": push,
             "gpu_memory": {"nvidia_smi_available": sampler.available, "nvidia_smi_error": sampler.error,

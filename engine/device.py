@@ -72,4 +72,5 @@ def memory_info(device: torch.device) -> dict:
     return {"cuda_max_memory_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
             "cuda_memory_reserved_bytes": int(torch.cuda.memory_reserved(device)),
             "cuda_max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
-            "cuda_total_memory_bytes": int(torch.cuda.get_device_properties(device).total_memory)}
+            "cuda_total_memory_bytes": int(torch.cuda.get_device_properties(device).total_memory),
+            "cuda_device_uuid": str(torch.cuda.get_device_properties(device).uuid)}  # weight sync: same GPU?

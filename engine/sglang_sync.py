@@ -13,7 +13,9 @@ disk), where the server runs and whether the trainer has CUDA:
   the same format, the device as a GPU UUID as SGLang's patch writes it). With `cpu_tensors` (the embedded server,
   which reads them) CPU tensors travel too, as named shared-memory files (always our serializer then).
 - **distributed** (`SGLangDistributedSync`): trainer and server share a NCCL group (gloo for a trainer without
-  CUDA and the embedded server: CPU tensors). Once, `POST
+  CUDA and the embedded server: CPU tensors). `backend="auto"` picks at the first push (`group_backend`): gloo for
+  host tensors or a server on the trainer's own GPU (NCCL refuses two ranks on one device: "Duplicate GPU
+  detected"; the embedded server reports its GPU's UUID in /get_server_info), NCCL otherwise. Once, `POST
   /init_weights_update_group` (master address/port, `rank_offset` 1, `world_size` = 1 trainer + the server's TP
   ranks, backend nccl, group name) while the trainer joins the same group as rank 0; then per push `POST
   /update_weights_from_distributed` with names / dtypes / shapes while rank 0 broadcasts every tensor, in the same
@@ -167,6 +169,17 @@ def destroy_group_body(group_name: str) -> dict:
     return {"group_name": group_name}
 
 
+def group_backend(requested: str, tensor_gpu: str | None, server_gpus: Sequence[str] = ()) -> str:
+    """The weight-update group's backend: `requested` unless it is "auto"; then gloo for host tensors
+    (`tensor_gpu` None) or when the server runs on the trainer's own GPU (`tensor_gpu`, a GPU UUID, among
+    `server_gpus`: NCCL refuses two ranks on one device), NCCL otherwise (a real SGLang server reports no UUID)."""
+    if requested != "auto":
+        return requested
+    if tensor_gpu is None or tensor_gpu in server_gpus:
+        return "gloo"
+    return "nccl"
+
+
 def check_response(endpoint: str, status: int, body: Any) -> str:
     """SGLang's answer `{"success": bool, "message": str}` (200 on success, 400 otherwise) → its message; anything
     else raises `WeightSyncError` naming the endpoint and what came back."""
@@ -284,6 +297,19 @@ class _Sync:
             parsed = raw.decode("utf-8", errors="replace")
         return check_response(endpoint, status, parsed)
 
+    async def get_json(self, endpoint: str) -> dict:
+        """One GET of a JSON object (e.g. /get_server_info); {} when it fails or is not an object."""
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=min(self.timeout_s, 30.0))) as s:
+                async with s.get(self.base_url + endpoint, headers=headers) as r:
+                    body = orjson.loads(await r.read()) if r.status == 200 else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):
+            return {}
+        return body if isinstance(body, dict) else {}
+
     async def push(self, named_tensors: Iterable, version: str, flush_cache: bool = True) -> str:
         """Load `named_tensors` ((name, torch.Tensor) pairs, HF names) into the server as `weight_version=version`;
         returns the path that did it ("tensor", "distributed" or "disk")."""
@@ -368,7 +394,8 @@ class SGLangDistributedSync(_Sync):
 
     The group is made on the first push (`connect`) and kept; `aclose` destroys it on both sides. `master_address`
     must be reachable from the server (the trainer's address; loopback when both are on one machine);
-    `master_port` None → a free port. `bucket_bytes`: see the module docstring (None: one request per push)."""
+    `master_port` None → a free port. `bucket_bytes`: see the module docstring (None: one request per push).
+    `backend`: nccl, gloo, or auto (`group_backend`, decided at the first push)."""
 
     name = SglangWeightSync.DISTRIBUTED
     options = ("timeout_s", "master_address", "master_port", "group_name", "backend", "bucket_bytes")
@@ -404,8 +431,22 @@ class SGLangDistributedSync(_Sync):
         log.info("SGLang weight-update group %r up (%s:%d, world size %d)", self.group_name, self.master_address,
                  port, self.world_size)
 
+    async def _resolve_backend(self, named: list) -> None:
+        """`backend="auto"` → gloo or nccl (`group_backend`), once, before the group is made."""
+        if self.backend != "auto":
+            return
+        import torch
+
+        first = next((t for _, t in named if t.is_cuda), None)
+        tensor_gpu = None if first is None else str(torch.cuda.get_device_properties(first.device).uuid)
+        server_gpu = (await self.get_json("/get_server_info")).get("cuda_device_uuid") if first is not None else None
+        self.backend = group_backend("auto", tensor_gpu, [server_gpu] if server_gpu else [])
+        log.info("weight-update group backend %s (trainer's tensors on %s, server on %s)", self.backend,
+                 tensor_gpu or "the host", server_gpu or "an unreported device")
+
     async def _push(self, named_tensors: Iterable, version: str, flush_cache: bool) -> None:
         named = [(name, t.detach()) for name, t in named_tensors]
+        await self._resolve_backend(named)
         if self.backend == "nccl":
             bad = [name for name, t in named if not t.is_cuda]
             if bad:

@@ -341,6 +341,7 @@ class DistillTrainer:
             "trained_samples": self.ledger.n_trained, "dropped": dict(self.state.dropped),
             "duplicates_skipped": self.ledger.duplicates_skipped, "wall_s": self.wall_s, "timing_s": dict(self.timing),
             "train_tokens": self.train_tokens, "device": str(self.backend.device),
+            "weight_sync": {"strategy": str(self.policy.sync), "last_path": str(self.policy.last_path)},
             "sampled_tokens": self.state.sampled_tokens, "scored_tokens": self.state.scored_tokens,
             "throughput": self.throughput(), "teachers": self.scorer.totals(), "evals": list(self.state.evals),
             "checkpoint": getattr(self, "last_checkpoint", None), "last_metrics": self._last_metrics,

@@ -178,7 +178,8 @@ class SpecialistTrainer:
         return {"steps": self.state.step, "history": self.state.history, "guard": dict(self.state.guard_totals),
                 "april": self.buffer.counters, "verifier_errors": self.state.verifier_errors,
                 "checkpoint": self.last_checkpoint, "validation": sel.history, "best_step": sel.best_step,
-                "best_val": sel.best_score, "stopped": self.state.stopped, "device": str(self.policy.device)}
+                "best_val": sel.best_score, "stopped": self.state.stopped, "device": str(self.policy.device),
+                "weight_sync": {"strategy": str(self.server.sync), "last_path": str(self.server.last_path)}}
 
     def validate(self) -> float:
         """Greedy score of the current policy on the val-split prompts; a new best is saved to `best_dir`."""

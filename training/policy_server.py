@@ -8,8 +8,9 @@ Used by both RL trainers (specialist PPO, OPD student). A push has two halves:
 `engine.weight_sync` picks the path for the embedded server (`auto`, the default: `tensor` when the trainer has
 CUDA, else `memory`). `tensor` / `distributed` (and any SGLang server with `engine.sglang_weight_sync`): SGLang's
 own update endpoints through engine/sglang_sync.py (CUDA IPC or shm-file handles of the trainer's tensors; a
-broadcast over NCCL or gloo; a deferred push sends a copy made on their device); a failed one falls back to a weight buffer (embedded) or disk
-(SGLang) for the rest of the run. `memory`: the snapshot is a weight buffer
+broadcast over NCCL, or gloo for host tensors or a server on the trainer's own GPU; a deferred push sends a copy
+made on their device); a failed one falls back to a weight buffer (embedded) or disk (SGLang) for the rest of the
+run. `memory`: the snapshot is a weight buffer
 (engine/weight_buffer.py: `DeepSpeedBackend.named_weights` as raw tensors) in /dev/shm when it has room,
 else under the work dir, two files alternating by version (A/B: the server may still read one while the next is
 written); the load is `update_weights_from_buffer`, an in-place copy into the server's model. `disk` (and any
@@ -118,7 +119,7 @@ class PolicyServer:
             return None
         log.info("%s: weight sync %s (engine.%s=%s)", self.name, strategy, field, mode)
         return make_sync(strategy, self.url, fallback, tp_size=server_tp_size(options), api_key=api_key,
-                         cpu_tensors=backend != Backend.SGLANG, backend="nccl" if cuda else "gloo")
+                         cpu_tensors=backend != Backend.SGLANG, backend="auto" if cuda else "gloo")
 
     @classmethod
     def for_engine(cls, engine_cfg, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path,

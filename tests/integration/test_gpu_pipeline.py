@@ -41,6 +41,9 @@ def test_gpu_pipeline_bench_runs_the_flow_in_bf16_on_the_cpu(tmp_path):
         assert r["throughput"][k] and r["throughput"][k] > 0, k
     assert r["params"] > 0 and r["mfu"]["base"] is None  # no GPU peak to divide by on a CPU
     assert r["weight_push"]["specialist_steps"] == 4 and r["weight_push"]["student_steps"] == 2
+    paths = r["weight_push"]["paths"]  # no CUDA: the embedded server's weight buffer (engine.weight_sync auto)
+    assert set(paths) == {"specialist reverse", "specialist max_list", "student"}, paths
+    assert all(p["strategy"] == "memory" for p in paths.values()), paths
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert set(report["domains"]) == {"reverse", "max_list"}
     # the base trainer's summary as the bench read it: trained in bf16 on the CPU

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_proc import REFERENCE_NUMERICS, TINY_LP_TOL, EngineProc, forward_logprobs, http, json_body
+from engine_proc import ENGINE_DEVICE, REFERENCE_NUMERICS, TINY_LP_TOL, EngineProc, forward_logprobs, http, json_body
 
 pytestmark = pytest.mark.integration
 
@@ -101,9 +101,10 @@ def test_distributed_then_tensor_push(server, model, tmp_path):
 
     async def distributed():
         fb = Fallback()
-        sync = SGLangDistributedSync(server.url, fb, backend="gloo", api_key=KEY, timeout_s=60)
+        sync = SGLangDistributedSync(server.url, fb, backend="auto", api_key=KEY, timeout_s=60)
         try:
             assert await sync.push(weights_of(other), "v1") == "distributed"
+            assert sync.backend == "gloo"  # auto: the trainer's tensors are on the host
             after = check_serves(server, other, "v1")
             assert after[1] != before[1]  # the log-probs moved (the tiny models' greedy ids may agree)
             # a wrong shape: received whole (the broadcast completes), refused, the weights stay; then the fallback
@@ -161,9 +162,14 @@ def test_malicious_payload_is_refused_and_nothing_runs(server, tmp_path):
                  "/destroy_weights_update_group"):
         assert call(server.url, path, body, headers={})[0] == 401, path
     status, out = call(server.url, "/init_weights_update_group",
-                       {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
-                        "backend": "nccl"})
-    assert status == 400 and "backend nccl needs the server on CUDA" in out["message"]
+                       {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 2, "world_size": 2,
+                        "backend": "gloo"})
+    assert status == 400 and "rank_offset 2 does not fit world_size 2" in out["message"]
+    if ENGINE_DEVICE == "cpu":  # on CUDA a nccl group is allowed (and would wait for a trainer at port 1)
+        status, out = call(server.url, "/init_weights_update_group",
+                           {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+                            "backend": "nccl"})
+        assert status == 400 and "backend nccl needs the server on CUDA" in out["message"]
     assert call(server.url, "/get_model_info", method="GET")[1]["weight_version"] != "evil"
 
 

@@ -132,6 +132,20 @@ def test_choose_embedded_sync_refuses():
         choose_embedded_sync("ipc", True, True)
 
 
+@pytest.mark.parametrize("requested,tensor_gpu,server_gpus,want", [
+    ("auto", None, (), "gloo"),                       # host tensors: gloo broadcasts them
+    ("auto", None, ("GPU-a",), "gloo"),
+    ("auto", "GPU-a", ("GPU-a",), "gloo"),            # the server on the trainer's GPU: NCCL refuses that
+    ("auto", "GPU-a", ("GPU-b",), "nccl"),            # another GPU
+    ("auto", "GPU-a", (), "nccl"),                    # a server that reports no GPU (real SGLang)
+    ("nccl", "GPU-a", ("GPU-a",), "nccl"), ("gloo", "GPU-a", ("GPU-b",), "gloo"),  # an explicit choice stays
+])
+def test_group_backend(requested, tensor_gpu, server_gpus, want):
+    from engine.sglang_sync import group_backend
+
+    assert group_backend(requested, tensor_gpu, server_gpus) == want
+
+
 def test_choose_sync_refuses_what_cannot_work():
     assert choose_sync(*cfg("tensor", backend="embedded"), True, True) == "disk"  # the embedded path is elsewhere
     with pytest.raises(ValueError, match="engine.sglang_weight_sync: tensor needs the trainer on the server's"):
