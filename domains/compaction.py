@@ -43,7 +43,7 @@ OPD student (`student`) share it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from domains.tools import COMPACT_REQUEST, RESULT_PREFIX, SUMMARY_PREFIX, TURN_END, is_summary_line
 
@@ -85,6 +85,13 @@ class Compaction:
             return None
         return cls(window, specialists.compact_keep_last, getattr(specialists, "compaction_summary", "rules"),
                    getattr(specialists, "compact_summary_tokens", 32))
+
+
+def compactions_of(specialists, names: Iterable[str]) -> dict[str, Compaction | None]:
+    """Each domain's compaction, as its specialist trains with it: `specialists.per_domain[name]` merged in
+    (`for_domain`), so `per_domain: {tool_long: {max_context_tokens: 96}}` compacts tool_long's episodes only."""
+    own = getattr(specialists, "for_domain", None)
+    return {name: Compaction.of(own(name) if own is not None else specialists) for name in names}
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Mapping
 
-from domains.compaction import Compaction, compacted_demonstration, tokenizer_summarizer
+from domains.compaction import Compaction, compacted_demonstration, compactions_of, tokenizer_summarizer
 from domains.registry import load_domains
 from domains.tools import demonstration_segments
 from infra.chat import PromptRenderer, system_of
@@ -27,23 +28,30 @@ log = logging.getLogger("alloy")
 
 
 def demonstrations(domains: dict, n_per_domain: int, seed: int, tool_trajectories: bool = False,
-                   compaction: Compaction | None = None, tokenizer=None, chat_template: str = "auto") -> list[tuple]:
+                   compaction: Compaction | Mapping[str, Compaction | None] | None = None, tokenizer=None,
+                   chat_template: str = "auto") -> list[tuple]:
     """Mixed-domain (prompt, completion, system message) triples from each domain's train split, shuffled. The
     completion is the answer; with `tool_trajectories` (`base.tool_trajectories`), for a domain with a
     `tool_demonstration`, the intended trajectory as `(text, trained)` segments, tool output lines untrained
     (`domains.tools.demonstration_segments`, `training.sft.encode_pair`). With a policy-summary `compaction`
-    (`specialists.max_context_tokens`, `compaction_summary: policy`) and a `tokenizer`, a domain with `summary_of`
+    (`specialists.max_context_tokens`, `compaction_summary: policy`; one for every domain, or a mapping domain →
+    compaction, `specialists.per_domain` merged in: `compactions_of`) and a `tokenizer`, a domain with `summary_of`
     is demonstrated compacted as its rollouts would be: the env's request untrained, the summary line trained
     (`domains.compaction.compacted_demonstration`), so the base knows how to write its summaries."""
-    policy = compaction is not None and compaction.summary == "policy" and tokenizer is not None
+    def policy_compaction(name: str) -> Compaction | None:
+        c = compaction.get(name) if isinstance(compaction, Mapping) else compaction
+        return c if c is not None and c.summary == "policy" and tokenizer is not None else None
+
+    policy = any(policy_compaction(name) for name in domains)
     render = PromptRenderer(tokenizer, chat_template) if policy else None
     summarize = tokenizer_summarizer(tokenizer) if policy else None
 
     def completion(dom, ex):
         if tool_trajectories and callable(getattr(dom, "tool_demonstration", None)):
-            if policy and callable(getattr(dom, "summary_of", None)):
+            own = policy_compaction(dom.name)
+            if own is not None and callable(getattr(dom, "summary_of", None)):
                 return compacted_demonstration(render.example_ids(dom, ex), dom.intended_calls(ex), ex.answer,
-                                               lambda n: dom.summary_of(ex, n), compaction, summarize)
+                                               lambda n: dom.summary_of(ex, n), own, summarize)
             return demonstration_segments(dom, ex)
         return ex.answer
 
@@ -58,7 +66,7 @@ def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tr
     t_start = time.perf_counter()
     tok, backend = trainable(init_dir, train_settings(cfg.base.train, cfg.base.steps, cfg.run.seed))
     pairs = demonstrations(domains, cfg.base.n_train_per_domain, cfg.run.seed, cfg.base.tool_trajectories,
-                           Compaction.of(cfg.specialists), tok, cfg.model.chat_template)
+                           compactions_of(cfg.specialists, domains), tok, cfg.model.chat_template)
     if not backend.is_main:
         tracker = NoopTracker()
     log.info("base: SFT on %d demonstrations from %d domains, %d steps, %d rank(s)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
+from domains.compaction import compactions_of
 from infra.names import check_name
 from infra.storage import join
 
@@ -24,10 +25,17 @@ def base_prefix(cfg, storage_url: str) -> str:
     policy-written compaction summary the base's demonstrations are compacted as the specialists' rollouts
     (tasks/base_worker.py), so those compaction settings count too (and only then: other bases keep their prefix)."""
     fp = cfg.fingerprint(*BASE_SECTIONS)
-    sc = cfg.specialists
-    if cfg.base.tool_trajectories and sc.max_context_tokens is not None and sc.compaction_summary == "policy":
-        key = f"{fp}|compaction={sc.max_context_tokens},{sc.compact_keep_last},{sc.compact_summary_tokens}"
-        fp = hashlib.sha256(key.encode()).hexdigest()
+    if cfg.base.tool_trajectories:
+        own = compactions_of(cfg.specialists, [d.name for d in cfg.domains])  # per_domain merged in
+        policy = {n: c for n, c in own.items() if c is not None and c.summary == "policy"}
+        if policy:
+            first = next(iter(policy.values()))
+            if len(set(policy.values())) == 1 and len(policy) == len(own):  # one for all: the key it always had
+                key = f"{fp}|compaction={first.max_context_tokens},{first.keep_last},{first.summary_tokens}"
+            else:
+                key = fp + "".join(f"|compaction[{n}]={c.max_context_tokens},{c.keep_last},{c.summary_tokens}"
+                                   for n, c in sorted(policy.items()))
+            fp = hashlib.sha256(key.encode()).hexdigest()
     return join(storage_url, f"base-{fp[:10]}")
 
 

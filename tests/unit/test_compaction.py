@@ -368,3 +368,45 @@ def test_a_policy_summary_budget_allowance():
     # requests and summaries count against a tool episode's budget: room for one per third of a window, + 1
     assert summary_allowance(135, Compaction(96, 0, "policy", 24)) == (5 + 1) * (9 + 24)
     assert summary_allowance(135, Compaction(96, 0, "rules")) == 0 and summary_allowance(135, None) == 0
+
+
+def test_compaction_per_domain_reaches_the_base_demonstrations_and_its_prefix():
+    """`specialists.per_domain: {tool_long: {max_context_tokens: 96}}` compacts tool_long alone: its specialist
+    (`for_domain`), the base's demonstrations (only tool_long's compacted) and the base's storage prefix (a global
+    window keeps the key it always had)."""
+    import hashlib
+
+    from domains.compaction import compactions_of
+    from domains.tools import COMPACT_REQUEST
+    from infra.config import SpecialistsConfig, config_from_dict
+    from infra.tokenizer import build_char_tokenizer
+    from tasks.base_worker import demonstrations
+    from tasks.prefixes import BASE_SECTIONS, base_prefix
+
+    sc = SpecialistsConfig(per_domain={"tool_long": {"max_context_tokens": 96, "compact_keep_last": 0}})
+    assert compactions_of(sc, ["tool_add", "tool_long"]) == {"tool_add": None,
+                                                              "tool_long": Compaction(96, 0, "policy", 32)}
+    assert compactions_of(SpecialistsConfig(max_context_tokens=80), ["a", "b"]) == {
+        "a": Compaction(80, 2, "policy", 32), "b": Compaction(80, 2, "policy", 32)}
+
+    tok = build_char_tokenizer()
+    doms = {"tool_add": load_domain("tool_add"), "tool_long": load_domain("tool_long", params={"files": 10})}
+    pairs = demonstrations(doms, 3, 0, True, compactions_of(sc, doms), tok)
+    texts = {p: "".join(t for t, _ in c) for p, c, _ in pairs}
+    long_ = [t for p, t in texts.items() if p.startswith("tlg")]
+    add = [t for p, t in texts.items() if not p.startswith("tlg")]
+    assert len(long_) == 3 and all(COMPACT_REQUEST in t for t in long_)
+    assert len(add) == 3 and not any(COMPACT_REQUEST in t for t in add)
+
+    def cfg(specialists):
+        return config_from_dict({"run": {"name": "c"}, "model": {"preset": "tiny"}, "base": {"tool_trajectories": True},
+                                 "domains": [{"name": "tool_add"}, {"name": "tool_long", "params": {"files": 10}}],
+                                 "specialists": specialists})
+
+    plain = cfg({})
+    assert base_prefix(plain, "file:///s").endswith("base-" + plain.fingerprint(*BASE_SECTIONS)[:10])
+    glob = cfg({"max_context_tokens": 96, "compact_keep_last": 0})
+    key = f"{glob.fingerprint(*BASE_SECTIONS)}|compaction=96,0,32"  # the key a global window always had
+    assert base_prefix(glob, "file:///s").endswith("base-" + hashlib.sha256(key.encode()).hexdigest()[:10])
+    own = cfg({"per_domain": {"tool_long": {"max_context_tokens": 96, "compact_keep_last": 0}}})
+    assert len({base_prefix(c, "file:///s") for c in (plain, glob, own)}) == 3
