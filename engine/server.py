@@ -31,8 +31,9 @@ reads in `engine.request_guards`.
 Hardening: a body over the limit (`--max-body-mb`, by default derived from --max-total-tokens, see
 `engine.request_guards.body_limit_bytes`) is 413; an `application/octet-stream` weight buffer
 (/update_weights_from_buffer) may be as large as the model's state dict plus its header (`weight_buffer.state_bytes`). A client gets `--read-timeout-s` (30 s) to send a request's headers, counted from the
-connection's start or the end of its previous response (aiohttp's `keepalive_timeout`: a connection whose next
-request is not complete by then is closed), and again as long for its body (408, then the connection is closed);
+connection's start or the end of its previous response (a connection whose next request's headers are not complete
+by then is closed: `engine.header_deadline`'s own per-connection timer, as aiohttp's `keepalive_timeout` misses a
+connection's first request before aiohttp 3.14.4), and again as long for its body (408, then the connection is closed);
 the response itself (a long /generate) has no time limit. Header lines over 8190 bytes or over 128 headers are
 400 (aiohttp's defaults). Bound to a non-loopback address without an API key, the server logs a WARNING.
 A /generate whose answer would carry over --max-logprob-entries (log-prob, id) entries is 400 (engine.protocol);
@@ -58,6 +59,7 @@ from aiohttp import web
 from engine import wire
 from engine.buffer_paths import buffer_dirs, check_buffer_path
 from engine.client import API_KEY_ENV
+from engine.header_deadline import serve
 from engine.protocol import (GC_PAUSE_PAIRS, Limits, ProtocolError, SamplingSpec, SeqSpec, TokenText, build_output,
                                    gc_paused, logprob_pairs, parse_generate)
 # body_limit_bytes and is_loopback are part of this module's API too (imported from here by callers and tests)
@@ -528,7 +530,7 @@ def _serve(app: web.Application, args) -> None:
 
     async def exit_on_load_failure(_app):
         # Like SGLang: a model that cannot load is fatal (exit non-zero) so launchers fail fast instead of polling
-        # a server that answers 503 forever. GracefulExit (a SystemExit) raised from a loop callback stops `run_app`
+        # a server that answers 503 forever. GracefulExit (a SystemExit) raised from a loop callback stops `serve`
         # cleanly, exactly as aiohttp's own SIGTERM handler does (raised in a task it would also log a traceback).
         def graceful_exit():
             raise web.GracefulExit()
@@ -553,12 +555,11 @@ def _serve(app: web.Application, args) -> None:
                     "it can generate, abort requests and load weights from any path (/update_weights_from_disk). "
                     "Set --api-key or %s (engine.api_key in the pipeline config), or bind --host 127.0.0.1",
                     args.host, args.port, API_KEY_ENV)
-    # run_app turns SIGTERM/SIGINT into a graceful shutdown: on_shutdown aborts in-flight requests (they return
-    # their partial output), on_cleanup joins the engine thread.
-    # keepalive_timeout is aiohttp's only header deadline: it closes a connection whose next request has not fully
-    # arrived that long after the connection opened or its last response ended (an idle one, or half-sent headers)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=5.0,
-                handle_signals=True, keepalive_timeout=args.read_timeout_s)
+    # serve (like web.run_app) turns SIGTERM/SIGINT into a graceful shutdown: on_shutdown aborts in-flight requests
+    # (they return their partial output), on_cleanup joins the engine thread. It also holds the header deadline
+    # (engine.header_deadline): a connection whose next request's headers have not arrived --read-timeout-s after it
+    # opened or the app finished its previous request is closed (an idle one, or half-sent headers).
+    serve(app, args.host, args.port, args.read_timeout_s, shutdown_timeout=5.0)
     if engine.load_error is not None:
         sys.exit(1)
     log.info("server stopped")

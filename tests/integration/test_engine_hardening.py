@@ -1,6 +1,6 @@
 """The embedded engine server's hardening, against a real server process on loopback spoken to with raw sockets:
-a half-sent request is dropped after `--read-timeout-s` (headers: the connection closes; body: 408, then closes) while
-a response that takes longer than that is not cut; a body over the limit is 413 with SGLang's error body (whether
+a half-sent request is dropped after `--read-timeout-s` (headers: the connection closes, that long after it opened or
+its previous response; body: 408, then closes) while a response that takes longer than that is not cut; a body over the limit is 413 with SGLang's error body (whether
 it announces its length or not); the default limit is the one derived from --max-total-tokens; binding a non-loopback
 address without an API key logs a WARNING naming the address and the fix; an answer over --max-logprob-entries
 (log-prob, id) entries is 400 naming the limit and the numbers; /update_weights_from_buffer reads only regular files
@@ -75,6 +75,39 @@ def test_half_sent_headers_are_dropped_after_the_read_timeout(server):
     assert data == b"", data  # no request was ever complete: nothing to answer
     assert TIMEOUT_S * 0.9 <= closed - t0 < TIMEOUT_S + 5, closed - t0
     assert http(server.url, "/health", method="GET")[0] == 200  # the server itself is fine
+
+
+def read_one_response(s: socket.socket) -> tuple[int, bytes]:
+    """One response (with a Content-Length) off a keep-alive connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, body
+        body += chunk
+    assert len(body) == length, (head, body)
+    return int(head.split(b" ", 2)[1]), body
+
+
+def test_the_header_deadline_restarts_after_each_response(server):
+    """On a keep-alive connection the deadline counts from the previous response: requests spaced by less than the
+    timeout keep it open past the timeout, and half-sent headers after a response are dropped that long after it."""
+    with connect(server) as s:
+        for _ in range(3):
+            time.sleep(TIMEOUT_S * 0.6)  # idle, for less than the timeout (1.8 timeouts in all)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert read_one_response(s)[0] == 200
+        t0 = time.monotonic()
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0")  # ...and stall
+        data, closed = read_until_closed(s)
+    assert data == b"", data
+    assert TIMEOUT_S * 0.8 <= closed - t0 < TIMEOUT_S + 5, closed - t0
 
 
 def test_half_sent_body_gets_408_and_the_connection_is_closed(server):
