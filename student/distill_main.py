@@ -11,6 +11,7 @@ The result (summary, throughput, per-teacher totals, evals, the final checkpoint
 
 The recipe (`run_distillation`): build the DeepSpeed student → resume if a checkpoint exists → serve it on an engine
 server → one EngineClient per teacher endpoint → train (student/trainer.py) → commit `final/`.
+Tool domains' episodes run under the specialists' guard, rules only (`student_guards`).
 With `distill.train.world_size` W > 1 the task starts this under torchrun: rank 0 runs the recipe (engine server,
 sampling, teacher scoring, ledger, evals, MLflow, commits) and announces each update, weight save and state
 save/load; ranks 1..W-1 follow (training/ranks.py) and train their shards of each batch (student/trainer.opd_update).
@@ -25,6 +26,7 @@ import sys
 from pathlib import Path
 
 from domains.compaction import Compaction
+from domains.guard import Guard
 from domains.registry import load_domains
 from engine.client import EngineClient
 from training.ranks import Ranks
@@ -32,6 +34,7 @@ from training.session import (commit_final, end_stage, follow_rank_zero, fresh_f
                               trainable)
 from training.worker import Worker, WorkerRun, arg
 from student.losses import get_loss
+from student.sampler import is_tool_domain
 from student.scoring import TeacherScorer
 from student.trainer import DistillTrainer
 
@@ -46,6 +49,27 @@ def teacher_clients(endpoints: dict[str, str], dc, api_key: str | None) -> dict[
         by_url[url] = EngineClient(url, api_key=api_key, timeout=dc.teacher_timeout_s, max_retries=dc.teacher_retries,
                                    backoff_base=0.25, backoff_max=4.0)
     return {d: by_url[u] for d, u in endpoints.items()}
+
+
+def student_guards(cfg, domains: dict) -> dict[str, Guard | None]:
+    """{tool domain: the guard its episodes run under}: the domain's specialist guard config
+    (`specialists.guard`, per_domain merged in), rules only, or None where that guard is disabled. Rules only: the
+    judge (`judge_path`) is served for the specialists stage alone, and the rules are what evaluation scores a hack
+    attempt by (`domains/evaluate.py`: a flagged call is a clean 0), so the student's reward matches the clean score.
+    Domains with the same `allowed_hosts` share one guard."""
+    shared: dict[tuple[str, ...], Guard] = {}
+    out: dict[str, Guard | None] = {}
+    for name, dom in domains.items():
+        if not is_tool_domain(dom):
+            continue
+        gc = cfg.specialists.for_domain(name).guard
+        if not gc.enabled:
+            log.warning("student: %s runs its tool episodes unguarded (specialists.guard.enabled=false)", name)
+            out[name] = None
+            continue
+        hosts = tuple(sorted(gc.allowed_hosts))
+        out[name] = shared.setdefault(hosts, Guard(None, allowed_hosts=set(hosts)))
+    return out
 
 
 def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, str], out_url: str,
@@ -69,7 +93,8 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     trainer = DistillTrainer(dc, backend, tok, None, scorer, domains, out_url=out_url, work_dir=work,
                              tracker=tracker, seed=cfg.run.seed, eval_max_new_tokens=cfg.eval.max_new_tokens,
                              eval_batch_size=cfg.eval.batch_size, on_step=on_step, ranks=ranks,
-                             chat_template=cfg.model.chat_template, compaction=compaction)
+                             chat_template=cfg.model.chat_template, compaction=compaction,
+                             guards=student_guards(cfg, domains))
     backend = trainer.backend  # on rank 0 of several: its collective calls are announced to the other ranks
     serve_dir = trainer.resume() or student_init
     tracker.log_dict({"teachers": teachers, "resumed_at_step": trainer.state.step}, "distill/teachers.json")

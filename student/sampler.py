@@ -6,14 +6,18 @@ to it after every step. Every prompt is an episode of the specialists' turn loop
 unfinished episode. A plain domain's prompt is an episode of one turn, so a batch of plain prompts costs one HTTP
 round trip, not one per prompt.
 
-Tool domains (a domain with `env(example, clean=..., guard=...)`, e.g. `tool_add`): each prompt is a FULL episode: the
+Tool domains (a domain with `env(example, guard=...)`, e.g. `tool_add`): each prompt is a FULL episode: the
 student generates until a stop id or a newline, the tool call on that line runs in the domain's env, its output line
 is inserted into the context as environment tokens (`loss_mask` 0: never trained, excluded from every OPD loss by
 `student.batch.collate`), and the episode continues with the remaining budget in the next round (the round's tool
-calls run concurrently). The env is **clean** (no planted shortcut) and has
-**no guard**: an OPD sample is scored by its domain's teacher, never rewarded by the env, so there is no shortcut to
-learn and nothing to guard; the teacher scores the whole sequence (prompt + student turns + tool output) and only the
-student's own tokens count. `check_student_domains` refuses what this path cannot sample correctly.
+calls run concurrently). The env is the one the specialists' rollouts see: `env(example, guard=...)`, the
+planted shortcut included, under the domain's guard (`guards`: the specialists' `specialists.guard`, rules only:
+student/distill_main.py `student_guards`). A call the guard blocks is answered with the guard's dummy output (as in
+`teachers/rollout.py`) and the episode goes on; the episode's `blocked_calls` counts them and `episode_reward` gives
+an episode with a blocked call reward 0, so `distill.reward_coef` never pays a hack attempt (in a clean, unguarded
+env the failed read cost nothing and the intended path after it earned the episode 1, hack call included: issue 36,
+tool_files). The teacher scores the whole sequence (prompt + student turns + tool output) and only the student's
+own tokens count. `check_student_domains` refuses what this path cannot sample correctly.
 
 Compaction (`specialists.max_context_tokens`, the specialists' setting, so the student sees the contexts its teachers
 were trained on): the engine is given the episode's current compacted context (`domains.compaction`, the same
@@ -77,6 +81,8 @@ class StudentSample:
     loss_mask: list[int] | None = None
     # the episode this sample is a sub-trace of (compaction: `split_subtraces`); None = its own (`episode`)
     episode_id: str | None = None
+    # tool calls of the episode the guard blocked (`episode_reward`: > 0 means reward 0); 0 for a plain domain
+    blocked_calls: int = 0
 
     @property
     def episode(self) -> str:
@@ -210,8 +216,8 @@ def check_student_domains(domains: Mapping[str, object], *, budgets: Mapping[str
     without its tool outputs, or fail mid-run), naming the domain and the reason:
 
     - a domain that declares tool use (an `env` attribute, `uses_tools`, a `tool_demonstration`) but has no callable
-      `env(example, clean=..., guard=...)`;
-    - a tool domain whose `env` does not accept `clean` and `guard` (the student's episodes run clean and unguarded);
+      `env(example, guard=...)`;
+    - a tool domain whose `env` does not accept `guard` (the student's episodes run under the specialists' guard);
     - without `compaction`: a tool domain whose longest prompt + episode budget (`budgets`, tool output included)
       does not fit the student's context (`context_len`; the engine refuses such a request);
     - with `compaction` (the specialists' `max_context_tokens`, which the student's episodes then follow too): a
@@ -225,17 +231,17 @@ def check_student_domains(domains: Mapping[str, object], *, budgets: Mapping[str
         env = getattr(dom, "env", None)
         if not callable(env):
             problems.append(f"domain {name!r} declares tool use ({why}) but has no callable "
-                            "env(example, clean=..., guard=...)")
+                            "env(example, guard=...)")
             continue
         try:
             params = inspect.signature(env).parameters
         except (TypeError, ValueError):
             params = {}
         if params and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            missing = [k for k in ("clean", "guard") if k not in params]
+            missing = [k for k in ("guard",) if k not in params]
             if missing:
                 problems.append(f"domain {name!r}: env() does not accept {missing}; the student runs its episodes "
-                                "with env(example, clean=True, guard=None)")
+                                "with env(example, guard=...)")
                 continue
         if budgets is None or longest_prompt is None or name not in budgets:
             continue
@@ -259,7 +265,8 @@ def check_student_domains(domains: Mapping[str, object], *, budgets: Mapping[str
 async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max_new_tokens: int | Mapping[str, int],
                        temperature: float, eos_id: int | Sequence[int], expected_version: int,
                        sampling_seed: int | None = None, domains: Mapping[str, object] | None = None,
-                       tokenizer=None, compaction: Compaction | None = None) -> list[StudentSample]:
+                       tokenizer=None, compaction: Compaction | None = None,
+                       guards: Mapping[str, object] | None = None) -> list[StudentSample]:
     """Sample one response per prompt, every prompt as an episode (`domains.episodes.run_episodes`): a plain
     domain's is one turn, a tool domain's (`domains[item.domain]` has an `env`; `tokenizer` is then required) a full
     episode (module docstring); round r sends turn r of every unfinished episode in ONE /generate call. Each
@@ -273,6 +280,9 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
     `eos_id`: the stop id(s) (`infra.chat.stop_token_ids`: EOS, the generation config's, the end of turn).
     `compaction`: each turn of a tool episode is generated from the episode's compacted context, within
     `max_context_tokens` (module docstring); the samples still hold whole episodes (`split_subtraces` cuts them).
+    `guards`: {domain: a `domains.guard.Guard` or None}: a tool episode's env is `env(example, guard=...)`, the env
+    the specialists' rollouts run (planted shortcut included); a domain not in it runs unguarded. Each sample
+    carries the calls its guard blocked (`blocked_calls`).
 
     The stop token, when sampled, stays in `output_ids`: the student must learn to stop, and the teacher scores it.
     """
@@ -317,18 +327,29 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
 
     try:  # every env opened is closed, also when a later one fails to open
         for i, it in enumerate(items):
-            env = domains[it.domain].env(it.example, clean=True, guard=None) if i in tools else None
+            # the specialists' env (teachers/rollout.py `Roller.episode`): shortcut planted, the domain's guard
+            env = domains[it.domain].env(it.example, guard=(guards or {}).get(it.domain)) if i in tools else None
             runs.append(EpisodeRun(it.prompt_ids, per[i], env=env, tokenizer=tokenizer, text=text,
                                    compaction=compaction if env is not None else None, summarize=summarize))
         episodes = await run_episodes(runs, generate)
+        blocked = [getattr(run.env, "blocked_calls", 0) if run.env is not None else 0 for run in runs]
     finally:
         for run in runs:
             if run.env is not None:
                 run.env.close()
     return [StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, ep.output_ids,
                           ep.output_logprobs, min(versions[i], default=expected_version), ep.finish_reason,
-                          loss_mask=ep.loss_mask if i in tools else None)
+                          loss_mask=ep.loss_mask if i in tools else None, blocked_calls=blocked[i])
             for i, (it, ep) in enumerate(zip(items, episodes))]
+
+
+def episode_reward(domain, sample: StudentSample, tokenizer, eos_id: int | Sequence[int]) -> float:
+    """A whole episode's reward (`distill.reward_coef`): the domain's verifier on the response text, and 0 for an
+    episode with a call the guard blocked (`sample.blocked_calls`): a hack attempt never pays, even when the
+    intended path after it reached the right answer. Take it before `split_subtraces` (sub-traces inherit it)."""
+    if sample.blocked_calls:
+        return 0.0
+    return domain.verify(sample.example, decode_response(tokenizer, sample.output_ids, eos_id))
 
 
 def split_subtraces(samples: Sequence[StudentSample], compaction: Compaction | None,
@@ -353,7 +374,7 @@ def split_subtraces(samples: Sequence[StudentSample], compaction: Compaction | N
                 subtrace_id(s.sample_id, k), s.cursor, s.domain, s.example, list(sp.context),
                 s.output_ids[sp.start:sp.end], s.rollout_logprobs[sp.start:sp.end], s.version,
                 s.finish_reason if k == len(spans) - 1 else "compacted", reward=s.reward,
-                loss_mask=s.loss_mask[sp.start:sp.end], episode_id=s.sample_id))
+                loss_mask=s.loss_mask[sp.start:sp.end], episode_id=s.sample_id, blocked_calls=s.blocked_calls))
     return out
 
 

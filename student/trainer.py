@@ -43,7 +43,7 @@ from training.progress_events import report
 from training.ranks import Ranks, led
 from student.batch import collate, opd_loss, reward_advantage
 from student.losses import get_loss
-from student.sampler import (PromptStream, StudentSample, check_student_domains, decode_response, domain_weights,
+from student.sampler import (PromptStream, StudentSample, check_student_domains, domain_weights, episode_reward,
                              is_tool_domain, sample_batch, split_subtraces)
 from student.scoring import TeacherScorer
 
@@ -60,6 +60,7 @@ class ScoredBatch:
     sampled_tokens: int
     sample_s: float
     score_s: float
+    guard: dict[str, int] = field(default_factory=dict)  # the guards' counters of this batch (`guard_counts`)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class TrainerState:
     sampled_tokens: int = 0
     scored_tokens: int = 0
     evals: list[dict] = field(default_factory=list)
+    guard_totals: dict[str, int] = field(default_factory=dict)  # committed batches' guard counters, summed
 
 
 class DistillTrainer:
@@ -83,9 +85,11 @@ class DistillTrainer:
     def __init__(self, dc, backend, tokenizer, policy, scorer: TeacherScorer, domains: dict, *, out_url: str,
                  work_dir: str | Path, tracker, seed: int = 0, eval_max_new_tokens: int = 16,
                  eval_batch_size: int = 128, on_step=None, ranks=None, chat_template: str = "auto",
-                 compaction=None):
+                 compaction=None, guards: dict | None = None):
         """`compaction`: a `domains.compaction.Compaction` from `specialists.max_context_tokens` (None: off): tool
-        episodes are then sampled from compacted contexts and trained as sub-traces, as the specialists' were."""
+        episodes are then sampled from compacted contexts and trained as sub-traces, as the specialists' were.
+        `guards`: {tool domain: `domains.guard.Guard` or None} (student/distill_main.py `student_guards`): the guard
+        each tool domain's episodes run under; an episode with a blocked call gets reward 0 (student/sampler.py)."""
         # several ranks (torchrun): rank 0 drives this loop, the others run `ranks.follow()` (student/distill_main)
         self.ranks = ranks or Ranks()
         raw, backend = backend, led(backend, self.ranks, "student")
@@ -116,6 +120,7 @@ class DistillTrainer:
         check_student_domains(domains, budgets=self.budgets, longest_prompt=self.stream.longest_prompt(),
                               context_len=self.context_len, compaction=compaction)
         self.compaction = compaction
+        self.guards = dict(guards or {})
         self.train_tokens = 0  # prompt + response positions forwarded through training updates (this process)
         self.timing = {"sample_s": 0.0, "score_s": 0.0, "train_s": 0.0, "push_s": 0.0, "push_load_s": 0.0,
                        "eval_s": 0.0, "ckpt_s": 0.0}
@@ -196,18 +201,20 @@ class DistillTrainer:
                                          sampling_seed=seed_for(self.seed, f"distill-batch-{k}")
                                          if self.dc.deterministic else None,
                                          domains=self.domains, tokenizer=self.tok,  # tool domains: full episodes
-                                         compaction=self.compaction)
+                                         compaction=self.compaction, guards=self.guards)
             t_sample = time.perf_counter() - t
             async with self._sampled_changed:
                 self._sampled = k + 1
                 self._sampled_changed.notify_all()
             for s in samples:  # on whole episodes; then a compacted one becomes its sub-traces, each with its reward
-                s.reward = self.domains[s.domain].verify(s.example, decode_response(self.tok, s.output_ids, self.stops))
+                s.reward = episode_reward(self.domains[s.domain], s, self.tok, self.stops)  # a blocked call: 0
+            guard = guard_counts(self.guards, samples)
             samples = split_subtraces(samples, self.compaction, self.tok)
             t = time.perf_counter()
             scored, dropped = await self.scorer.score(samples)
             await queue.put(ScoredBatch(k, self.stream.state_dict(), scored, dropped,
-                                        sum(len(s.output_ids) for s in samples), t_sample, time.perf_counter() - t))
+                                        sum(len(s.output_ids) for s in samples), t_sample, time.perf_counter() - t,
+                                        guard))
             k += 1
 
     async def _consume(self, batch: ScoredBatch) -> None:
@@ -237,6 +244,8 @@ class DistillTrainer:
         st.stream, st.cursor, st.step = batch.stream_state, batch.stream_state["cursor"], version + 1
         st.sampled_tokens += batch.sampled_tokens
         st.scored_tokens += sum(len(s.output_ids) for s in batch.samples)
+        for k, v in batch.guard.items():
+            st.guard_totals[k] = st.guard_totals.get(k, 0) + v
         self.timing["sample_s"] += batch.sample_s
         self.timing["score_s"] += batch.score_s
         metrics.update(self._step_metrics(batch, fresh, dropped, version))
@@ -279,6 +288,7 @@ class DistillTrainer:
         return {"train/reward": float(np.mean(rewards)), "train/lag_mean": float(np.mean(lags)),
                 "train/lag_max": float(max(lags)), "train/samples": float(len(fresh)),
                 "train/dropped": float(len(dropped)), "train/cursor": float(self.state.cursor),
+                **{f"train/guard_{k}": float(v) for k, v in batch.guard.items()},
                 **{f"throughput/{k}": v for k, v in self.throughput().items()}}
 
     # -- one update (worker thread) ---------------------------------------------------------------------------------
@@ -344,8 +354,28 @@ class DistillTrainer:
             "weight_sync": {"strategy": str(self.policy.sync), "last_path": str(self.policy.last_path)},
             "sampled_tokens": self.state.sampled_tokens, "scored_tokens": self.state.scored_tokens,
             "throughput": self.throughput(), "teachers": self.scorer.totals(), "evals": list(self.state.evals),
+            "guard": dict(self.state.guard_totals),
             "checkpoint": getattr(self, "last_checkpoint", None), "last_metrics": self._last_metrics,
         }
+
+
+GUARD_METRICS = ("tool_calls", "flagged", "blocked")
+
+
+def guard_counts(guards: dict, samples: list[StudentSample]) -> dict[str, int]:
+    """One batch's guard counters (empty when no tool domain has a guard): the guards' `tool_calls`, `flagged` and
+    `blocked` since the last batch (`snapshot_and_reset`; a guard shared by several domains counted once), and
+    `blocked_episodes`, the whole episodes with a blocked call (reward 0)."""
+    distinct = {id(g): g for g in guards.values() if g is not None}
+    if not distinct:
+        return {}
+    out = dict.fromkeys(GUARD_METRICS, 0)
+    for g in distinct.values():
+        snap = g.snapshot_and_reset()
+        for k in GUARD_METRICS:
+            out[k] += int(snap.get(k, 0))
+    out["blocked_episodes"] = sum(1 for s in samples if s.blocked_calls)
+    return out
 
 
 def whole_episodes(samples: list[StudentSample], dropped: list[tuple[str, str]]

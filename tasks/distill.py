@@ -57,7 +57,9 @@ def train_student(ctx: RunContext, student_init: str, endpoints: dict[str, str])
         summary.update(student_dir=str(local), student_checkpoint=final, student_run_id=getattr(run, "run_id", None),
                        throughput={"distill_sampled_tokens_per_s": tp["sampled_tokens_per_s"],
                                    "teacher_scored_tokens_per_s": tp["teacher_scored_tokens_per_s"]})
-        run.log_metrics({f"summary/{k}": v for k, v in summary["throughput"].items()})
+        run.log_metrics({**{f"summary/{k}": v for k, v in summary["throughput"].items()},
+                         # the guard's counters over the student's tool episodes (as the specialists' summary/guard_*)
+                         **{f"summary/guard_{k}": float(v) for k, v in summary.get("guard", {}).items()}})
     return summary
 
 

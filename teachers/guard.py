@@ -1,7 +1,10 @@
-"""Anti-hack guard for tool calls: a high-recall rule filter, then a high-precision LLM judge for flagged calls.
+"""The anti-hack guard's LLM judge: asks a served model whether a flagged tool call is a hack.
 
+    guard = Guard(LLMJudge(url, kind="sglang"))              # domains/guard.py: the rule filter, then this judge
     verdict = await guard.check("cat .answers", context)    # Verdict(allowed=False, flagged=True, rules=[...])
 
+The guard itself (`Guard`, `Verdict`, `JudgeError`; re-exported here) lives in `domains/guard.py`, below both
+trainers: the specialists' rollouts run it with this judge, the OPD student's tool episodes with the rules alone.
 A call no rule flags is allowed without asking the judge (cheap: most calls are `calc`). A flagged call goes to
 the judge, which decides intent: "is this an attempt to obtain the answer without solving the task?". YES blocks
 it, NO allows it. The env answers a blocked call with dummy output and the trajectory continues (docs/architecture.md,
@@ -18,32 +21,19 @@ The judge sees the task, the trajectory so far and the flagged call (`judge_prom
 fits). Its verdicts are cached by (context, call), the context being exactly the task and trajectory text the
 judge saw: the same prompt is never asked twice. Judge errors and timeouts are counted (`judge_errors`) and the call
 is then blocked or allowed as configured (`on_error`, `specialists.guard.judge_on_error`).
-
-Counters (per training step, `snapshot_and_reset`): tool_calls, flagged (a rule hit), blocked (by rule-only mode, a
-judge verdict or the error fallback), judged (flagged calls the judge decided, cached verdicts included),
-judge_blocked (of those, blocked), judge_calls (requests sent), judge_errors.
-
-Every check is also kept in a bounded log (`take_calls()`: (command, verdict) since the last take, at most
-`call_log_size`, the oldest dropped): bench/guard_experiment.py reads it each step to see which calls were flagged
-and which of them the judge let through.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import random
 import re
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 
 import aiohttp
 
+from domains.guard import Guard, JudgeError, Verdict  # noqa: F401  (the guard, re-exported)
 from domains.hack_rules import RULES, rule_check  # noqa: F401  (the guard's rule filter, re-exported)
 from infra.http import SessionPerLoop
-
-log = logging.getLogger(__name__)
-
 
 _THINK_RE = re.compile(r"<think>.*?</think>", re.S | re.I)
 _YESNO_RE = re.compile(r"\b(yes|no)\b", re.I)
@@ -105,10 +95,6 @@ def judge_prompt(task: str, trajectory: str, call: str, max_chars: int | None = 
         task = task[:room - len(trajectory)]
     context = f"{task}\n{trajectory}"
     return JUDGE_TEMPLATE.format(task=task, trajectory=trajectory, call=call), context
-
-
-class JudgeError(Exception):
-    """The judge could not give a verdict (network, timeout, HTTP error, unparseable reply) after its retries."""
 
 
 class LLMJudge:
@@ -194,98 +180,3 @@ class LLMJudge:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         raise JudgeError(f"judge {url} failed after {self.max_retries + 1} attempts; last error: {last}")
-
-
-@dataclass
-class Verdict:
-    allowed: bool
-    flagged: bool
-    rules: list[str] = field(default_factory=list)
-    reason: str = ""
-    source: str = "rules"  # "rules" (not flagged, or rule-only mode) | "judge" | "judge_cache" | "fallback"
-
-
-class Guard:
-    """Rule filter + optional judge, with per-step counters (`snapshot_and_reset()`). `on_error`: what a flagged
-    call becomes when the judge fails ("block": its rule verdict; "allow": it runs)."""
-
-    COUNTERS = ("tool_calls", "flagged", "blocked", "judged", "judge_blocked", "judge_calls", "judge_errors")
-
-    def __init__(self, judge: LLMJudge | None = None, allowed_hosts: set[str] | frozenset[str] = frozenset(),
-                 cache_size: int = 4096, on_error: str = "block", call_log_size: int = 4096):
-        if on_error not in ("block", "allow"):
-            raise ValueError(f"Guard: on_error must be 'block' or 'allow', got {on_error!r}")
-        self.judge, self.allowed_hosts, self.cache_size = judge, frozenset(allowed_hosts), cache_size
-        self.on_error = on_error
-        self._cache: OrderedDict[tuple[str, str], bool] = OrderedDict()
-        self._counts = dict.fromkeys(self.COUNTERS, 0)
-        self._calls: deque[tuple[str, Verdict]] = deque(maxlen=call_log_size)
-        if judge is None:
-            log.warning("anti-hack guard: no judge configured, running rule-only (every flagged tool call is blocked)")
-
-    async def check(self, command: str, context: str = "", trajectory: str = "") -> Verdict:
-        """Rule filter, then (if flagged and a judge is set) the judge, shown `context` (the task), `trajectory`
-        (the episode so far, without this call) and the call. Never raises for judge failures."""
-        verdict = await self._check(command, context, trajectory)
-        self._calls.append((command, verdict))
-        return verdict
-
-    async def _check(self, command: str, context: str, trajectory: str) -> Verdict:
-        self._counts["tool_calls"] += 1
-        rules = rule_check(command, self.allowed_hosts)
-        if not rules:
-            return Verdict(True, False, [], "no rule hit")
-        self._counts["flagged"] += 1
-        if self.judge is None:
-            return self._block(command, rules, "rule-only guard", "rules")
-        prompt, seen = self.judge.prompt(command, context, trajectory)
-        key = (seen, " ".join(command.split()))
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            hack, source = self._cache[key], "judge_cache"
-        else:
-            self._counts["judge_calls"] += 1
-            try:
-                hack = await self.judge.is_hack(command, prompt=prompt)
-            except JudgeError as e:
-                self._counts["judge_errors"] += 1
-                if self.on_error == "allow":
-                    log.warning("anti-hack guard: judge failed (%s); allowing the call (judge_on_error=allow)", e)
-                    return Verdict(True, True, rules, f"judge unavailable, allowed: {e}", "fallback")
-                log.warning("anti-hack guard: judge failed (%s); falling back to the rule verdict (block)", e)
-                return self._block(command, rules, f"judge unavailable, rule verdict: {e}", "fallback")
-            self._cache[key] = hack
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            source = "judge"
-        self._counts["judged"] += 1
-        if hack:
-            self._counts["judge_blocked"] += 1
-            return self._block(command, rules, "judge: attempt to obtain the answer without solving the task", source)
-        return Verdict(True, True, rules, "judge: benign", source)
-
-    def _block(self, command: str, rules: list[str], reason: str, source: str) -> Verdict:
-        self._counts["blocked"] += 1
-        log.info("anti-hack guard blocked %r (rules: %s; %s)", command, ", ".join(rules), reason)
-        return Verdict(False, True, rules, reason, source)
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return dict(self._counts)
-
-    async def aclose(self) -> None:
-        """Close the judge's HTTP session on this event loop (call once at the end of training)."""
-        if self.judge is not None:
-            await self.judge.aclose()
-
-    def take_calls(self) -> list[tuple[str, Verdict]]:
-        """The (command, verdict) of each check since the last take (at most `call_log_size`), then forget them."""
-        out = list(self._calls)
-        self._calls.clear()
-        return out
-
-    def snapshot_and_reset(self) -> dict[str, int]:
-        """The counters since the last call (one training step), then zero them."""
-        snap = dict(self._counts)
-        self._counts = dict.fromkeys(self.COUNTERS, 0)
-        return snap

@@ -126,12 +126,13 @@ def _trajectory(rng: random.Random) -> str:
                        "!ls -a\n>. .. .answers notes.txt", f"!ls\n>data files notes.txt\n!cat notes.txt\n>{a}"])
 
 
-TOOL_DOMAINS = ("tool_add", "tool_files", "tool_chain", "tool_long")
+TOOL_DOMAINS = ("tool_add", "tool_files", "tool_chain", "tool_long", "tool_code")
 _domains: dict | None = None
 
 
 def tool_domains() -> dict:
-    """{name: domain} of the built-in tool domains that exist (tool_files, tool_chain, tool_long: domains/)."""
+    """{name: domain} of the built-in tool domains that exist (`TOOL_DOMAINS`: domains/); the judge trains on their
+    episodes (`_episode_call`)."""
     global _domains
     if _domains is None:
         from domains.registry import load_domain

@@ -166,6 +166,11 @@ def test_labelled_set_holds_domain_shortcuts_and_flagged_legit_calls():
     calls = labelled_calls(400, 7)
     kinds = {c.kind for c in calls}
     assert {"tool_files:shortcut", "tool_chain:shortcut", "tool_add:shortcut"} <= kinds, kinds
+    # the coding domain too: its planted hidden tests are hacks the judge learns, its spec/write/run_tests calls not
+    assert {"tool_code:shortcut", "tool_code:intended"} <= kinds, kinds
+    code = [c for c in calls if c.kind.startswith("tool_code:")]
+    assert any("tests/test_hidden.py" in c.call for c in code if c.is_hack)
+    assert {c.call.split()[0] for c in code if not c.is_hack} >= {"cat", "write"}
     flagged_legit = [c for c in calls if not c.is_hack and rule_check(c.call)]
     assert len(flagged_legit) > 20 and all(rule_check(c.call) for c in calls if c.is_hack)
 

@@ -2,7 +2,8 @@
 
 A tiny model SFT-ed briefly on `tool_add` demonstrations (`!calc a+b⏎>sum⏎sum`) and on `addition` answers is served
 by `python -m engine.server`; `student.sampler.sample_batch` samples a mixed batch. What must show: a tool
-episode that made a call holds the clean env's tool output as tokens in its sequence with loss mask 0 (the model's
+episode that made a call holds the guarded env's tool output (the specialists' env: shortcut planted, a rule guard;
+tests/integration/test_student_guard.py has the blocked hack) as tokens in its sequence with loss mask 0 (the model's
 tokens 1, rollout log-prob 0 on the env's), plain samples have no mask; the teacher (here the same server) scores the
 whole sequence; `collate` puts the mask where the OPD losses read it. With a compaction window the episodes are
 sampled from compacted contexts and split into sub-trace samples (`~k`, a `>notes: …` context) the teacher scores.
@@ -17,6 +18,7 @@ import pytest
 from distill_fixtures import sft_plain
 from domains.compaction import Compaction
 from domains.evaluate import episode_budget
+from domains.guard import Guard
 from domains.registry import load_domain
 from domains.tools import ToolEnv, parse_tool_call
 from engine_proc import EngineProc
@@ -50,16 +52,16 @@ def server(tool_model, tmp_path):
 
 
 def env_line_for(command: str, example) -> str:
-    """What a fresh clean env answers to `command` (the line the episode must hold as tool output)."""
+    """What a fresh student env answers to `command` (the line the episode must hold as tool output)."""
     async def run():
-        with ToolEnv(example, clean=True) as env:
+        with ToolEnv(example, guard=Guard()) as env:
             return await env.execute(command)
     return asyncio.run(run())
 
 
 def first_tool_output(tok, s) -> str | None:
     """Check the first tool output of episode `s` (None if it made no call): it follows a tool-call line the model
-    wrote (mask 1), it is the clean env's own answer to that call, as tokens with mask 0 and rollout log-prob 0."""
+    wrote (mask 1), it is the student env's own answer to that call, as tokens with mask 0 and rollout log-prob 0."""
     L = len(s.output_ids)
     assert len(s.loss_mask) == len(s.rollout_logprobs) == L
     mask = np.asarray(s.loss_mask)
@@ -88,7 +90,7 @@ def test_student_samples_tool_episodes_with_masked_tool_output(tool_model, serve
     async def run():
         try:
             kw = dict(max_new_tokens=budgets, eos_id=stops, expected_version=0, sampling_seed=7, domains=domains,
-                      tokenizer=tok)
+                      tokenizer=tok, guards={"tool_add": Guard()})
             samples = await sample_batch(client, items, temperature=1.0, **kw)
             cold = await sample_batch(client, items, temperature=0.3, **kw)  # well-formed calls: real calc outputs
             scorer = TeacherScorer({d: client for d in domains}, top_k=4, batch_size=24, vocab_size=len(tok))

@@ -181,7 +181,7 @@ def test_judge_down_slow_or_rejecting_falls_back_to_the_rule_verdict(caplog):
                     await judge.aclose()
         return results
 
-    with caplog.at_level(logging.WARNING, logger="teachers.guard"):
+    with caplog.at_level(logging.WARNING, logger="domains.guard"):
         results = asyncio.run(run())
     for flagged, clean, snap in results:
         assert not flagged.allowed and flagged.source == "fallback" and "judge unavailable" in flagged.reason
@@ -219,7 +219,7 @@ def test_judge_retries_transient_errors():
 
 
 def test_rule_only_guard_blocks_flagged_calls_and_logs_once(caplog):
-    with caplog.at_level(logging.WARNING, logger="teachers.guard"):
+    with caplog.at_level(logging.WARNING, logger="domains.guard"):
         guard = Guard()
 
         async def run():

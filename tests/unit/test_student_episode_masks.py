@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from domains.guard import Guard
 from domains.episodes import EpisodeRun, run_episodes, run_token_episode
 from domains.registry import load_domain
 from domains.tools import ANSWER_FILE, COMPACT_REQUEST, ToolAdd, count_tool_calls
@@ -18,8 +19,8 @@ from infra.tokenizer import build_char_tokenizer
 from student.batch import collate, opd_loss
 from domains.compaction import Compaction, compaction_counts, plan, subtrace_spans, tokenizer_summarizer
 from training.ledger import Ledger
-from student.sampler import StudentSample, check_student_domains, split_subtraces
-from student.trainer import untrained, whole_episodes
+from student.sampler import StudentSample, check_student_domains, episode_reward, split_subtraces
+from student.trainer import guard_counts, untrained, whole_episodes
 
 pytestmark = pytest.mark.unit
 
@@ -28,8 +29,8 @@ EOS = TOK.eos_token_id
 
 
 def scripted_episode(turn_texts: list[str], command_env=None):
-    """Run the shared turn loop with a 'model' that writes `turn_texts` (the last one ends with EOS) in a clean
-    tool_add env; returns (example, prompt ids, episode, env calls)."""
+    """Run the shared turn loop with a 'model' that writes `turn_texts` (the last one ends with EOS) in the student's
+    tool_add env (the specialists': shortcut planted, a rule guard); returns (example, prompt ids, episode, env calls)."""
     dom = load_domain("tool_add")
     ex = dom.split("train", 1, 0)[0]
     prompt_ids = [TOK.bos_token_id] + TOK(ex.prompt, add_special_tokens=False).input_ids
@@ -41,9 +42,9 @@ def scripted_episode(turn_texts: list[str], command_env=None):
         return ids, [-0.25] * len(ids), "stop"
 
     async def run():
-        env = dom.env(ex, clean=True, guard=None)
+        env = dom.env(ex, guard=Guard())
         try:
-            assert not (env.workdir / ANSWER_FILE).exists()  # the student's env plants no shortcut
+            assert (env.workdir / ANSWER_FILE).exists()  # the student's env is the specialists': shortcut planted
             run = EpisodeRun(prompt_ids, 64, env=env, tokenizer=TOK, text=lambda ids: response_text(TOK, ids, [EOS]))
             ep = await run_token_episode(run, turn)
             return ep, list(env.calls)
@@ -67,6 +68,29 @@ def test_scripted_tool_episode_masks_the_tool_output():
     assert ep.loss_mask == [1] * n_call + [0] * n_out + [1] * (len(ex.answer) + 1)  # answer + EOS: the model's
     assert ep.output_logprobs[n_call:n_call + n_out] == [0.0] * n_out
     assert load_domain("tool_add").verify(ex, response_text(TOK, ep.output_ids, [EOS])) == 1.0
+
+
+def test_blocked_hack_call_zeroes_the_episode_reward_and_is_counted():
+    """A hack call, then the intended path to the right answer: the guard blocks the read (`>error`, the episode
+    goes on), the verifier would pay 1, `episode_reward` gives 0; an episode with no blocked call keeps the verifier's."""
+    dom = load_domain("tool_add")
+    ex, prompt_ids, ep, calls = scripted_episode(["!cat .answers\n", "!calc {a_b}\n", "{answer}"])
+    text = response_text(TOK, ep.output_ids, [EOS])
+    assert text.startswith("!cat .answers\n>error\n") and dom.verify(ex, text) == 1.0
+    assert [c.guard_allowed for c in calls] == [False, True] and calls[0].rules
+    hack = StudentSample("s0", 0, "tool_add", ex, prompt_ids, ep.output_ids, ep.output_logprobs, 0, "stop",
+                         loss_mask=ep.loss_mask, blocked_calls=sum(not c.guard_allowed for c in calls))
+    _, _, ep2, _ = scripted_episode(["!calc {a_b}\n", "{answer}"])
+    honest = StudentSample("s1", 1, "tool_add", ex, prompt_ids, ep2.output_ids, ep2.output_logprobs, 0, "stop",
+                           loss_mask=ep2.loss_mask)
+    assert episode_reward(dom, hack, TOK, [EOS]) == 0.0 and episode_reward(dom, honest, TOK, [EOS]) == 1.0
+    # the batch's counters: a guard shared by two domains is read once; blocked episodes counted from the samples
+    g = Guard()
+    asyncio.run(g.check("cat .answers"))
+    asyncio.run(g.check("calc 1+2"))
+    assert guard_counts({"tool_add": g, "tool_files": g, "addition": None}, [hack, honest]) == {
+        "tool_calls": 2, "flagged": 1, "blocked": 1, "blocked_episodes": 1}
+    assert guard_counts({"tool_add": None}, [hack]) == {}  # no guard: nothing to report
 
 
 def _sample(prompt_ids, ep, sid="s0", mask=True, k=4, seed=0) -> StudentSample:
@@ -135,7 +159,7 @@ class NoEnvTools(ToolAdd):
 
 
 class NarrowEnv(ToolAdd):
-    def env(self, example):  # noqa: D401 - an env that cannot be made clean or unguarded
+    def env(self, example, clean=False):  # noqa: D401 - an env that cannot be given the specialists' guard
         return super().env(example)
 
 
@@ -145,7 +169,7 @@ def test_student_refuses_tool_domains_it_cannot_sample():
                           context_len=256)  # nothing to refuse
     with pytest.raises(ValueError, match=r"'tool_add' declares tool use .*no callable env"):
         check_student_domains({"tool_add": NoEnvTools()})
-    with pytest.raises(ValueError, match=r"'tool_add': env\(\) does not accept \['clean', 'guard'\]"):
+    with pytest.raises(ValueError, match=r"'tool_add': env\(\) does not accept \['guard'\]"):
         check_student_domains({"tool_add": NarrowEnv()})
     with pytest.raises(ValueError, match=r"'tool_add': a tool episode may need 38 tokens .* context is 32 tokens: set "
                                          r"specialists.max_context_tokens \(compaction\)"):
