@@ -43,7 +43,7 @@ OPD student (`student`) share it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from domains.tools import COMPACT_REQUEST, RESULT_PREFIX, SUMMARY_PREFIX, TURN_END, is_summary_line
 
@@ -92,6 +92,17 @@ def compactions_of(specialists, names: Iterable[str]) -> dict[str, Compaction | 
     (`for_domain`), so `per_domain: {tool_long: {max_context_tokens: 96}}` compacts tool_long's episodes only."""
     own = getattr(specialists, "for_domain", None)
     return {name: Compaction.of(own(name) if own is not None else specialists) for name in names}
+
+
+def compaction_for(compaction: Compaction | Mapping[str, Compaction | None] | None,
+                   domain: str) -> Compaction | None:
+    """`domain`'s compaction from one for every domain, a mapping domain → compaction (`compactions_of`), or None."""
+    return compaction.get(domain) if isinstance(compaction, Mapping) else compaction
+
+
+def any_compaction(compaction: Compaction | Mapping[str, Compaction | None] | None) -> bool:
+    """Whether any domain compacts under `compaction` (as `compaction_for` reads it)."""
+    return any(c is not None for c in compaction.values()) if isinstance(compaction, Mapping) else compaction is not None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import logging
 import sys
 from pathlib import Path
 
-from domains.compaction import Compaction
+from domains.compaction import compactions_of
 from domains.guard import Guard
 from domains.registry import load_domains
 from engine.client import EngineClient
@@ -80,9 +80,9 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     work.mkdir(parents=True, exist_ok=True)
     tok, backend = trainable(student_init, train_settings(dc.train, max(dc.steps, 1), cfg.run.seed))
     ranks = Ranks()
-    # the specialists' compaction of long tool episodes: the student's episodes follow it (sampled and trained as
-    # sub-traces on the contexts the teachers were trained on)
-    compaction = Compaction.of(cfg.specialists)
+    # the specialists' compaction of long tool episodes, per domain (`specialists.per_domain` merged in): the
+    # student's episodes follow it (sampled and trained as sub-traces on the contexts the teachers were trained on)
+    compaction = compactions_of(cfg.specialists, domains)
     if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
         return follow_rank_zero(ranks, lambda: DistillTrainer(
             dc, backend, tok, None, None, domains, out_url=out_url, work_dir=work, tracker=tracker, seed=cfg.run.seed,

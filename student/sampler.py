@@ -39,7 +39,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from domains.compaction import Compaction, subtrace_id, subtrace_spans, tokenizer_summarizer
+from domains.compaction import (Compaction, any_compaction, compaction_for, subtrace_id, subtrace_spans,
+                                tokenizer_summarizer)
 from domains.episodes import EpisodeRun, run_episodes
 from domains.tools import TURN_END
 from infra.chat import PromptRenderer, response_text
@@ -211,7 +212,7 @@ def _declares_tools(domain: object) -> str | None:
 
 def check_student_domains(domains: Mapping[str, object], *, budgets: Mapping[str, int] | None = None,
                           longest_prompt: Mapping[str, int] | None = None, context_len: int | None = None,
-                          compaction: Compaction | None = None) -> None:
+                          compaction: Compaction | Mapping[str, Compaction | None] | None = None) -> None:
     """Refuse, before any sampling, a domain the student cannot sample correctly (it would otherwise be distilled
     without its tool outputs, or fail mid-run), naming the domain and the reason:
 
@@ -220,8 +221,9 @@ def check_student_domains(domains: Mapping[str, object], *, budgets: Mapping[str
     - a tool domain whose `env` does not accept `guard` (the student's episodes run under the specialists' guard);
     - without `compaction`: a tool domain whose longest prompt + episode budget (`budgets`, tool output included)
       does not fit the student's context (`context_len`; the engine refuses such a request);
-    - with `compaction` (the specialists' `max_context_tokens`, which the student's episodes then follow too): a
-      tool domain when that window does not fit the student's context.
+    - with `compaction` (the specialists' `max_context_tokens`, which the student's episodes then follow too; one
+      for every domain or a mapping per domain, `domains.compaction.compaction_for`): a tool domain when its window
+      does not fit the student's context.
     """
     problems = []
     for name, dom in domains.items():
@@ -246,10 +248,11 @@ def check_student_domains(domains: Mapping[str, object], *, budgets: Mapping[str
         if budgets is None or longest_prompt is None or name not in budgets:
             continue
         need = int(longest_prompt.get(name, 0)) + int(budgets[name])
-        if compaction is not None and need > compaction.max_context_tokens:
-            if context_len and compaction.max_context_tokens >= context_len:
+        own = compaction_for(compaction, name)
+        if own is not None and need > own.max_context_tokens:
+            if context_len and own.max_context_tokens >= context_len:
                 problems.append(f"domain {name!r}: its episodes are compacted to specialists.max_context_tokens="
-                                f"{compaction.max_context_tokens}, which does not fit the student's context "
+                                f"{own.max_context_tokens}, which does not fit the student's context "
                                 f"({context_len} tokens)")
         elif context_len and need >= context_len:
             problems.append(f"domain {name!r}: a tool episode may need {need} tokens (longest prompt "
@@ -265,7 +268,7 @@ def check_student_domains(domains: Mapping[str, object], *, budgets: Mapping[str
 async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max_new_tokens: int | Mapping[str, int],
                        temperature: float, eos_id: int | Sequence[int], expected_version: int,
                        sampling_seed: int | None = None, domains: Mapping[str, object] | None = None,
-                       tokenizer=None, compaction: Compaction | None = None,
+                       tokenizer=None, compaction: Compaction | Mapping[str, Compaction | None] | None = None,
                        guards: Mapping[str, object] | None = None) -> list[StudentSample]:
     """Sample one response per prompt, every prompt as an episode (`domains.episodes.run_episodes`): a plain
     domain's is one turn, a tool domain's (`domains[item.domain]` has an `env`; `tokenizer` is then required) a full
@@ -299,7 +302,7 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
     def text(ids: Sequence[int]) -> str:
         return response_text(tokenizer, ids, stops)
 
-    summarize = tokenizer_summarizer(tokenizer) if compaction is not None and tools else None
+    summarize = tokenizer_summarizer(tokenizer) if any_compaction(compaction) and tools else None
     runs: list[EpisodeRun] = []
     versions: list[list[int]] = [[] for _ in items]
 
@@ -330,7 +333,8 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
             # the specialists' env (teachers/rollout.py `Roller.episode`): shortcut planted, the domain's guard
             env = domains[it.domain].env(it.example, guard=(guards or {}).get(it.domain)) if i in tools else None
             runs.append(EpisodeRun(it.prompt_ids, per[i], env=env, tokenizer=tokenizer, text=text,
-                                   compaction=compaction if env is not None else None, summarize=summarize))
+                                   compaction=compaction_for(compaction, it.domain) if env is not None else None,
+                                   summarize=summarize))
         episodes = await run_episodes(runs, generate)
         blocked = [getattr(run.env, "blocked_calls", 0) if run.env is not None else 0 for run in runs]
     finally:
@@ -352,20 +356,21 @@ def episode_reward(domain, sample: StudentSample, tokenizer, eos_id: int | Seque
     return domain.verify(sample.example, decode_response(tokenizer, sample.output_ids, eos_id))
 
 
-def split_subtraces(samples: Sequence[StudentSample], compaction: Compaction | None,
+def split_subtraces(samples: Sequence[StudentSample], compaction: Compaction | Mapping[str, Compaction | None] | None,
                     tokenizer) -> list[StudentSample]:
     """Each compacted tool episode → one sample per sub-trace (`domains.compaction.subtrace_spans`): prompt = the
     context the sub-trace was generated from, output = its tokens (with their loss mask and rollout log-probs), the
     episode's reward, version and cursor; sub-trace k > 0 is `<id>~k`, and every one has `episode_id` = the
     episode's id. Samples without compaction (plain, or a tool episode that never outgrew the window) are returned
     as they are. Call after the reward is taken on the whole episode."""
-    if compaction is None:
+    if not any_compaction(compaction):
         return list(samples)
     summarize = tokenizer_summarizer(tokenizer)
     out: list[StudentSample] = []
     for s in samples:
-        spans = [] if s.loss_mask is None else subtrace_spans(s.prompt_ids, s.output_ids, s.loss_mask, compaction,
-                                                               summarize)
+        own = compaction_for(compaction, s.domain)
+        spans = [] if s.loss_mask is None or own is None else subtrace_spans(s.prompt_ids, s.output_ids, s.loss_mask,
+                                                                              own, summarize)
         if len(spans) <= 1:
             out.append(s)
             continue

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from domains.compaction import episode_of, summary_allowance
+from domains.compaction import compaction_for, episode_of, summary_allowance
 from domains.evaluate import episode_budget, evaluate_model, tool_metrics
 from infra.chat import stop_token_ids, token_budget
 from training.batching import MAX_BUCKETS, length_buckets, length_sorted_split
@@ -86,8 +86,9 @@ class DistillTrainer:
                  work_dir: str | Path, tracker, seed: int = 0, eval_max_new_tokens: int = 16,
                  eval_batch_size: int = 128, on_step=None, ranks=None, chat_template: str = "auto",
                  compaction=None, guards: dict | None = None):
-        """`compaction`: a `domains.compaction.Compaction` from `specialists.max_context_tokens` (None: off): tool
-        episodes are then sampled from compacted contexts and trained as sub-traces, as the specialists' were.
+        """`compaction`: a `domains.compaction.Compaction` from `specialists.max_context_tokens`, or one per domain
+        (`compactions_of`: `specialists.per_domain` merged in; None: off): tool episodes are then sampled from
+        compacted contexts and trained as sub-traces, as the specialists' were.
         `guards`: {tool domain: `domains.guard.Guard` or None} (student/distill_main.py `student_guards`): the guard
         each tool domain's episodes run under; an episode with a blocked call gets reward 0 (student/sampler.py)."""
         # several ranks (torchrun): rank 0 drives this loop, the others run `ranks.follow()` (student/distill_main)
@@ -109,8 +110,8 @@ class DistillTrainer:
         # a tool domain's budget is a whole episode's, tool output included (as in evaluation: episode_budget)
         self.budgets.update({n: episode_budget(d, self.budgets[n]) for n, d in domains.items() if is_tool_domain(d)})
         # the policy's compaction requests and summaries count against it too (as the specialists' budget)
-        self.budgets.update({n: b + summary_allowance(b, compaction) for n, b in self.budgets.items()
-                             if is_tool_domain(domains[n])})
+        self.budgets.update({n: b + summary_allowance(b, compaction_for(compaction, n))
+                             for n, b in self.budgets.items() if is_tool_domain(domains[n])})
         config = getattr(getattr(backend, "module", None), "config", None)
         self.context_len = getattr(config, "max_position_embeddings", None)
         self.state = TrainerState()

@@ -181,6 +181,12 @@ def test_student_refuses_tool_domains_it_cannot_sample():
                                          r"=32, which does not fit the student's context \(32 tokens\)"):
         check_student_domains(ok, budgets={"tool_add": 25, "addition": 8}, longest_prompt={"tool_add": 13},
                               context_len=32, compaction=Compaction(32, 2))
+    # per domain (`compactions_of`: specialists.per_domain): tool_add's own window decides
+    check_student_domains(ok, budgets={"tool_add": 25, "addition": 8}, longest_prompt={"tool_add": 13},
+                          context_len=32, compaction={"tool_add": Compaction(30, 2), "addition": None})
+    with pytest.raises(ValueError, match=r"'tool_add': a tool episode may need 38 tokens"):
+        check_student_domains(ok, budgets={"tool_add": 25, "addition": 8}, longest_prompt={"tool_add": 13},
+                              context_len=32, compaction={"tool_long": Compaction(30, 2)})  # not tool_add's
 
 
 def long_episode() -> tuple[list[int], list[int], list[int], str]:
@@ -340,6 +346,8 @@ def test_policy_written_summaries_in_a_tool_long_episode_train_the_student():
     whole = StudentSample("s1-tool_long", 1, "tool_long", None, prompt_ids, ep.output_ids, ep.output_logprobs, 0,
                           "stop", reward=1.0, loss_mask=ep.loss_mask)
     parts = split_subtraces([whole], cfg, TOK)
+    assert split_subtraces([whole], {"tool_long": cfg, "tool_add": None}, TOK) == parts  # its domain's (per domain)
+    assert split_subtraces([whole], {"tool_add": cfg}, TOK) == [whole]  # another domain's window: not cut
     assert len(parts) == len(subs) and all(tuple(p.prompt_ids) == s.context for p, s in zip(parts[1:], subs[1:]))
     assert TOK.decode(parts[1].prompt_ids).endswith(COMPACT_REQUEST + line)  # the next context ends with it
     assert parts[0].output_ids[-len(line):] == ep.output_ids[summary[0]:summary[-1] + 1]  # trains at its end
