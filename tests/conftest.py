@@ -73,3 +73,17 @@ def reverse_base(tmp_path_factory):
     from distill_fixtures import build_base
 
     return build_base(tmp_path_factory.mktemp("reverse-base"), ["reverse"], steps=60)
+
+
+WEAK_OPD_DOMAINS = ["reverse", "sort_digits", "max_list"]
+
+
+@pytest.fixture(scope="session")
+def weak_opd_models(tmp_path_factory):
+    """(base, {domain: teacher}) for WEAK_OPD_DOMAINS, barely trained (20 + 20 plain-torch SFT steps,
+    distill_fixtures.build_base_and_teachers), built once per session for the tests whose teachers' quality does not
+    matter (test_teacher_kill, test_external_teachers). Read-only: a test that needs a changed checkpoint copies it."""
+    from distill_fixtures import build_base_and_teachers
+
+    return build_base_and_teachers(tmp_path_factory.mktemp("weak-opd-models"), WEAK_OPD_DOMAINS, base_steps=20,
+                                   teacher_steps=20)
