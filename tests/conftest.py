@@ -11,6 +11,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.pop("MLFLOW_TRACKING_URI", None)  # tests use their own SQLite stores
 
 import pytest
+import torch
+
+# One torch thread in the test process, as Alloy's own trainer and server processes run (distill.threads = 1, engine
+# threads = 1): the models trained in-process here (the session's judge, the fixtures' plain-torch SFT) are tiny,
+# and a second OpenMP thread on 2 shared cores mostly spin-waits. Until this, the first half of the session ran on
+# torch's default (one thread per core) and test_guard_experiment's set_num_threads(1) switched the rest to one.
+torch.set_num_threads(1)
 
 from s3_fixtures import moto_server, s3_bucket, s3_env  # noqa: F401,E402  (pytest fixtures)
 
@@ -73,3 +80,17 @@ def reverse_base(tmp_path_factory):
     from distill_fixtures import build_base
 
     return build_base(tmp_path_factory.mktemp("reverse-base"), ["reverse"], steps=60)
+
+
+WEAK_OPD_DOMAINS = ["reverse", "sort_digits", "max_list"]
+
+
+@pytest.fixture(scope="session")
+def weak_opd_models(tmp_path_factory):
+    """(base, {domain: teacher}) for WEAK_OPD_DOMAINS, barely trained (20 + 20 plain-torch SFT steps,
+    distill_fixtures.build_base_and_teachers), built once per session for the tests whose teachers' quality does not
+    matter (test_teacher_kill, test_external_teachers). Read-only: a test that needs a changed checkpoint copies it."""
+    from distill_fixtures import build_base_and_teachers
+
+    return build_base_and_teachers(tmp_path_factory.mktemp("weak-opd-models"), WEAK_OPD_DOMAINS, base_steps=20,
+                                   teacher_steps=20)

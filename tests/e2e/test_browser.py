@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver")
 TIMEOUT_S = 60
-QUICK_RUN_S = 480  # a run of the smoke run's fast settings: ~2 min on 2 loaded cores
+QUICK_RUN_S = 480  # a run of the smoke run's fast settings: ~2 min on 2 loaded cores when it trains
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
 
@@ -182,13 +182,17 @@ def test_prefect_ui_quick_run_of_the_smoke_deployment_completes(browser, stack, 
     """The smoke deployment's page → "Run" → "Quick run" (→ the dialog's "Run"): a flow run of the deployment's
     default parameters, which completes. For the test those defaults are the smoke run's fast settings on a runs
     root of its own under the stack's (set through the API, restored after): the smoke run's storage and report stay
-    as the deploy tests check them, and nothing is written in the tree. Its flow runs (the pipeline's and its
+    as the deploy tests check them, and nothing is written in the tree. That root starts with a copy of the smoke
+    run's storage, so the run reuses its committed base, specialists and student (`run.resume`; `run.root` moves no
+    checkpoint prefix) instead of training them again: what is checked here is the click path and a flow run that
+    completes with its report, not training (the smoke run did that). Its flow runs (the pipeline's and its
     sub-flows') are deleted after, so `alloy status`'s latest runs still show the smoke run."""
     api, ui = stack["urls"]["prefect_api"], stack["urls"]["prefect_ui"]
     dep_id = smoke_run["flow_run"]["deployment_id"]
     dep = api_get(f"{api}/deployments/{dep_id}")
     root = Path(stack["runs_root"]) / "quick-run"
     report = root / "report.json"
+    shutil.copytree(Path(stack["runs_root"]) / "smoke", root / "smoke")  # the smoke run's checkpoints: reused
     overrides = [o for o in smoke_run["params"]["overrides"] if not o.startswith("run.root=")] + [f"run.root={root}"]
     api_send(f"{api}/deployments/{dep_id}", {"parameters": {
         **dep["parameters"], "overrides": overrides, "report_path": str(report)}}, "PATCH")

@@ -9,7 +9,6 @@ import shutil
 import psutil
 import pytest
 
-from distill_fixtures import build_base_and_teachers
 from engine_proc import EngineProc
 from domains.registry import load_domains
 from infra.config import ConfigError, config_from_dict
@@ -22,8 +21,8 @@ DOMAINS = ["reverse", "sort_digits", "max_list"]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return build_base_and_teachers(tmp_path_factory.mktemp("ext"), DOMAINS, base_steps=20, teacher_steps=20)
+def models(weak_opd_models):
+    return weak_opd_models  # the session's weak base and teachers (tests/conftest.py); never written to
 
 
 @pytest.fixture(scope="module")

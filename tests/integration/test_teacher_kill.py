@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from distill_fixtures import build_base_and_teachers
 from domains.registry import load_domains
 from infra.config import config_from_dict
 from infra.storage import join, read_json
@@ -25,12 +24,13 @@ BATCH = 24
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """Weak teachers are enough here (quality does not matter): 3 launched under a Supervisor."""
+def setup(tmp_path_factory, weak_opd_models):
+    """Weak teachers are enough here (quality does not matter): the session's (tests/conftest.py), 3 launched under a
+    Supervisor."""
     from tasks.teachers import start_teachers
 
     root = tmp_path_factory.mktemp("kill")
-    base, teachers = build_base_and_teachers(root, DOMAINS, base_steps=20, teacher_steps=20)
+    base, teachers = weak_opd_models
     cfg = make_cfg(steps=1)
     fleet = start_teachers(DOMAINS, {d: str(p) for d, p in teachers.items()}, str(base), log_dir=root / "logs",
                            engine_cfg=cfg.engine, teachers_cfg=cfg.teachers)
