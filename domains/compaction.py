@@ -94,15 +94,20 @@ def compactions_of(specialists, names: Iterable[str]) -> dict[str, Compaction | 
     return {name: Compaction.of(own(name) if own is not None else specialists) for name in names}
 
 
-def compaction_for(compaction: Compaction | Mapping[str, Compaction | None] | None,
-                   domain: str) -> Compaction | None:
-    """`domain`'s compaction from one for every domain, a mapping domain → compaction (`compactions_of`), or None."""
+# what the trainers take: one compaction for every domain, one per domain (`compactions_of`), or None (off)
+Compactions = Compaction | Mapping[str, Compaction | None] | None
+
+
+def compaction_for(compaction: Compactions, domain: str) -> Compaction | None:
+    """`domain`'s compaction under `compaction` (`Compactions`)."""
     return compaction.get(domain) if isinstance(compaction, Mapping) else compaction
 
 
-def any_compaction(compaction: Compaction | Mapping[str, Compaction | None] | None) -> bool:
+def any_compaction(compaction: Compactions) -> bool:
     """Whether any domain compacts under `compaction` (as `compaction_for` reads it)."""
-    return any(c is not None for c in compaction.values()) if isinstance(compaction, Mapping) else compaction is not None
+    if isinstance(compaction, Mapping):
+        return any(c is not None for c in compaction.values())
+    return compaction is not None
 
 
 @dataclass(frozen=True)

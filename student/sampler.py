@@ -39,7 +39,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from domains.compaction import (Compaction, any_compaction, compaction_for, subtrace_id, subtrace_spans,
+from domains.compaction import (Compactions, any_compaction, compaction_for, subtrace_id, subtrace_spans,
                                 tokenizer_summarizer)
 from domains.episodes import EpisodeRun, run_episodes
 from domains.tools import TURN_END
@@ -212,7 +212,7 @@ def _declares_tools(domain: object) -> str | None:
 
 def check_student_domains(domains: Mapping[str, object], *, budgets: Mapping[str, int] | None = None,
                           longest_prompt: Mapping[str, int] | None = None, context_len: int | None = None,
-                          compaction: Compaction | Mapping[str, Compaction | None] | None = None) -> None:
+                          compaction: Compactions = None) -> None:
     """Refuse, before any sampling, a domain the student cannot sample correctly (it would otherwise be distilled
     without its tool outputs, or fail mid-run), naming the domain and the reason:
 
@@ -268,7 +268,7 @@ def check_student_domains(domains: Mapping[str, object], *, budgets: Mapping[str
 async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max_new_tokens: int | Mapping[str, int],
                        temperature: float, eos_id: int | Sequence[int], expected_version: int,
                        sampling_seed: int | None = None, domains: Mapping[str, object] | None = None,
-                       tokenizer=None, compaction: Compaction | Mapping[str, Compaction | None] | None = None,
+                       tokenizer=None, compaction: Compactions = None,
                        guards: Mapping[str, object] | None = None) -> list[StudentSample]:
     """Sample one response per prompt, every prompt as an episode (`domains.episodes.run_episodes`): a plain
     domain's is one turn, a tool domain's (`domains[item.domain]` has an `env`; `tokenizer` is then required) a full
@@ -356,8 +356,7 @@ def episode_reward(domain, sample: StudentSample, tokenizer, eos_id: int | Seque
     return domain.verify(sample.example, decode_response(tokenizer, sample.output_ids, eos_id))
 
 
-def split_subtraces(samples: Sequence[StudentSample], compaction: Compaction | Mapping[str, Compaction | None] | None,
-                    tokenizer) -> list[StudentSample]:
+def split_subtraces(samples: Sequence[StudentSample], compaction: Compactions, tokenizer) -> list[StudentSample]:
     """Each compacted tool episode → one sample per sub-trace (`domains.compaction.subtrace_spans`): prompt = the
     context the sub-trace was generated from, output = its tokens (with their loss mask and rollout log-probs), the
     episode's reward, version and cursor; sub-trace k > 0 is `<id>~k`, and every one has `episode_id` = the

@@ -12,9 +12,9 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Mapping
 
-from domains.compaction import Compaction, compacted_demonstration, compactions_of, tokenizer_summarizer
+from domains.compaction import (Compaction, Compactions, compacted_demonstration, compaction_for, compactions_of,
+                                tokenizer_summarizer)
 from domains.registry import load_domains
 from domains.tools import demonstration_segments
 from infra.chat import PromptRenderer, system_of
@@ -28,8 +28,7 @@ log = logging.getLogger("alloy")
 
 
 def demonstrations(domains: dict, n_per_domain: int, seed: int, tool_trajectories: bool = False,
-                   compaction: Compaction | Mapping[str, Compaction | None] | None = None, tokenizer=None,
-                   chat_template: str = "auto") -> list[tuple]:
+                   compaction: Compactions = None, tokenizer=None, chat_template: str = "auto") -> list[tuple]:
     """Mixed-domain (prompt, completion, system message) triples from each domain's train split, shuffled. The
     completion is the answer; with `tool_trajectories` (`base.tool_trajectories`), for a domain with a
     `tool_demonstration`, the intended trajectory as `(text, trained)` segments, tool output lines untrained
@@ -39,7 +38,7 @@ def demonstrations(domains: dict, n_per_domain: int, seed: int, tool_trajectorie
     is demonstrated compacted as its rollouts would be: the env's request untrained, the summary line trained
     (`domains.compaction.compacted_demonstration`), so the base knows how to write its summaries."""
     def policy_compaction(name: str) -> Compaction | None:
-        c = compaction.get(name) if isinstance(compaction, Mapping) else compaction
+        c = compaction_for(compaction, name)
         return c if c is not None and c.summary == "policy" and tokenizer is not None else None
 
     policy = any(policy_compaction(name) for name in domains)
