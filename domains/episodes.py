@@ -52,6 +52,14 @@ class Episode:
     output_logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str = "abort"
+    # one entry per tool call of this episode, in order: whether the guard blocked it (filled by the caller that
+    # owns the env, e.g. `teachers.rollout.Roller`; empty for a plain domain). Call k's output is the k-th env run.
+    call_blocked: list[bool] = field(default_factory=list)
+
+    @property
+    def blocked_calls(self) -> int:
+        """Calls of this episode the guard blocked (a hack attempt: the episode's reward is 0, `domains.guard`)."""
+        return sum(self.call_blocked)
 
     @property
     def tool_calls(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from domains.hack_rules import rule_check
 
@@ -132,3 +133,11 @@ class Guard:
         snap = dict(self._counts)
         self._counts = dict.fromkeys(self.COUNTERS, 0)
         return snap
+
+
+def guarded_reward(blocked_calls: int, verify: Callable[[], float]) -> float:
+    """An episode's reward under the guard: 0 when the guard blocked any of its calls (a hack attempt never pays,
+    even when the intended path after it reached the right answer; eval counts that episode as a hack attempt
+    too), else `verify()`. The one rule of both trainers (the specialists' PPO reward, the OPD student's
+    `distill.reward_coef`)."""
+    return 0.0 if blocked_calls else float(verify())

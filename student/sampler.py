@@ -42,6 +42,7 @@ import numpy as np
 from domains.compaction import (Compactions, any_compaction, compaction_for, subtrace_id, subtrace_spans,
                                 tokenizer_summarizer)
 from domains.episodes import EpisodeRun, run_episodes
+from domains.guard import guarded_reward
 from domains.tools import TURN_END
 from infra.chat import PromptRenderer, response_text
 from engine.client import EngineClient, seed_for
@@ -351,9 +352,8 @@ def episode_reward(domain, sample: StudentSample, tokenizer, eos_id: int | Seque
     """A whole episode's reward (`distill.reward_coef`): the domain's verifier on the response text, and 0 for an
     episode with a call the guard blocked (`sample.blocked_calls`): a hack attempt never pays, even when the
     intended path after it reached the right answer. Take it before `split_subtraces` (sub-traces inherit it)."""
-    if sample.blocked_calls:
-        return 0.0
-    return domain.verify(sample.example, decode_response(tokenizer, sample.output_ids, eos_id))
+    return guarded_reward(sample.blocked_calls,
+                          lambda: domain.verify(sample.example, decode_response(tokenizer, sample.output_ids, eos_id)))
 
 
 def split_subtraces(samples: Sequence[StudentSample], compaction: Compactions, tokenizer) -> list[StudentSample]:

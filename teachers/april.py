@@ -67,6 +67,9 @@ class Partial:
     remaining_budget: int  # max new tokens left (model and environment tokens both count: it bounds length)
     created_version: int
     loss_mask: list[int] = field(default_factory=list)  # empty → all ones (filled in __post_init__)
+    # tool calls in `output_ids` the guard blocked: the finished trajectory's reward is 0 (domains.guard.guarded_reward);
+    # it travels with the partial through resumes and checkpoints (a state saved before this field loads as 0)
+    blocked_calls: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -78,6 +81,8 @@ class Partial:
                 raise ValueError(f"{where}: {name} has {len(getattr(self, name))} entries for {n} output_ids")
         if not isinstance(self.remaining_budget, int) or self.remaining_budget < 0:
             raise ValueError(f"{where}: remaining_budget must be an int >= 0, got {self.remaining_budget!r}")
+        if isinstance(self.blocked_calls, bool) or not isinstance(self.blocked_calls, int) or self.blocked_calls < 0:
+            raise ValueError(f"{where}: blocked_calls must be an int >= 0, got {self.blocked_calls!r}")
         if not all(math.isfinite(x) for x in self.output_logprobs):
             raise ValueError(f"{where}: output_logprobs must be finite")
 
@@ -113,6 +118,7 @@ class Sample:
     finish_reason: str  # "stop" | "length"
     loss_mask: list[int] = field(default_factory=list)
     created_version: int = 0
+    blocked_calls: int = 0  # tool calls the guard blocked, over every resume: reward 0 (domains.guard.guarded_reward)
 
 
 @dataclass
@@ -151,8 +157,9 @@ def plan_requests(batch_target: int, over_sampling: float, n_resumable: int,
 
 def merge_continuation(partial: Partial, new_ids: list[int], new_logprobs: list[float], version: int,
                        finished: bool, finish_reason: str | None = None,
-                       loss_mask: list[int] | None = None) -> Partial | Sample:
+                       loss_mask: list[int] | None = None, blocked_calls: int = 0) -> Partial | Sample:
     """Append one continuation (new tokens, their rollout log-probs, `version` for each) and spend the budget.
+    `blocked_calls`: the continuation's tool calls the guard blocked (added to the partial's).
 
     Returns a `Sample` when `finished` or when the budget reaches 0 (then finish_reason "length"), else a `Partial`
     (e.g. aborted mid-way, or stopped at a tool call: append the tool output with `loss_mask=[0]*n` next).
@@ -176,13 +183,14 @@ def merge_continuation(partial: Partial, new_ids: list[int], new_logprobs: list[
     merged = replace(partial, output_ids=partial.output_ids + list(new_ids),
                      output_logprobs=partial.output_logprobs + [float(x) for x in new_logprobs],
                      token_versions=partial.token_versions + [version] * len(new_ids),
-                     loss_mask=partial.loss_mask + mask, remaining_budget=partial.remaining_budget - len(new_ids))
+                     loss_mask=partial.loss_mask + mask, remaining_budget=partial.remaining_budget - len(new_ids),
+                     blocked_calls=partial.blocked_calls + blocked_calls)
     if not finished and merged.remaining_budget > 0:
         return merged
     reason = finish_reason if finished and finish_reason else ("length" if merged.remaining_budget == 0 else "stop")
     return Sample(merged.sample_id, merged.rollout_id, merged.prompt_ids, merged.output_ids, merged.output_logprobs,
                   merged.token_versions, merged.domain, merged.example, reason, merged.loss_mask,
-                  merged.created_version)
+                  merged.created_version, merged.blocked_calls)
 
 
 class AprilBuffer(Ledger):

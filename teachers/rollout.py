@@ -112,7 +112,10 @@ class Roller:
             return g.output_ids, g.output_logprobs, g.finish_reason
 
         try:
-            return await run_token_episode(run, generate, stopped=lambda: self._aborting)
+            ep = await run_token_episode(run, generate, stopped=lambda: self._aborting)
+            if env is not None:  # the guard's verdict on each call of this segment (an aborted one ran its call)
+                ep.call_blocked = [not c.guard_allowed for c in env.calls]
+            return ep
         finally:
             if env is not None:
                 env.close()
@@ -125,8 +128,9 @@ def cut_by_tokens(episodes: list[Episode], batch_target: int) -> tuple[list[tupl
     tokens); every longer one is cut to its first T tokens and returned as a partial (finish_reason "abort"), as a
     lockstep engine that aborts when `batch_target` requests have finished would return it. A cut never ends
     inside or right before environment tokens (loss mask 0): it moves back to the model token before the tool call's
-    closing newline, so the resumed episode writes that call again and the tool runs then. Both lists are in
-    index order. Returns `(finished, partials)` like `collect_batch`."""
+    closing newline, so the resumed episode writes that call again and the tool runs then; the partial keeps the
+    guard's verdicts (`call_blocked`) of the calls whose output it keeps only. Both lists are in index order.
+    Returns `(finished, partials)` like `collect_batch`."""
     if batch_target < 1:
         raise ValueError(f"cut_by_tokens: batch_target must be >= 1, got {batch_target}")
     bad = [i for i, ep in enumerate(episodes) if ep.finish_reason not in ("stop", "length")]
@@ -145,7 +149,9 @@ def cut_by_tokens(episodes: list[Episode], batch_target: int) -> tuple[list[tupl
         n, mask = cut, ep.loss_mask
         while n > 0 and (mask[n - 1] == 0 or mask[n] == 0):  # mask[n] exists: n ≤ cut < len(ep.output_ids)
             n -= 1
-        partials.append((i, Episode(ep.output_ids[:n], ep.output_logprobs[:n], mask[:n], "abort")))
+        kept = Episode(ep.output_ids[:n], ep.output_logprobs[:n], mask[:n], "abort")
+        kept.call_blocked = ep.call_blocked[:kept.tool_calls]  # call k's output is the k-th env run
+        partials.append((i, kept))
     return finished, partials
 
 
@@ -182,7 +188,7 @@ async def rollout_step(roller: Roller, buffer: AprilBuffer, cursor: PromptCursor
         out = merge_continuation(requests[i], ep.output_ids, ep.output_logprobs, version,
                                  finished=ep.finish_reason != "abort",
                                  finish_reason=ep.finish_reason if ep.finish_reason != "abort" else None,
-                                 loss_mask=ep.loss_mask)
+                                 loss_mask=ep.loss_mask, blocked_calls=ep.blocked_calls)
         if isinstance(out, Sample):
             samples.append(out)
         else:

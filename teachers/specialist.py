@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from domains.guard import guarded_reward
 from domains.verifiers import verifier_outcomes
 from training.checkpoints import commit_checkpoint, restore_latest
 from training.progress_events import report
@@ -227,7 +228,7 @@ class SpecialistTrainer:
         rollout_s = time.perf_counter() - t0
         samples = self.buffer.filter_untrained(samples)
         errors0, outcomes0 = self.domain.verifier_errors, verifier_outcomes(self.domain)
-        rewards = [self.domain.verify(_example(s), roller.text(s.output_ids)) for s in samples]
+        rewards = sample_rewards(self.domain, samples, roller.text)  # a blocked call: 0
         self.state.verifier_errors += self.domain.verifier_errors - errors0
         reward_counts = reward_outcome_counts(outcomes0, verifier_outcomes(self.domain))
         # compaction: each episode's sub-traces are its rows, each with the episode's reward (teachers/compaction.py)
@@ -235,6 +236,8 @@ class SpecialistTrainer:
         compacted = counts(samples, roller.compaction, roller.summarize)
         guard = self.guard.snapshot_and_reset() if self.guard is not None else {}
         guard = {**guard, **reward_counts}  # the code verifier's zeros by reason count beside the guard's counters
+        if self.guard is not None:
+            guard["blocked_episodes"] = sum(1 for s in samples if s.blocked_calls)  # trained with reward 0
         return RolloutBatch(samples, rewards, rows, row_rewards, april, guard, reward_counts, rollout_s, compacted)
 
     async def train_step(self, ahead: asyncio.Future | None = None) -> tuple[dict, asyncio.Future | None]:
@@ -285,7 +288,8 @@ class SpecialistTrainer:
                "subtraces": float(len(rows)),
                **{f"compaction_{k}": float(v) for k, v in b.compaction.items()},
                **{f"april_{k}": float(v) for k, v in april.items()},
-               **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked")},
+               **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked",
+                                                                   "blocked_episodes")},
                **{f"guard_{k}": float(v) for k, v in b.reward_counts.items()}}
         out = {k: float(v) for k, v in out.items() if v is not None}
         self.state.history.append({"step": self.state.step, **out})
@@ -362,7 +366,11 @@ def ppo_shard(sc, pad_id: int, policy, critic, ref_model, samples: list[Sample],
     return reduce_metrics(m, policy, len(rows))
 
 
-def _example(s: Sample):
+def sample_rewards(domain, samples: list[Sample], text) -> list[float]:
+    """Each finished trajectory's PPO reward: the domain's verifier on its response text (`text(output_ids)`), and 0
+    for a trajectory with a call the guard blocked in any of its segments (`Sample.blocked_calls`): a hack attempt
+    never pays, even when the intended path after it reached the right answer (`domains.guard.guarded_reward`)."""
     from domains.base import Example
 
-    return Example(**s.example)
+    return [guarded_reward(s.blocked_calls, partial(domain.verify, Example(**s.example), text(s.output_ids)))
+            for s in samples]

@@ -17,6 +17,7 @@ import asyncio
 import pytest
 
 from distill_fixtures import sft_plain
+from domains.base import Example
 from domains.guard import Guard
 from domains.registry import load_domain, load_domains
 from domains.tools import run_episode
@@ -28,6 +29,9 @@ from infra.models import init_model_dir, load_tokenizer
 from student.distill_main import student_guards
 from student.sampler import PromptItem, episode_reward, sample_batch
 from student.trainer import guard_counts
+from teachers.april import AprilBuffer
+from teachers.rollout import PromptCursor, Roller, rollout_step
+from teachers.specialist import sample_rewards
 from tool_scripts import replay
 
 pytestmark = pytest.mark.integration
@@ -109,6 +113,55 @@ def test_student_episode_with_a_blocked_hack_earns_zero_and_is_counted(script_mo
     # the batch's counters, as the trainer logs them (train/guard_*) and sums them into its summary's `guard`
     assert counts == {"tool_calls": 6, "flagged": 2, "blocked": 2, "blocked_episodes": 2}
     assert guards["tool_add"].snapshot_and_reset()["tool_calls"] == 0  # taken once per batch
+
+
+def test_specialist_trajectory_with_a_blocked_hack_earns_zero_across_an_april_resume(script_model, tmp_path):
+    """The same scripts through a specialist's rollout (`teachers.rollout`, deterministic APRIL, batch target 2 of
+    4): the two intended episodes are the shortest and finish in step 0; the two hack episodes are cut after the
+    guard's `>error` line (the partial carries the blocked call), go back into the buffer, and finish in step 1 by
+    the intended path, with no blocked call in that segment. Each hack trajectory still carries its blocked call
+    and its PPO reward is 0, though the verifier gives its text 1 (before: the count lived in the env of one
+    segment, and the trajectory was paid 1). A cut inside the `>error` line (the call rewritten and judged again
+    on resume) is `test_deterministic_cut_rule.py`'s case."""
+    tok = load_tokenizer(script_model)
+    dom = load_domain("tool_add")
+    cases = {ex.prompt: (script, hack) for ex, script, hack in scripts()}
+    guard = Guard()  # rules only
+    server = EngineProc(script_model, tmp_path / "engine.log").start().wait_healthy()
+    client = EngineClient(server.url)
+
+    async def run():
+        try:
+            roller = Roller(client, dom, tok, temperature=0.0, guard=guard, seed=0)
+            buffer, cursor = AprilBuffer(max_staleness=2), PromptCursor(dom, tok, 4, 0)
+            steps = []
+            for version, over in ((0, 2.0), (1, 1.0)):  # step 1: the two partials only, no fresh prompt
+                samples, april = await rollout_step(roller, buffer, cursor, batch_size=2, over_sampling=over,
+                                                    max_new_tokens=BUDGET, version=version, deterministic=True)
+                steps.append((samples, april, [p["blocked_calls"] for p in buffer.state_dict()["partials"]],
+                              guard.snapshot_and_reset()["blocked"]))
+                buffer.mark_trained(s.sample_id for s in samples)
+            return steps, roller
+        finally:
+            await client.aclose()
+
+    try:
+        (first, second), roller = asyncio.run(run())
+    finally:
+        server.kill()
+    samples0, april0, left0, blocked0 = first
+    assert april0["finished"] == 2 and april0["partials"] == 2
+    assert all(not cases[s.example["prompt"]][1] and s.blocked_calls == 0 for s in samples0)
+    assert sample_rewards(dom, samples0, roller.text) == [1.0, 1.0]
+    samples1, april1, left, blocked1 = second
+    assert april1["resumed"] == 2 and len(samples1) == 2 and left == []
+    for s in samples1:
+        script, hack = cases[s.example["prompt"]]
+        assert hack and roller.text(s.output_ids) == script  # the whole hack-then-intended script, over 2 segments
+        assert s.blocked_calls == 1 and set(s.token_versions) == {0, 1}
+        assert dom.verify(Example(**s.example), roller.text(s.output_ids)) == 1.0
+    assert sample_rewards(dom, samples1, roller.text) == [0.0, 0.0]
+    assert (left0, blocked0, blocked1) == ([1, 1], 2, 0)  # blocked in segment 1; segment 2 took the intended path
 
 
 def test_student_guards_follow_the_specialists_guard_config(tmp_path):

@@ -69,6 +69,37 @@ def test_merge_continuation_rejects_bookkeeping_bugs():
         Partial("x", "x", [1], [5, 6], [-1.0], [0, 0], "d", {}, 3, 0)
 
 
+def test_blocked_calls_travel_through_resumes_checkpoints_and_into_the_sample(tmp_path):
+    """A trajectory whose first segment had a call the guard blocked stays a blocked trajectory after it resumes
+    (APRIL), after a checkpoint round trip, and in the finished Sample: its reward is then 0
+    (`domains.guard.guarded_reward`), whatever the later segments do."""
+    p = Partial.fresh("t1", [1, 2], "tool_add", {"answer": "5"}, max_new_tokens=12, version=0)
+    seg1 = merge_continuation(p, [30, 31, 40], [-0.5, -0.5, 0.0], version=0, finished=False,
+                              loss_mask=[1, 1, 0], blocked_calls=1)
+    assert isinstance(seg1, Partial) and seg1.blocked_calls == 1 and p.blocked_calls == 0
+    buf = AprilBuffer(max_staleness=3)
+    buf.add_partial(seg1)
+    buf.save(tmp_path / "april.json")
+    restored = AprilBuffer(max_staleness=3)
+    restored.load(tmp_path / "april.json")
+    (back,) = restored.take_resumable(1, 1)
+    assert back.blocked_calls == 1
+    seg2 = merge_continuation(back, [32, 41, 33], [-0.25, 0.0, -0.25], version=1, finished=False,
+                              loss_mask=[1, 0, 1], blocked_calls=0)  # an allowed call after the blocked one
+    done = merge_continuation(seg2, [2], [-0.125], version=1, finished=True, finish_reason="stop")
+    assert isinstance(done, Sample) and done.blocked_calls == 1
+    twice = merge_continuation(back, [34, 42], [-0.25, 0.0], version=1, finished=True, finish_reason="stop",
+                               loss_mask=[1, 0], blocked_calls=1)  # blocked again after the resume
+    assert twice.blocked_calls == 2
+    # a state written before the field existed loads as "nothing blocked"; a bad count is refused by name
+    state = restored.state_dict() | {"partials": [{k: v for k, v in vars(seg1).items() if k != "blocked_calls"}]}
+    old = AprilBuffer(max_staleness=3)
+    old.load_state_dict(json.loads(json.dumps(state)))
+    assert old.take_resumable(1, 1)[0].blocked_calls == 0
+    with pytest.raises(ValueError, match="blocked_calls must be an int >= 0, got -1"):
+        Partial("x", "x", [1], [], [], [], "d", {}, 3, 0, blocked_calls=-1)
+
+
 # -- buffer ----------------------------------------------------------------------------------------------------------
 
 def test_take_resumable_oldest_first_and_drops_stale():

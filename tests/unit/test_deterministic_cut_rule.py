@@ -46,6 +46,23 @@ def test_a_cut_never_ends_at_or_inside_environment_tokens():
             assert p.loss_mask == mask[:want]
 
 
+def test_a_cut_partial_keeps_the_guard_verdicts_of_the_calls_it_keeps_only():
+    # call 1 "!a⏎" → env run (blocked), call 2 "!b⏎" → env run (allowed), answer: 3+2+3+2+3 = 13 tokens
+    mask = [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1]
+    long = ep(13, mask)
+    long.call_blocked = [True, False]
+    assert long.blocked_calls == 1
+    for target_len, want_len, want_verdicts in ((2, 2, []), (5, 2, []), (6, 6, [True]), (9, 7, [True]),
+                                                (11, 11, [True, False])):
+        _, partials = cut_by_tokens([ep(target_len), long], 1)
+        (_, p), = partials
+        # T = 9: inside call 2's output: back to before its newline, so call 2 reruns (and is judged again) on resume
+        assert (len(p.output_ids), p.call_blocked) == (want_len, want_verdicts), target_len
+        assert p.blocked_calls == sum(want_verdicts)
+    finished, _ = cut_by_tokens([long], 1)
+    assert finished[0][1].call_blocked == [True, False]  # a finished episode keeps every verdict
+
+
 def test_unfinished_episodes_are_refused_by_name():
     with pytest.raises(ValueError, match=r"episodes \[1\] did not finish .*'abort'"):
         cut_by_tokens([ep(2), ep(3, reason="abort")], 1)

@@ -291,3 +291,17 @@ def test_verdict_cache_is_keyed_by_context_and_call_and_errors_follow_on_error()
                           "judge_calls": 1, "judge_errors": 1}
     with pytest.raises(ValueError, match="on_error"):
         Guard(on_error="maybe")
+
+
+def test_guarded_reward_pays_nothing_for_a_blocked_call_and_does_not_ask_the_verifier():
+    from domains.guard import guarded_reward
+
+    asked = []
+
+    def verify():
+        asked.append(1)
+        return 1.0
+
+    assert guarded_reward(0, verify) == 1.0 and asked == [1]
+    assert guarded_reward(1, verify) == 0.0 and guarded_reward(3, verify) == 0.0
+    assert asked == [1]  # a blocked episode is not verified: nothing it printed can earn anything
