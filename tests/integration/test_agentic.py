@@ -1,4 +1,4 @@
-"""`configs/agentic.yaml` end to end, shrunk: three tool domains through base SFT on tool trajectories → specialists
+"""`configs/agentic.yaml` end to end, shrunk: its four tool domains (tool_long at 4 files) through base SFT on tool trajectories → specialists
 with the guard and the served judge (the session's trained judge model on a real engine server) → OPD over full
 tool episodes → evaluation (the planted env, every call read by the guard's rules: clean / raw scores and hack
 attempts) → report. The base is warmed on shortcut trajectories for every
@@ -16,7 +16,8 @@ FAST = ["base.steps=40", "base.n_train_per_domain=300", "eval.n_eval=8", "specia
         "specialists.batch_size=8", "specialists.checkpoint_every=2", "specialists.critic_warmup_steps=1",
         "specialists.val_n=4", "specialists.eval_n=8", "specialists.n_prompts=100", "distill.steps=2",
         "distill.batch_size=9", "distill.n_prompts_per_domain=100", "distill.checkpoint_every=2",
-        "tracking.enabled=false", "domains.1.params.shortcut_demos=1.0"]
+        "tracking.enabled=false", "domains.1.params.shortcut_demos=1.0", "domains.3.params.files=4",
+        "specialists.per_domain.tool_long.steps=2"]
 
 
 def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harness, judge_dir):
@@ -26,7 +27,7 @@ def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harne
     pipeline(config=AGENTIC, report_path=str(out), overrides=FAST + [
         f"run.root={tmp_path}/runs", f"specialists.guard.judge_path={judge_dir}"])
     report = json.loads(out.read_text())
-    assert set(report["domains"]) == {"tool_add", "tool_files", "tool_chain"}
+    assert set(report["domains"]) == {"tool_add", "tool_files", "tool_code", "tool_long"}
     for dom, row in report["domains"].items():
         assert row["n_eval"] == 8 and 0.0 <= row["student"] <= 1.0, dom
         # eval read every call with the guard's rules: clean <= raw, hack attempts per 100 for every stage

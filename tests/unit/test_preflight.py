@@ -110,7 +110,8 @@ def test_judge_checkpoint_checks(tmp_path, monkeypatch):
                  ["specialists.enabled=false"]):
         off = load_config(AGENTIC, ["specialists.guard.judge_path=/no/such/judge", *sets])
         assert check_judge(off, domains) == []
-    plain = load_config(AGENTIC, ["specialists.guard.judge_path=/no/such/judge", "domains=[{name: reverse}]"])
+    plain = load_config(AGENTIC, ["specialists.guard.judge_path=/no/such/judge", "domains=[{name: reverse}]",
+                                  "specialists.per_domain={}"])  # its per-domain settings name the tool domains
     assert check_judge(plain, load_domains(plain)) == []
 
 
