@@ -52,8 +52,8 @@ class Episode:
     output_logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str = "abort"
-    # one entry per tool call of this episode, in order: whether the guard blocked it (filled by the caller that
-    # owns the env, e.g. `teachers.rollout.Roller`; empty for a plain domain). Call k's output is the k-th env run.
+    # one entry per tool call of this episode, in order: whether the guard blocked it (`EpisodeRun.apply` reads the
+    # env's call record; empty for a plain domain). Call k's output is the k-th env run.
     call_blocked: list[bool] = field(default_factory=list)
 
     @property
@@ -141,6 +141,9 @@ class EpisodeRun:
         if line is None:  # a newline-terminated final answer
             self._end("stop")
             return
+        calls = getattr(self.env, "calls", None)  # domains.tools.ToolEnv: one CallRecord per call, with the verdict
+        if calls:
+            ep.call_blocked.append(not calls[-1].guard_allowed)
         env_ids = env_token_ids(self.tok, line, self.budget)
         ep.output_ids += env_ids
         ep.output_logprobs += [0.0] * len(env_ids)

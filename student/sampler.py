@@ -337,14 +337,13 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
                                    compaction=compaction_for(compaction, it.domain) if env is not None else None,
                                    summarize=summarize))
         episodes = await run_episodes(runs, generate)
-        blocked = [getattr(run.env, "blocked_calls", 0) if run.env is not None else 0 for run in runs]
     finally:
         for run in runs:
             if run.env is not None:
                 run.env.close()
     return [StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, ep.output_ids,
                           ep.output_logprobs, min(versions[i], default=expected_version), ep.finish_reason,
-                          loss_mask=ep.loss_mask if i in tools else None, blocked_calls=blocked[i])
+                          loss_mask=ep.loss_mask if i in tools else None, blocked_calls=ep.blocked_calls)
             for i, (it, ep) in enumerate(zip(items, episodes))]
 
 

@@ -112,10 +112,7 @@ class Roller:
             return g.output_ids, g.output_logprobs, g.finish_reason
 
         try:
-            ep = await run_token_episode(run, generate, stopped=lambda: self._aborting)
-            if env is not None:  # the guard's verdict on each call of this segment (an aborted one ran its call)
-                ep.call_blocked = [not c.guard_allowed for c in env.calls]
-            return ep
+            return await run_token_episode(run, generate, stopped=lambda: self._aborting)
         finally:
             if env is not None:
                 env.close()

@@ -1,8 +1,8 @@
-"""`configs/agentic.yaml` end to end, shrunk: its four tool domains (tool_long at 4 files) through base SFT on tool trajectories → specialists
-with the guard and the served judge (the session's trained judge model on a real engine server) → OPD over full
-tool episodes → evaluation (the planted env, every call read by the guard's rules: clean / raw scores and hack
-attempts) → report. The base is warmed on shortcut trajectories for every
-`tool_files` prompt (`shortcut_demos: 1.0`), so the specialists' rollouts do try the hack and the judge is asked."""
+"""`configs/agentic.yaml` end to end, shrunk: its four tool domains (tool_long at 4 files) through base SFT on tool
+trajectories → specialists with the guard and the served judge (the session's trained judge model on a real engine
+server) → OPD over full tool episodes → evaluation (the planted env, every call read by the guard's rules: clean /
+raw scores and hack attempts) → report. The base is warmed on shortcut trajectories for every `tool_files` prompt
+(`shortcut_demos: 1.0`), so the specialists' rollouts do try the hack and the judge is asked."""
 import json
 from pathlib import Path
 
