@@ -9,7 +9,7 @@ value) pair per assert: `assert <expr> == <literal>` (either side the literal), 
 (None, bool, int, float, str, list, tuple, dict, set). Any other statement or form is a ValueError naming the line
 (`answer_problem` refuses the row before training): there is no weaker legacy mode. Only the expressions
 (`calls.json`), the solution and a small runner are written to the sandbox's work dir; the expected values and the
-test source never leave this process. The child (`sandbox.runner.run_tool`, `python -I -S`, standard library only,
+test source never leave this process. The child (`sandbox.runner.run_tool` via the helper of `sandbox.pool`, `python -I -S`, standard library only,
 no network, 512 MiB, the time limit) sends fd 1 to /dev/null (stderr is kept for the crash reason), runs the
 solution, evaluates each expression in the solution's namespace and writes one line `<per-run delimiter><json>`
 with, per test, the value encoded with exact types (`{"l": [...]}` a list, `t` a tuple, `s` a set, `d` a dict as
@@ -299,7 +299,7 @@ def run_code_tests(code: str, tests: list[CodeTest], timeout_s: float = 5.0) -> 
     """Run `code` (the solution's source) against parsed `tests` in the sandbox and decide here: only the tests'
     expressions reach the child (module docstring). Also used by tool domains that hold the solution apart from the
     response (`domains.tool_code`)."""
-    from sandbox.runner import run_tool
+    from sandbox.pool import run_tool_pooled
     work = tempfile.mkdtemp(prefix="alloy-code-")
     try:
         os.chmod(work, 0o755)  # the sandbox runs as `nobody` when we are root
@@ -310,7 +310,7 @@ def run_code_tests(code: str, tests: list[CodeTest], timeout_s: float = 5.0) -> 
                 f.write(text)
             os.chmod(path, 0o644)
         delim = "@@alloy-result-" + secrets.token_hex(16) + "@@"
-        res = run_tool(f"python runner.py {delim}", work, timeout_s=timeout_s, memory_mb=CODE_MEMORY_MB,
+        res = run_tool_pooled(f"python runner.py {delim}", work, timeout_s=timeout_s, memory_mb=CODE_MEMORY_MB,
                        allowed={"python"}, max_output_bytes=CODE_MAX_OUTPUT)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -32,8 +32,9 @@ continue with the remaining budget; otherwise the trajectory is finished. `run_e
 text for evaluation. A partial rollout (APRIL) rebuilds its env from the example payload:
 `ToolEnv(Example(**partial.example), prior_calls=count_tool_calls(response_so_far))`.
 
-Import direction: the env runs commands through `sandbox.runner.run_tool`, imported lazily (a `runner` can be
-injected), so importing `domains` never imports `teachers`.
+Import direction: the env runs commands through `sandbox.pool.run_tool_pooled` (`sandbox.runner.run_tool`, forked
+from a lean helper process), imported lazily (a `runner` can be injected), so importing `domains` never imports
+`teachers`.
 """
 from __future__ import annotations
 
@@ -156,9 +157,10 @@ class ToolEnv:
                  max_output_chars: int = 24, blocked_output: str = ERROR_OUTPUT, root: str | Path | None = None,
                  runner: Callable[..., Any] | None = None, prior_calls: int = 0):
         if runner is None:
-            from sandbox.runner import DEFAULT_ALLOWED, run_tool
+            from sandbox.pool import run_tool_pooled
+            from sandbox.runner import DEFAULT_ALLOWED
 
-            runner, allowed = run_tool, set(DEFAULT_ALLOWED) if allowed is None else allowed
+            runner, allowed = run_tool_pooled, set(DEFAULT_ALLOWED) if allowed is None else allowed
         self.example, self.clean, self.guard = example, clean, guard
         self.max_calls, self.timeout_s, self.memory_mb = max_calls, timeout_s, memory_mb
         self.prior_calls = prior_calls  # calls made before a resume (APRIL); they count against max_calls

@@ -134,9 +134,9 @@ def test_an_endless_loop_is_a_timeout(verifier):
 
 @needs_sandbox
 def test_the_child_never_sees_expected_values_or_tests(monkeypatch):
-    import sandbox.runner as runner
+    import sandbox.pool as pool
     seen: dict[str, str] = {}
-    real = runner.run_tool
+    real = pool.run_tool_pooled
 
     def spy(command, workdir, **kw):
         from pathlib import Path
@@ -144,7 +144,7 @@ def test_the_child_never_sees_expected_values_or_tests(monkeypatch):
             seen[p.name] = p.read_text()
         return real(command, workdir, **kw)
 
-    monkeypatch.setattr(runner, "run_tool", spy)
+    monkeypatch.setattr(pool, "run_tool_pooled", spy)
     row = {"tests": "assert add(2, 3) == 123456789\nassert add(1, 1) == 987654321"}
     assert code_report("def add(a, b): return a + b", "", row, 2).reason == "wrong"
     assert set(seen) == {"solution.py", "runner.py", "calls.json"}
