@@ -2,6 +2,7 @@
 refusals, limits, errors), and the helper's life is tied to its caller's: it restarts after a death, is per process
 and per opt-out setting, and ends when the caller ends, even by SIGKILL."""
 import dataclasses
+import json
 import os
 import shlex
 import shutil
@@ -157,3 +158,19 @@ def test_a_forked_child_uses_a_helper_of_its_own(workdir):
         pid, text = f.read().split(" ", 1)
     os.waitpid(child, 0)
     assert text == "hello notes" and int(pid) != parent_helper
+
+
+def test_the_bench_fails_a_missed_target(tmp_path):
+    """bench/sandbox_calls.py --check: a planted miss (pooled 1000x direct) exits 1 and still writes its numbers."""
+    out = tmp_path / "sbx.json"
+    r = subprocess.run([sys.executable, "bench/sandbox_calls.py", "--out", str(out), "--ballast-mb", "0,64",
+                        "--calls", "12", "--repeats", "1", "--concurrency", "2", "--target", "1000", "--check"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert [row["ballast_mb"] for row in res["rows"]] == [0, 64] and res["target"]["met"] is False
+    for row in res["rows"]:
+        assert row["direct_calls_per_s"]["median"] > 0 and row["pooled_calls_per_s"]["median"] > 0
+        assert row["speedup"] == pytest.approx(row["pooled_calls_per_s"]["median"]
+                                               / row["direct_calls_per_s"]["median"])
+    assert res["meta"]["commit"] and res["meta"]["argv"][-1] == "--check"
