@@ -4,8 +4,8 @@
 Why: `run_tool` starts each call with `fork` (its `preexec_fn` rules out `vfork`/`posix_spawn`), and a fork copies
 the caller's page tables. From a bare interpreter a `cat` takes ~20 ms; from a process that holds torch and a model
 (an eval, a PPO trainer, the student's sampler) the same call took 85–280 ms on the 2-core machine, most of it
-spent copying the trainer's memory map while the other episodes' calls queue behind it (bench/README.md,
-"sandbox calls"). So each process that runs tool calls starts one helper, `python -m sandbox.pool`, which imports
+spent copying the caller's page tables while the other episodes' calls queue behind it (`bench/sandbox_calls.py`).
+So each process that runs tool calls starts one helper, `python -m sandbox.pool`, which imports
 only `sandbox` and forks every call from its own small address space.
 
 Protocol (private to this module): one JSON object per line. Request `{"id", "command", "workdir", "kw"}` on the
