@@ -25,12 +25,16 @@ no decay, grad clip 1.0), steps, max_new_tokens, sampling temperature 1.0, fully
                    that routes every row to its domain's teacher (a sub-batch forward per domain);
   - alloy_1dom   : alloy on the first domain only, one teacher (DistillationTrainer takes one teacher model);
   - trl_distill  : `trl.DistillationTrainer` on the first domain, its teacher, beta = 1, temperature = 1.0;
+  - alloy_s0, alloy_1dom_s0: alloy and alloy_1dom at max_staleness 0 (fully on-policy, as TRL; `headline.staleness0`);
   - alloy_top16 (only when asked for): alloy with the pipeline's default loss, teacher top-16 + tail bucket.
 Each (system, seed) runs in a fresh subprocess; the parent samples its memory every 0.2 s with psutil, the whole
 process tree (Alloy's student and teacher servers are child processes): peak RSS sum and peak PSS sum.
 
 Reported per run: completion tokens/s (sampled response tokens over the training loop's wall time; also over the
-whole worker including start-up: imports, server launches, model loads), s/step, peak RSS/PSS, per-domain greedy
+whole worker including start-up: imports, server launches, model loads), s/step, CPU seconds per completion token
+over steps 2..N (every process of the system: `getrusage` of the worker + the servers' own `process_cpu_seconds`),
+the phases (Alloy's own `timing_s`; TRL's by `trl_systems.phase_timers`: generate / teacher forward / the rest),
+peak RSS/PSS, per-domain greedy
 accuracy on the held-out eval split after training (`domains.evaluate.evaluate_model`, budget max_new_tokens), and
 held-out reverse KL to the routed teacher (student samples with EOS stopping; exact per-token KL over the full
 vocabulary, averaged over response tokens). Aggregates are mean ± sd over seeds. `headline`: Alloy / GKD and
@@ -56,13 +60,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, add_check, exit_on_sigterm, make_cfg, start_meta, verdict, write_outputs  # noqa: E402
+from harness import (REPO, add_check, exit_on_sigterm, make_cfg, own_cpu_s, server_cpu_s, start_meta,  # noqa: E402
+                     verdict, write_outputs)
 from trl_systems import prompt_ids, run_gkd, run_trl_distill  # noqa: E402
 
-SYSTEMS = ("alloy", "gkd", "alloy_1dom", "trl_distill", "alloy_top16")
+SYSTEMS = ("alloy", "gkd", "alloy_1dom", "trl_distill", "alloy_s0", "alloy_1dom_s0", "alloy_top16")
+DEFAULT_SYSTEMS = SYSTEMS[:6]
+# alloy_s0 / alloy_1dom_s0: Alloy fully on-policy (max_staleness 0: no sampling under the update, as TRL runs);
 # alloy_top16: the pipeline's default loss (teacher top-16 + tail bucket) beside the exact one, for context
-ALLOY_OVERRIDES = {"alloy": {}, "alloy_1dom": {}, "alloy_top16": {"top_k": 16}}
-ONE_DOMAIN = ("alloy_1dom", "trl_distill")
+ALLOY_OVERRIDES = {"alloy": {}, "alloy_1dom": {}, "alloy_s0": {"max_staleness": 0},
+                   "alloy_1dom_s0": {"max_staleness": 0}, "alloy_top16": {"top_k": 16}}
+ONE_DOMAIN = ("alloy_1dom", "trl_distill", "alloy_1dom_s0")
 TRL = ("gkd", "trl_distill")
 SPEEDUP_MIN, ACCURACY_TOLERANCE = 1.5, 0.02  # issue 21's targets at the headline point
 
@@ -175,13 +183,25 @@ def run_alloy(spec: dict, names: list[str], seed: int, work: Path, overrides: di
                    n_prompts_per_domain=spec["n_prompts_per_domain"], train={"lr": spec["lr"]}, **overrides)
     fleet = start_teachers(names, {d: spec["teachers"][d] for d in names}, spec["base"], log_dir=work / "logs",
                            engine_cfg=cfg.engine, teachers_cfg=cfg.teachers)
+    marks: dict[int, tuple[float, int]] = {}
+
+    def on_step(trainer, metrics) -> None:
+        # CPU of the loop after its first step (as for TRL: `cpu_marks`): this process (the trainer, every thread)
+        # + what the student's rollout server and each teacher server report for themselves
+        if trainer.state.step in (1, spec["steps"]):
+            urls = list(fleet.endpoints().values()) + [trainer.policy.url]
+            marks[trainer.state.step] = (own_cpu_s() + server_cpu_s(urls), trainer.state.sampled_tokens)
+
     try:
         s = run_distillation(cfg, load_domains(cfg), spec["base"], fleet.endpoints(), f"file://{work}/student",
-                             work / "distill", NoopTracker())
+                             work / "distill", NoopTracker(), on_step=on_step)
     finally:
         fleet.stop()
+    (c1, n1), (c2, n2) = marks[1], marks[spec["steps"]]
     return load_model(s["student_dir"]), {"train_wall_s": s["wall_s"], "steps": s["steps"], "top_k": cfg.distill.top_k,
-                                          "completion_tokens": s["sampled_tokens"], "timing_s": s["timing_s"]}
+                                          "completion_tokens": s["sampled_tokens"], "timing_s": s["timing_s"],
+                                          "train_cpu_s": c2 - c1, "cpu_tokens": n2 - n1,
+                                          "max_staleness": cfg.distill.max_staleness}
 
 
 def measure(model, spec: dict, names: list[str]) -> dict:
@@ -234,6 +254,7 @@ def worker(system: str, seed: int, threads: int, spec: dict, result_path: Path) 
                **stats, "s_per_step": stats["train_wall_s"] / max(stats["steps"], 1),
                "completion_tokens_per_s": stats["completion_tokens"] / stats["train_wall_s"],
                "completion_tokens_per_s_incl_startup": stats["completion_tokens"] / wall,
+               "cpu_s_per_completion_token": stats["train_cpu_s"] / max(stats["cpu_tokens"], 1),
                **({} if spec.get("skip_eval") else measure(model, spec, names))}
     result_path.write_text(json.dumps(res, default=float))
 
@@ -290,7 +311,7 @@ def aggregate(runs: list[dict]) -> dict:
         doms = rs[0]["domains"]
         out[system] = {k: mean_std([r[k] for r in rs]) for k in
                        ("completion_tokens_per_s", "completion_tokens_per_s_incl_startup", "s_per_step",
-                        "peak_rss_mb", "peak_pss_mb")}
+                        "train_cpu_s", "cpu_s_per_completion_token", "peak_rss_mb", "peak_pss_mb")}
         out[system]["threads"] = rs[0]["threads"]
         if "accuracy" not in rs[0]:
             continue
@@ -305,17 +326,20 @@ def speedup(agg: dict, a: str, b: str, key: str = "completion_tokens_per_s") -> 
     return agg[a][key]["mean"] / agg[b][key]["mean"] if a in agg and b in agg else None
 
 
-def headline(agg: dict) -> dict:
+def headline(agg: dict, init: dict | None = None) -> dict:
     """Issue 21's pre-registered comparison: Alloy / GKD (3 domains) and alloy_1dom / DistillationTrainer (1 domain,
-    which takes one teacher) in completion tokens/s, and mean accuracies; met = ≥ 1.5x and accuracy ≥ peer − 0.02."""
-    acc = {s: agg[s]["accuracy_mean"]["mean"] if "accuracy_mean" in agg.get(s, {}) else None for s in SYSTEMS[:4]}
+    which takes one teacher) in completion tokens/s, and mean accuracies; met = ≥ 1.5x and accuracy ≥ peer − 0.02.
+    `accuracy_base`: the untrained base's mean accuracy (`init`). `staleness0`: the same keys with Alloy fully
+    on-policy (alloy_s0, alloy_1dom_s0), when those ran."""
+    acc = {s: agg[s]["accuracy_mean"]["mean"] if "accuracy_mean" in agg.get(s, {}) else None for s in SYSTEMS}
+    base = statistics.fmean(init["accuracy"].values()) if init and "accuracy" in init else None
     h = {"speedup_vs_gkd": speedup(agg, "alloy", "gkd"), "speedup_vs_distillation": speedup(agg, "alloy_1dom",
                                                                                            "trl_distill"),
          "speedup_incl_startup_vs_gkd": speedup(agg, "alloy", "gkd", "completion_tokens_per_s_incl_startup"),
          "speedup_incl_startup_vs_distillation": speedup(agg, "alloy_1dom", "trl_distill",
                                                          "completion_tokens_per_s_incl_startup"),
          "accuracy_alloy": acc["alloy"], "accuracy_gkd": acc["gkd"], "accuracy_alloy_1dom": acc["alloy_1dom"],
-         "accuracy_distillation": acc["trl_distill"],
+         "accuracy_distillation": acc["trl_distill"], "accuracy_base": base,
          "trl_threads": {s: agg[s]["threads"] for s in TRL if s in agg},
          "targets": {"speedup_min": SPEEDUP_MIN, "accuracy_tolerance": ACCURACY_TOLERANCE,
                      "pairs": "alloy vs gkd (3 domains), alloy_1dom vs trl_distill (1 domain)"}}
@@ -323,13 +347,23 @@ def headline(agg: dict) -> dict:
     def ok(x, y, f):
         return None if x is None or y is None else bool(f(x, y))
 
-    met = {"speedup_vs_gkd": ok(h["speedup_vs_gkd"], SPEEDUP_MIN, float.__ge__),
-           "speedup_vs_distillation": ok(h["speedup_vs_distillation"], SPEEDUP_MIN, float.__ge__),
-           "accuracy_vs_gkd": ok(acc["alloy"], acc["gkd"], lambda a, b: a >= b - ACCURACY_TOLERANCE),
-           "accuracy_vs_distillation": ok(acc["alloy_1dom"], acc["trl_distill"],
-                                          lambda a, b: a >= b - ACCURACY_TOLERANCE)}
-    met["all"] = None if None in met.values() else all(met.values())
-    return h | {"met": met}
+    def met_of(alloy: str, alloy_1dom: str, x: dict) -> dict:
+        m = {"speedup_vs_gkd": ok(x["speedup_vs_gkd"], SPEEDUP_MIN, float.__ge__),
+             "speedup_vs_distillation": ok(x["speedup_vs_distillation"], SPEEDUP_MIN, float.__ge__),
+             "accuracy_vs_gkd": ok(acc[alloy], acc["gkd"], lambda a, b: a >= b - ACCURACY_TOLERANCE),
+             "accuracy_vs_distillation": ok(acc[alloy_1dom], acc["trl_distill"],
+                                            lambda a, b: a >= b - ACCURACY_TOLERANCE)}
+        m["all"] = None if None in m.values() else all(m.values())
+        return m
+
+    h["met"] = met_of("alloy", "alloy_1dom", h)
+    if "alloy_s0" in agg or "alloy_1dom_s0" in agg:
+        s0 = {"speedup_vs_gkd": speedup(agg, "alloy_s0", "gkd"),
+              "speedup_vs_distillation": speedup(agg, "alloy_1dom_s0", "trl_distill"),
+              "accuracy_alloy": acc["alloy_s0"], "accuracy_gkd": acc["gkd"], "accuracy_alloy_1dom": acc["alloy_1dom_s0"],
+              "accuracy_distillation": acc["trl_distill"], "accuracy_base": base}
+        h["staleness0"] = s0 | {"met": met_of("alloy_s0", "alloy_1dom_s0", s0)}
+    return h
 
 
 def run_point(spec: dict, root: Path, name: str, systems: list[str], seeds: list[int], trl_threads: list[int],
@@ -368,14 +402,17 @@ def table(agg: dict, init: dict) -> str:
         return (f + " ± " + f).format(x["mean"], x["std"])
 
     lines = ["| system | domains | torch threads | completion tok/s | tok/s incl. start-up | s/step | "
-             "peak RSS MB (tree) | peak PSS MB | accuracy (mean) | held-out reverse KL (mean) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "CPU ms / completion token | peak RSS MB (tree) | peak PSS MB | accuracy (mean) | "
+             "held-out reverse KL (mean) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, a in agg.items():
+        cpu_ms = {k: v * 1000 if k != "n" else v for k, v in a["cpu_s_per_completion_token"].items()}
         lines.append(f"| {s} | {len(a['accuracy'])} | {a['threads']} | {ms(a['completion_tokens_per_s'])} | "
                      f"{ms(a['completion_tokens_per_s_incl_startup'])} | {ms(a['s_per_step'], '{:.3f}')} | "
+                     f"{ms(cpu_ms, '{:.3f}')} | "
                      f"{ms(a['peak_rss_mb'], '{:.0f}')} | {ms(a['peak_pss_mb'], '{:.0f}')} | "
                      f"{ms(a['accuracy_mean'], '{:.3f}')} | {ms(a['heldout_rkl_mean'], '{:.3f}')} |")
-    lines.append(f"| init (base, untrained) | {len(init['accuracy'])} | | | | | | | "
+    lines.append(f"| init (base, untrained) | {len(init['accuracy'])} | | | | | | | | "
                  f"{statistics.fmean(init['accuracy'].values()):.3f} | "
                  f"{statistics.fmean(init['heldout_rkl'].values()):.3f} |")
     lines += ["", "| system | " + " | ".join(f"acc {d}" for d in init["accuracy"]) + " | "
@@ -402,8 +439,12 @@ def headline_md(h: dict) -> str:
             f"incl. start-up {f(h['speedup_incl_startup_vs_gkd'])}x / {f(h['speedup_incl_startup_vs_distillation'])}x."
             f" Accuracy alloy {f(h['accuracy_alloy'], '{:.3f}')} vs gkd {f(h['accuracy_gkd'], '{:.3f}')} (met: "
             f"{m['accuracy_vs_gkd']}), alloy_1dom {f(h['accuracy_alloy_1dom'], '{:.3f}')} vs distillation "
-            f"{f(h['accuracy_distillation'], '{:.3f}')} (met: {m['accuracy_vs_distillation']}). TRL threads: "
-            f"{h['trl_threads']}.\n\n")
+            f"{f(h['accuracy_distillation'], '{:.3f}')} (met: {m['accuracy_vs_distillation']}), untrained base "
+            f"{f(h['accuracy_base'], '{:.3f}')}. TRL threads: {h['trl_threads']}."
+            + (f" Alloy at max_staleness 0: / GKD {f(h['staleness0']['speedup_vs_gkd'])}x, alloy_1dom_s0 / "
+               f"DistillationTrainer {f(h['staleness0']['speedup_vs_distillation'])}x, accuracy "
+               f"{f(h['staleness0']['accuracy_alloy'], '{:.3f}')} / {f(h['staleness0']['accuracy_alloy_1dom'], '{:.3f}')}"
+               f" (met: {h['staleness0']['met']['all']})." if "staleness0" in h else "") + "\n\n")
 
 
 def sweep_table(rows: list[dict]) -> str:
@@ -434,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="small", help="model preset of the student and every teacher (infra/models.py)")
     p.add_argument("--domains", default="reverse,sort_digits,max_list")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--systems", default=",".join(SYSTEMS[:4]), help=f"any of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"any of {','.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps, the same for every system")
     p.add_argument("--batch", type=int, default=64, help="prompts per step")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -529,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
                                    spec["max_new_tokens"])[d] for d in names}
         runs, trials = run_point(spec, root, "headline", systems, seeds, trl_threads, args.jobs, args.trl_calib_steps)
     agg = aggregate(runs)
-    h = headline(agg)
+    h = headline(agg, init)
     h["point"] = {"preset": args.preset, "domains": names, "batch": args.batch, "max_new_tokens": args.max_new_tokens,
                   "forced_length": args.force, "alloy_top_k": runs[0].get("top_k"), "steps": args.steps,
                   "seeds": seeds, "max_staleness": args.max_staleness}

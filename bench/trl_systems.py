@@ -6,6 +6,65 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from harness import own_cpu_s
+
+
+def phase_timers(student, teacher_parts: list) -> dict:
+    """Time TRL's phases as Alloy's trainer reports its own: `sample_s` (the student's `generate`), `score_s` (the
+    teacher's forward: each module of `teacher_parts` counted at the outermost call, so a part called from another
+    is not counted twice); the caller sets `train_s` = the loop's wall − both (the student's forward and backward,
+    the optimizer and the rest). Instance attributes wrap the bound methods, so every call through the trainer
+    counts. DistillationTrainer runs the teacher's backbone (`.model`) and applies its LM head chunk by chunk inside
+    the loss: that head is in `train_s`."""
+    box = {"sample_s": 0.0, "score_s": 0.0}
+    depth = {"sample_s": 0, "score_s": 0}
+
+    def wrap(obj, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a, **k):
+            depth[key] += 1
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                depth[key] -= 1
+                if depth[key] == 0:
+                    box[key] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
+
+    wrap(student, "generate", "sample_s")
+    for part in teacher_parts:
+        wrap(part, "forward", "score_s")
+    return box
+
+
+def cpu_marks(trainer) -> dict:
+    """CPU seconds (this process, every thread: TRL is one process) and completion tokens after the first optimizer
+    step and at the end, so the CPU per token covers steps 2..N on every side (Alloy's first step also starts its
+    servers' lazy work)."""
+    from transformers import TrainerCallback
+
+    marks: dict = {}
+
+    class Mark(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step in (1, state.max_steps):
+                marks[state.global_step] = (own_cpu_s(), trainer.completion_tokens)
+
+    trainer.add_callback(Mark())
+    return marks
+
+
+def cpu_stats(marks: dict, steps: int) -> dict:
+    (c1, n1), (c2, n2) = marks[1], marks[steps]
+    return {"train_cpu_s": c2 - c1, "cpu_tokens": n2 - n1}
+
+
+def finish_phases(box: dict, wall: float) -> dict:
+    return {**box, "train_s": wall - box["sample_s"] - box["score_s"]}
+
 
 def prompt_ids(tok, prompt: str) -> list[int]:
     return [tok.bos_token_id] + tok(prompt, add_special_tokens=False).input_ids
@@ -105,11 +164,13 @@ def run_gkd(spec: dict, names: list[str], seed: int, work: Path):
                         train_dataset=Dataset.from_list(rows), processing_class=tok)
     if spec["force"]:
         trainer.generation_config.eos_token_id = None
+    phases, marks = phase_timers(student, [teacher]), cpu_marks(trainer)
     t = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t
     return trainer.model, {"train_wall_s": wall, "steps": trainer.state.global_step,
-                           "completion_tokens": trainer.completion_tokens}
+                           "completion_tokens": trainer.completion_tokens, "timing_s": finish_phases(phases, wall),
+                           **cpu_stats(marks, trainer.state.global_step)}
 
 
 def run_trl_distill(spec: dict, names: list[str], seed: int, work: Path):
@@ -141,14 +202,18 @@ def run_trl_distill(spec: dict, names: list[str], seed: int, work: Path):
     student = load_model(spec["base"])
     if spec["force"]:
         student.generation_config.eos_token_id = None
-    trainer = CountingDistill(model=student, teacher_model=load_model(spec["teachers"][names[0]]),
+    teacher = load_model(spec["teachers"][names[0]])
+    phases = phase_timers(student, [teacher, teacher.model])  # the trainer calls the backbone itself
+    trainer = CountingDistill(model=student, teacher_model=teacher,
                               args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     if spec["force"]:  # the trainer adds the tokenizer's EOS to its stop ids and completion-mask ids: drop them all
         trainer.eos_token_ids = []
         trainer.generation_config.eos_token_id = None
         trainer.generation_kwargs["eos_token_id"] = None
+    marks = cpu_marks(trainer)
     t = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t
     return trainer.model, {"train_wall_s": wall, "steps": trainer.state.global_step,
-                           "completion_tokens": trainer.completion_tokens}
+                           "completion_tokens": trainer.completion_tokens, "timing_s": finish_phases(phases, wall),
+                           **cpu_stats(marks, trainer.state.global_step)}

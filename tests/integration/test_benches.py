@@ -144,11 +144,11 @@ def test_trl_compare_shape(results):
     doms = cfg["domains"]
     assert len(doms) == 2 and cfg["seeds"] == [0] and cfg["force"] is True and cfg["top_k"] == "vocab"
     by = {x["system"]: x for x in r["runs"]}
-    assert set(by) == {"alloy", "gkd", "alloy_1dom", "trl_distill"}
+    assert set(by) == {"alloy", "gkd", "alloy_1dom", "trl_distill", "alloy_s0", "alloy_1dom_s0"}
     V = by["alloy"]["top_k"]
     assert V == by["alloy_1dom"]["top_k"] and V > 16  # top-k = the vocabulary: the exact reverse KL
     for s, run in by.items():
-        want = doms[:1] if s in ("alloy_1dom", "trl_distill") else doms
+        want = doms[:1] if s in ("alloy_1dom", "trl_distill", "alloy_1dom_s0") else doms
         assert run["domains"] == want and set(run["accuracy"]) == set(run["heldout_rkl"]) == set(want)
         assert all(0.0 <= v <= 1.0 for v in run["accuracy"].values())
         assert all(math.isfinite(v) and v >= -1e-6 for v in run["heldout_rkl"].values())  # a KL is ≥ 0
@@ -158,6 +158,15 @@ def test_trl_compare_shape(results):
         assert run["completion_tokens_per_s"] == pytest.approx(run["completion_tokens"] / run["train_wall_s"])
         assert run["s_per_step"] == pytest.approx(run["train_wall_s"] / cfg["steps"])
         assert 0 < run["peak_pss_mb"] <= run["peak_rss_mb"]
+        # CPU of the loop's steps 2..N, every process of the system (Alloy: trainer, rollout server, teachers)
+        assert run["train_cpu_s"] > 0 and run["cpu_tokens"] == (cfg["steps"] - 1) * cfg["batch"] * cfg["max_new_tokens"]
+        assert run["cpu_s_per_completion_token"] == pytest.approx(run["train_cpu_s"] / run["cpu_tokens"])
+        if s in ("gkd", "trl_distill"):  # TRL's phases, as Alloy reports its own: they add up to the loop's wall
+            t = run["timing_s"]
+            assert t["sample_s"] > 0 and t["score_s"] > 0 and t["train_s"] > 0, t
+            assert t["sample_s"] + t["score_s"] + t["train_s"] == pytest.approx(run["train_wall_s"])
+        else:
+            assert run["max_staleness"] == (0 if s.endswith("_s0") else 1)
         assert run["threads"] == (2 if s in ("gkd", "trl_distill") else 1)
     # Alloy's tree holds its student server and one teacher server per domain: its memory must count them
     assert by["alloy"]["peak_rss_mb"] > by["gkd"]["peak_rss_mb"]
@@ -173,6 +182,15 @@ def test_trl_compare_shape(results):
     assert h["met"]["speedup_vs_gkd"] == (h["speedup_vs_gkd"] >= 1.5)
     assert h["met"]["accuracy_vs_gkd"] == (h["accuracy_alloy"] >= h["accuracy_gkd"] - 0.02)
     assert h["met"]["all"] == all(v for k, v in h["met"].items() if k != "all")
+    assert h["accuracy_base"] == pytest.approx(statistics.fmean(r["init"]["accuracy"].values()))
+    s0 = h["staleness0"]  # the same comparison with Alloy fully on-policy
+    assert s0["speedup_vs_gkd"] == pytest.approx(
+        by["alloy_s0"]["completion_tokens_per_s"] / by["gkd"]["completion_tokens_per_s"])
+    assert s0["speedup_vs_distillation"] == pytest.approx(
+        by["alloy_1dom_s0"]["completion_tokens_per_s"] / by["trl_distill"]["completion_tokens_per_s"])
+    assert s0["accuracy_alloy"] == pytest.approx(statistics.fmean(by["alloy_s0"]["accuracy"].values()))
+    assert s0["accuracy_gkd"] == h["accuracy_gkd"] and s0["accuracy_base"] == h["accuracy_base"]
+    assert s0["met"]["all"] == all(v for k, v in s0["met"].items() if k != "all")
     assert h["point"]["forced_length"] is True and h["point"]["alloy_top_k"] == V
     assert set(r["init"]["accuracy"]) == set(r["teacher_accuracy"]) == set(doms)
     # one thread count offered (quick): no calibration runs; the full run offers 1 and 2
