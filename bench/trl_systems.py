@@ -57,13 +57,18 @@ def cpu_marks(trainer) -> dict:
     return marks
 
 
-def cpu_stats(marks: dict, steps: int) -> dict:
+def timed_train(trainer, student, teacher_parts: list) -> dict:
+    """`trainer.train()` with its phases (`phase_timers`) and CPU per token (`cpu_marks`) measured: the stats every
+    TRL system returns (the caller adds the model)."""
+    phases, marks = phase_timers(student, teacher_parts), cpu_marks(trainer)
+    t = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t
+    steps = trainer.state.global_step
     (c1, n1), (c2, n2) = marks[1], marks[steps]
-    return {"train_cpu_s": c2 - c1, "cpu_tokens": n2 - n1}
-
-
-def finish_phases(box: dict, wall: float) -> dict:
-    return {**box, "train_s": wall - box["sample_s"] - box["score_s"]}
+    return {"train_wall_s": wall, "steps": steps, "completion_tokens": trainer.completion_tokens,
+            "timing_s": {**phases, "train_s": wall - phases["sample_s"] - phases["score_s"]},
+            "train_cpu_s": c2 - c1, "cpu_tokens": n2 - n1}
 
 
 def prompt_ids(tok, prompt: str) -> list[int]:
@@ -164,13 +169,8 @@ def run_gkd(spec: dict, names: list[str], seed: int, work: Path):
                         train_dataset=Dataset.from_list(rows), processing_class=tok)
     if spec["force"]:
         trainer.generation_config.eos_token_id = None
-    phases, marks = phase_timers(student, [teacher]), cpu_marks(trainer)
-    t = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - t
-    return trainer.model, {"train_wall_s": wall, "steps": trainer.state.global_step,
-                           "completion_tokens": trainer.completion_tokens, "timing_s": finish_phases(phases, wall),
-                           **cpu_stats(marks, trainer.state.global_step)}
+    stats = timed_train(trainer, student, [teacher])
+    return trainer.model, stats
 
 
 def run_trl_distill(spec: dict, names: list[str], seed: int, work: Path):
@@ -203,17 +203,11 @@ def run_trl_distill(spec: dict, names: list[str], seed: int, work: Path):
     if spec["force"]:
         student.generation_config.eos_token_id = None
     teacher = load_model(spec["teachers"][names[0]])
-    phases = phase_timers(student, [teacher, teacher.model])  # the trainer calls the backbone itself
     trainer = CountingDistill(model=student, teacher_model=teacher,
                               args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     if spec["force"]:  # the trainer adds the tokenizer's EOS to its stop ids and completion-mask ids: drop them all
         trainer.eos_token_ids = []
         trainer.generation_config.eos_token_id = None
         trainer.generation_kwargs["eos_token_id"] = None
-    marks = cpu_marks(trainer)
-    t = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - t
-    return trainer.model, {"train_wall_s": wall, "steps": trainer.state.global_step,
-                           "completion_tokens": trainer.completion_tokens, "timing_s": finish_phases(phases, wall),
-                           **cpu_stats(marks, trainer.state.global_step)}
+    stats = timed_train(trainer, student, [teacher, teacher.model])  # the trainer calls the backbone itself
+    return trainer.model, stats
