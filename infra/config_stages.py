@@ -38,15 +38,32 @@ class BaseConfig(_Strict):
                                     "instead of prompt + answer: a base that knows the tool protocol.")
     train: TrainConfig = Field(default_factory=TrainConfig)
     log_every: int = ops_field(25, ge=1, description="Log SFT metrics every N steps.")
+    stop_at_score: float | None = Field(None, gt=0, le=1, description=(
+        "Stop the SFT early once the base's mean greedy score over the domains, on `val_n` validation prompts each "
+        "(the val split: never the eval split), reaches this; checked every `val_every` steps, `steps` stays the "
+        "cap. A base stopped by its score, not its step count, leaves RL the same room on any machine and seed "
+        "(the demo's base: RL needs headroom). null: train all `steps`."))
+    val_every: int = Field(50, ge=1, description="With `stop_at_score`: validate every N steps.")
+    val_n: int = Field(50, ge=1, description="With `stop_at_score`: validation prompts per domain.")
+
+    @model_validator(mode="after")
+    def _ranks(self) -> "BaseConfig":
+        if self.stop_at_score is not None:  # every rank validates its own copy of the weights and stops alike
+            _refuse_sharded_weights("base.train", self.train)
+        return self
 
     @model_serializer(mode="wrap")
     def _dump(self, handler, info):
-        """As usual, except in a fingerprint: `tool_trajectories` left at false is left out, so a base keys its
-        checkpoints as before the setting existed."""
+        """As usual, except in a fingerprint: `tool_trajectories` left at false is left out, and so are
+        `stop_at_score` left at null with its `val_every` / `val_n`, so a base keys its checkpoints as before the
+        settings existed."""
         data = handler(self)
         fingerprint = isinstance(info.context, dict) and info.context.get("fingerprint")
         if fingerprint and data.get("tool_trajectories") is False:
             del data["tool_trajectories"]
+        if fingerprint and data.get("stop_at_score") is None:
+            for key in ("stop_at_score", "val_every", "val_n"):
+                data.pop(key, None)
         return data
 
 

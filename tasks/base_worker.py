@@ -12,9 +12,11 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from domains.compaction import (Compaction, Compactions, compacted_demonstration, compaction_for, compactions_of,
                                 tokenizer_summarizer)
+from domains.evaluate import score_examples
 from domains.registry import load_domains
 from domains.tools import demonstration_segments
 from infra.chat import PromptRenderer, system_of
@@ -60,6 +62,36 @@ def demonstrations(domains: dict, n_per_domain: int, seed: int, tool_trajectorie
     return pairs
 
 
+def score_stop(cfg, domains: dict, tok, backend, tracker, history: list) -> Callable[[int], bool] | None:
+    """`base.stop_at_score`'s check for `train_sft`: every `val_every` steps, the mean over the domains of the greedy
+    score on `val_n` prompts of each one's val split; true once it reaches the target. Every rank scores its own
+    whole copy of the weights (ZeRO ≤ 2, checked by the config), so all stop at the same step. Appends
+    {step, mean, per domain} to `history`. None without `stop_at_score`."""
+    b = cfg.base
+    if b.stop_at_score is None:
+        return None
+    examples = {name: dom.split("val", b.val_n, cfg.run.seed) for name, dom in domains.items()}
+
+    def check(step: int) -> bool:
+        if step % b.val_every:
+            return False
+        backend.eval_mode()
+        try:
+            scores = score_examples(backend.module, tok, domains, examples, cfg.eval.max_new_tokens,
+                                    cfg.eval.batch_size, chat_template=cfg.model.chat_template)
+        finally:
+            backend.train_mode()
+        per = {name: sum(v) / max(len(v), 1) for name, v in scores.items()}
+        mean = sum(per.values()) / max(len(per), 1)
+        history.append({"step": step, "mean": mean, "domains": per})
+        if backend.is_main:
+            log.info("base SFT step %d: validation mean %.3f over %d domains (stop at %.3f)", step, mean, len(per),
+                     b.stop_at_score)
+            tracker.log_metrics({"sft/val_mean": mean, **{f"sft/val/{n}": v for n, v in per.items()}}, step=step)
+        return mean >= b.stop_at_score
+    return check
+
+
 def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tracker) -> dict:
     """SFT `init_dir` on the config's demonstrations; rank 0 commits the result as `<out_url>/final` (HF format)."""
     t_start = time.perf_counter()
@@ -84,15 +116,24 @@ def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tr
             tracker.log_metrics({"sft/loss": m["loss"], "sft/token_acc": m["token_acc"],
                                  "sft/grad_norm": float(m.get("grad_norm", 0.0))}, step=step)
 
+    val_history: list[dict] = []
     t0 = time.perf_counter()
     last = train_sft(backend, tok, pairs, cfg.base.steps, batch, seed=cfg.run.seed, on_step=on_step,
-                     chat_template=cfg.model.chat_template)
+                     chat_template=cfg.model.chat_template,
+                     should_stop=score_stop(cfg, domains, tok, backend, tracker, val_history))
     train_s = time.perf_counter() - t0
+    stopped = None
+    if last["steps"] < cfg.base.steps:
+        stopped = (f"validation mean {val_history[-1]['mean']:.3f} >= stop_at_score {cfg.base.stop_at_score} "
+                   f"at step {last['steps']}")
+        if backend.is_main:
+            log.info("base SFT: stopped at step %d of %d: %s", last["steps"], cfg.base.steps, stopped)
     final = fresh_final(Path(work)) if backend.is_main else Path(work) / "final"  # rank 0's folder, emptied by it
     backend.save_hf(final, tokenizer=tok)  # a collective: every rank takes part, rank 0 writes
     backend.close()
-    summary = {**last, "steps": cfg.base.steps, "world_size": backend.world_size, "device": str(backend.device),
-               "train_s": train_s, "train_tokens": forwarded[0] * backend.world_size}
+    # `steps`: the steps taken (fewer than base.steps when stopped by its score: `stopped` says why)
+    summary = {**last, "world_size": backend.world_size, "device": str(backend.device), "train_s": train_s,
+               "train_tokens": forwarded[0] * backend.world_size, "stopped": stopped, "validation": val_history}
     if backend.is_main:
         summary["checkpoint"] = commit_final(final, out_url, cfg.base.steps,
                                              meta={"stage": "base", "config_fingerprint": cfg.fingerprint(),

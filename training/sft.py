@@ -109,8 +109,11 @@ def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Ten
 
 
 def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size: int, seed: int = 0,
-              on_step: Callable[[int, dict], None] | None = None, chat_template: str = "auto") -> dict:
-    """Run `steps` optimizer steps of SFT on random batches of `pairs` (sampled without replacement per epoch).
+              on_step: Callable[[int, dict], None] | None = None, chat_template: str = "auto",
+              should_stop: Callable[[int], bool] | None = None) -> dict:
+    """Run `steps` optimizer steps of SFT on random batches of `pairs` (sampled without replacement per epoch), or
+    fewer: after each step (and `on_step`) `should_stop(step)` true ends the training there (every rank must answer
+    alike). The returned metrics carry `steps`, the steps taken.
 
     A pair is (prompt, completion) or (prompt, completion, system), the completion a str or `(text, trained)`
     segments; `chat_template` is the `model.chat_template` mode the prompts are rendered in (`encode_pair`).
@@ -141,5 +144,7 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size
         metrics.update(backend.step(loss), forward_tokens=float(batch.attention_mask.sum()))  # this rank's positions
         if on_step is not None:
             on_step(step, metrics)
+        if should_stop is not None and step < steps and should_stop(step):
+            break
     backend.eval_mode()
-    return metrics
+    return {**metrics, "steps": step if steps else 0}
