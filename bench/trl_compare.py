@@ -62,7 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (REPO, add_check, exit_on_sigterm, make_cfg, own_cpu_s, server_cpu_s, start_meta,  # noqa: E402
                      verdict, write_outputs)
-from trl_systems import prompt_ids, run_gkd, run_trl_distill  # noqa: E402
+from trl_systems import cpu_window, prompt_ids, run_gkd, run_trl_distill  # noqa: E402
 
 SYSTEMS = ("alloy", "gkd", "alloy_1dom", "trl_distill", "alloy_s0", "alloy_1dom_s0", "alloy_top16")
 DEFAULT_SYSTEMS = SYSTEMS[:6]
@@ -197,10 +197,10 @@ def run_alloy(spec: dict, names: list[str], seed: int, work: Path, overrides: di
                              work / "distill", NoopTracker(), on_step=on_step)
     finally:
         fleet.stop()
-    (c1, n1), (c2, n2) = marks[1], marks[spec["steps"]]
+    cpu, tokens = cpu_window(marks, 1, spec["steps"], "alloy")
     return load_model(s["student_dir"]), {"train_wall_s": s["wall_s"], "steps": s["steps"], "top_k": cfg.distill.top_k,
                                           "completion_tokens": s["sampled_tokens"], "timing_s": s["timing_s"],
-                                          "train_cpu_s": c2 - c1, "cpu_tokens": n2 - n1,
+                                          "train_cpu_s": cpu, "cpu_tokens": tokens,
                                           "max_staleness": cfg.distill.max_staleness}
 
 

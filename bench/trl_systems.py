@@ -57,6 +57,17 @@ def cpu_marks(trainer) -> dict:
     return marks
 
 
+def cpu_window(marks: dict, first: int, last: int, system: str) -> tuple[float, int]:
+    """(CPU seconds, completion tokens) between the marks taken after step `first` and after step `last`; a run that
+    ended before its last step (or ran one step) has no window: a clear error, not a KeyError."""
+    missing = [s for s in (first, last) if s not in marks]
+    if missing or first >= last:
+        raise RuntimeError(f"{system}: no CPU window over steps {first + 1}..{last}: marks taken after steps "
+                           f"{sorted(marks)} (the run ended early, or has fewer than 2 steps)")
+    (c1, n1), (c2, n2) = marks[first], marks[last]
+    return c2 - c1, n2 - n1
+
+
 def timed_train(trainer, student, teacher_parts: list) -> dict:
     """`trainer.train()` with its phases (`phase_timers`) and CPU per token (`cpu_marks`) measured: the stats every
     TRL system returns (the caller adds the model)."""
@@ -65,10 +76,10 @@ def timed_train(trainer, student, teacher_parts: list) -> dict:
     trainer.train()
     wall = time.perf_counter() - t
     steps = trainer.state.global_step
-    (c1, n1), (c2, n2) = marks[1], marks[steps]
+    cpu, tokens = cpu_window(marks, 1, trainer.state.max_steps, type(trainer).__name__)
     return {"train_wall_s": wall, "steps": steps, "completion_tokens": trainer.completion_tokens,
             "timing_s": {**phases, "train_s": wall - phases["sample_s"] - phases["score_s"]},
-            "train_cpu_s": c2 - c1, "cpu_tokens": n2 - n1}
+            "train_cpu_s": cpu, "cpu_tokens": tokens}
 
 
 def prompt_ids(tok, prompt: str) -> list[int]:

@@ -99,3 +99,14 @@ def test_every_bench_takes_check_and_records_meta():
         called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
         assert {"add_check", "start_meta"} <= called, f"{path.name}: no add_check / start_meta"
         assert "sys.exit(main())" in src, f"{path.name}: main's exit code is not the process's"
+
+
+def test_cpu_window_spans_steps_2_to_n_and_names_a_run_that_ended_early():
+    import trl_systems
+
+    marks = {1: (10.0, 64), 60: (70.5, 4000)}
+    assert trl_systems.cpu_window(marks, 1, 60, "alloy") == (60.5, 3936)
+    with pytest.raises(RuntimeError, match=r"GKDTrainer: no CPU window over steps 2\.\.60: marks taken after steps \[1\]"):
+        trl_systems.cpu_window({1: (10.0, 64)}, 1, 60, "GKDTrainer")
+    with pytest.raises(RuntimeError, match="fewer than 2 steps"):
+        trl_systems.cpu_window({1: (10.0, 64)}, 1, 1, "alloy")

@@ -71,6 +71,11 @@ def test_multi_rank_trainers(tmp_path):
     assert "specialists.per_domain.reverse" in str(err.value) and "critic_train.world_size (4)" in str(err.value)
     with pytest.raises(ConfigError, match=r"distill\.train\.zero_stage: 3 shards the weights over the 2 ranks"):
         load_config(write(tmp_path, MINIMAL), ["distill.train.world_size=2", "distill.train.zero_stage=3"])
+    # a base stopped by its score: every rank scores its own whole weights
+    with pytest.raises(ConfigError, match=r"base\.train\.zero_stage: 3 shards the weights over the 2 ranks"):
+        load_config(write(tmp_path, MINIMAL), ["base.train.world_size=2", "base.train.zero_stage=3",
+                                               "base.stop_at_score=0.4"])
+    load_config(write(tmp_path, MINIMAL), ["base.train.world_size=2", "base.train.zero_stage=3"])  # no target: fine
 
 
 def test_duplicate_domains_and_unknown_external_teacher():

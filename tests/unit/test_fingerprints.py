@@ -40,6 +40,7 @@ ALL, SPEC_ON = set(STAGES), {"specialist", "student"}
 TRAINING_CHANGES = [
     ("run.seed=1", ALL), ("run.name=other", ALL), ("model.preset=nano", ALL), ("model.chat_template=none", ALL), ("domains.0.difficulty=2", ALL),
     ("base.steps=5", ALL), ("base.train.lr=0.01", ALL), ("base.tool_trajectories=true", ALL),
+    ("base.stop_at_score=0.5", ALL),
     ("specialists.steps=7", SPEC_ON), ("specialists.per_domain.max_list.kl_coef=0.0", SPEC_ON),
     ("specialists.per_domain.reverse.kl_coef=0.0", {"student"}),  # another domain's specialist
     ("specialists.guard.judge_url=http://judge:1", SPEC_ON), ("specialists.enabled=false", SPEC_ON),
@@ -127,3 +128,12 @@ def test_base_tool_trajectories_off_keys_the_base_as_before_the_setting_existed(
     assert "tool_trajectories" not in base_settings([])  # the default is left out: smoke's base prefix unmoved
     assert base_settings(["base.tool_trajectories=true"])["tool_trajectories"] is True
     assert "tool_trajectories" in load_config(SMOKE).model_dump()["base"]  # an ordinary dump keeps it
+
+
+def test_base_validation_settings_move_the_base_only_when_it_stops_by_its_score():
+    """`base.val_every` / `val_n` decide nothing while `stop_at_score` is null: a base keys its checkpoints as
+    before the settings existed; with a target they decide where the base stops, so they move every stage."""
+    assert prefixes(["base.val_every=7", "base.val_n=9"]) == prefixes([])
+    on = ["base.stop_at_score=0.5"]
+    assert prefixes(on + ["base.val_every=7"])["base"] != prefixes(on)["base"]
+    assert prefixes(on + ["base.val_n=9"])["base"] != prefixes(on)["base"]
