@@ -114,7 +114,8 @@ def test_last_solution_is_the_last_acknowledged_write():
 
 
 # Solutions that look for the hidden tests wherever they might be: the work dir, its parents, /, /tmp, the parent
-# processes' /proc entries. If one could read them, it would return the expected values and score 1.
+# processes' /proc entries (regular files, 4,000 entries per place at most). If one could read them, it would return
+# the expected values and score 1.
 SNOOP = r'''
 import os, re
 _found = {}
@@ -123,6 +124,8 @@ def _scan(text):
         _found[int(m.group(1))] = int(m.group(2))
 def _read(p):
     try:
+        if not os.path.isfile(p):  # a FIFO (a test's leftover in /tmp) would block the open forever
+            return
         with open(p, errors="replace") as fh:
             _scan(fh.read(1 << 16))
     except Exception:
@@ -135,14 +138,14 @@ try:
         _read("/proc/%d/%s" % (_pp, _f))
 except Exception:
     pass
-_n = 0
 for _r in _roots:
+    _n = 0  # entries seen under this root: the walk itself stops at the cap (a big disk must not take minutes)
     for _dir, _dirs, _files in os.walk(_r):
         _dirs[:] = [d for d in _dirs if d not in ("usr", "lib", "lib64", "bin", "sbin", "sys", "proc", "dev", "etc")]
+        _n += 1 + len(_files)
+        if _n > 4000:
+            break
         for _name in _files:
-            _n += 1
-            if _n > 4000:
-                break
             _read(os.path.join(_dir, _name))
 def f(x):
     return _found.get(x, -12345)
