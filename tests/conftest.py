@@ -24,7 +24,7 @@ from s3_fixtures import moto_server, s3_bucket, s3_env  # noqa: F401,E402  (pyte
 
 @pytest.fixture(scope="session")
 def judge_dir(tmp_path_factory):
-    """The small anti-hack judge (teachers/judge_model.py), trained once per session (minutes on 2 cores; it raises
+    """The small anti-hack judge (teachers/judge_model.py), trained once per session (~45 s on 2 cores; it raises
     unless it classifies a held-out set well). ALLOY_TEST_JUDGE_DIR names one trained before (same code) to reuse."""
     import os
     from pathlib import Path
@@ -34,7 +34,14 @@ def judge_dir(tmp_path_factory):
     if os.environ.get("ALLOY_TEST_JUDGE_DIR"):
         return Path(os.environ["ALLOY_TEST_JUDGE_DIR"])
     out = tmp_path_factory.mktemp("judge") / "judge"
-    print("JUDGE-TRAINING", train_judge(out))
+    # on every core, as `python -m teachers.judge_model` trains it (torch's default): nothing else runs while a
+    # fixture builds, and 2 threads took 44 s here against 71 s on one
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        print("JUDGE-TRAINING", train_judge(out))
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
