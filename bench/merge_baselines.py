@@ -4,8 +4,9 @@
         [--rl-steps 40] [--distill-steps 60] [--batch 64] [--base-steps 150] [--quick]
     python bench/merge_baselines.py --demo [--seeds 0,1,2] [--fresh]     # → bench/results/merge_baselines_demo.json
 
-`--demo`: configs/demo.yaml's 12 domains (their difficulties), a base like the demo's (1000 SFT steps on 2000
-demonstrations per domain), S = 50, Sd = 144, offline_kd on the teachers' greedy outputs. With `--seeds` (or
+`--demo`: configs/demo.yaml's 12 domains (their difficulties), a base as the demo's was until 11-28 (1000 fixed
+SFT steps on 2000 demonstrations per domain: the committed results' setting; the demo now stops its base at a
+validation score, `base.stop_at_score`), S = 50, Sd = 144, offline_kd on the teachers' greedy outputs. With `--seeds` (or
 `--demo`) each seed writes `<out>_seed<K>.json` (+ .md) as it finishes and a rerun reuses it (same settings, else it
 refuses, naming them; `--fresh` reruns), so a crash or Ctrl-C loses at most the seed in progress. Then `<out>.json`
 summarises the seeds (`merge_stats.py`: per arm the mean over domains with a Student-t 95% interval over seeds,
@@ -543,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--critic-warmup", type=int, default=3)
     p.add_argument("--ppo-epochs", type=int, default=4)
     p.add_argument("--n-prompts", type=int, default=2000, help="train prompts per domain")
-    p.add_argument("--base-steps", type=int, default=None, help="base SFT steps (150, --demo 1000 as the demo)")
+    p.add_argument("--base-steps", type=int, default=None,
+                   help="base SFT steps (150, --demo 1000: the demo's base until it stopped by score)")
     p.add_argument("--n-train", type=int, default=None, help="base SFT demonstrations per domain (1000, --demo 2000)")
     p.add_argument("--offline-sampling", choices=("greedy", "sample"), default=None,
                    help="how teachers write offline_kd's data (sample: temperature 1; --demo greedy)")
