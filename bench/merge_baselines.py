@@ -6,8 +6,8 @@
 
 `--demo`: configs/demo.yaml's 12 domains (their difficulties), a base as the demo's was until 11-28 (1000 fixed
 SFT steps on 2000 demonstrations per domain: the committed results' setting; the demo now stops its base at a
-validation score, `base.stop_at_score`), S = 50, Sd = 144, offline_kd on the teachers' greedy outputs. With `--seeds` (or
-`--demo`) each seed writes `<out>_seed<K>.json` (+ .md) as it finishes and a rerun reuses it (same settings, else it
+validation score, `base.stop_at_score`), S = 50, Sd = 144, offline_kd on the teachers' greedy outputs. With
+`--seeds` (or `--demo`) each seed writes `<out>_seed<K>.json` (+ .md) as it finishes and a rerun reuses it (same settings, else it
 refuses, naming them; `--fresh` reruns), so a crash or Ctrl-C loses at most the seed in progress. Then `<out>.json`
 summarises the seeds (`merge_stats.py`: per arm the mean over domains with a Student-t 95% interval over seeds,
 per-domain intervals, forgetting, OPD's paired difference to each arm), `<out>.md` is its table, `<out>.png` the
