@@ -4,14 +4,14 @@
         [--rl-steps 40] [--distill-steps 60] [--batch 64] [--base-steps 150] [--quick]
     python bench/merge_baselines.py --demo [--seeds 0,1,2] [--fresh]     # → bench/results/merge_baselines_demo.json
 
-`--demo`: configs/demo.yaml's 12 domains (their difficulties), a base as the demo's was until 11-28 (1000 fixed
-SFT steps on 2000 demonstrations per domain: the committed results' setting; the demo now stops its base at a
-validation score, `base.stop_at_score`), S = 50, Sd = 144, offline_kd on the teachers' greedy outputs. With
-`--seeds` (or `--demo`) each seed writes `<out>_seed<K>.json` (+ .md) as it finishes and a rerun reuses it (same settings, else it
+`--demo`: configs/demo.yaml's 12 domains (their difficulties), a base as the demo's was until 11-28 (1000 fixed SFT
+steps on 2000 demonstrations per domain: the committed results' setting; the demo now stops its base at a validation
+score, `base.stop_at_score`), S = 50, Sd = 144, offline_kd on the teachers' greedy outputs. With `--seeds` (or
+`--demo`) each seed writes `<out>_seed<K>.json` (+ .md) as it finishes and a rerun reuses it (same settings, else it
 refuses, naming them; `--fresh` reruns), so a crash or Ctrl-C loses at most the seed in progress. Then `<out>.json`
 summarises the seeds (`merge_stats.py`: per arm the mean over domains with a Student-t 95% interval over seeds,
-per-domain intervals, forgetting, OPD's paired difference to each arm), `<out>.md` is its table, `<out>.png` the
-arms × domains chart, also logged with the summary to an MLflow run (experiment `alloy-bench`).
+per-domain intervals, forgetting, OPD's paired difference to each arm), `<out>.md` is its table, `<out>.png` the arms
+× domains chart, also logged with the summary to an MLflow run (experiment `alloy-bench`).
 
 One tiny base (a fresh `tiny` model, plain-torch SFT on the domains' demonstrations, stopped early so RL has room)
 is every arm's start. The arms (each worker is a fresh process; PPO is `teachers.specialist_main.run_specialist`,
