@@ -38,6 +38,11 @@ class BaseConfig(_Strict):
                                     "instead of prompt + answer: a base that knows the tool protocol.")
     train: TrainConfig = Field(default_factory=TrainConfig)
     log_every: int = ops_field(25, ge=1, description="Log SFT metrics every N steps.")
+    threads: int | None = ops_field(None, ge=1, description=(
+        "Torch threads of each base SFT process. null: torch's default, one per core, the fastest when the base "
+        "has the machine to itself (under torchrun each rank gets `OMP_NUM_THREADS`, torchrun's 1). Set 1 where "
+        "other trainers share the cores, e.g. two pipelines on one machine: two 2-thread trainers on 2 cores spin "
+        "in OpenMP waiting for each other (docs/tuning.md)."))
     stop_at_score: float | None = Field(None, gt=0, le=1, description=(
         "Stop the SFT early once the base's mean greedy score over the domains, on `val_n` validation prompts each "
         "(the val split: never the eval split), reaches this; checked every `val_every` steps, `steps` stays the "

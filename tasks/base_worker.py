@@ -146,7 +146,7 @@ def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tr
 WORKER = Worker("tasks.base_worker", "Alloy base SFT worker (one process per rank)",
                 args=(arg("--init", required=True, help="HF dir to start from"),
                       arg("--out", required=True, help="storage prefix: rank 0 commits the HF model as <out>/final")),
-                work_subdir="base-work")
+                threads=lambda cfg, args: cfg.base.threads, work_subdir="base-work")
 # `--result`: rank 0 writes the last step's metrics, `world_size`, `steps`, `wall_s` and `checkpoint` there
 
 

@@ -17,7 +17,7 @@ STORAGE = "s3://bucket/alloy/smoke"
 # every ops field of the config, with a value other than smoke.yaml's
 OPS_CHANGES = {
     "run.root": "/elsewhere", "run.storage": "s3://other/prefix", "run.resume": False,
-    "base.log_every": 3, "eval.batch_size": 7, "eval.device": "cpu", "eval.dtype": "bf16",
+    "base.log_every": 3, "base.threads": 1, "eval.batch_size": 7, "eval.device": "cpu", "eval.dtype": "bf16",
     "tracking.enabled": False, "tracking.uri": "http://mlflow.example:5000", "tracking.experiment": "other",
     "engine.host": "0.0.0.0", "engine.api_key": "k3y", "engine.threads": 3, "engine.sglang_weight_sync": "disk",
     "engine.weight_sync": "disk", "engine.read_timeout_s": 60.0, "engine.max_body_mb": 64.0, "engine.device": "cpu",

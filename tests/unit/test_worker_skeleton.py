@@ -38,6 +38,24 @@ def test_unknown_flag_names_the_worker():
         w.parser().parse_args(["--config", "c"])  # --n is required
 
 
+def test_the_base_worker_runs_on_the_threads_its_config_gives(tmp_path, monkeypatch):
+    """`base.threads` (null: torch's default) reaches torch in the process, before the run starts."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    smoke = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "smoke.yaml")
+    before, seen = torch.get_num_threads(), []
+    try:
+        for value in ("2", "null"):
+            torch.set_num_threads(1)
+            argv = ["--config", smoke, "--set", f"base.threads={value}", "--set", "tracking.enabled=false",
+                    "--init", "unused", "--out", "unused"]
+            assert BASE.main(lambda run: seen.append((run.cfg.base.threads, torch.get_num_threads())), argv) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(2, 2), (None, 1)]  # null leaves the count as the process had it
+
+
 def test_result_is_written_atomically(tmp_path):
     path = tmp_path / "sub" / "r.json"
     write_json_atomic(path, {"a": 1, "x": 0.5})
