@@ -91,13 +91,12 @@ class WorkerRun:
 @dataclass(frozen=True)
 class Worker:
     """One trainer process: `python -m <module>` with the common flags and `args`. `threads(cfg, args)` gives torch's
-    intra-op thread count (no `threads`, or it gives None: torch's default); `work_subdir` names the default work
-    dir."""
+    intra-op thread count (None: torch's default); `work_subdir` names the default work dir."""
 
     module: str
     description: str
     args: tuple[Arg, ...] = ()
-    threads: Callable[[Any, argparse.Namespace], int | None] | None = None
+    threads: Callable[[Any, argparse.Namespace], int | None] = lambda cfg, args: None
     work_subdir: str = "work"
 
     # -- the command line, for whoever starts the worker ---------------------------------------------------------
@@ -133,7 +132,7 @@ class Worker:
         from infra.config import load_config
 
         cfg = load_config(args.config, args.set, check_model_path=False)  # the flow that started us checked it
-        threads = self.threads(cfg, args) if self.threads is not None else None
+        threads = self.threads(cfg, args)
         if threads is not None:  # None: torch's default (one per core, or $OMP_NUM_THREADS)
             import torch
 
