@@ -294,6 +294,26 @@ def test_topk_kl_input_errors():
         topk_kl_loss(logits, ids, tlogp[..., :1], mask)
 
 
+@pytest.mark.parametrize("count_elements", [1 << 22, 0])  # ids counted per row, or (a large vocabulary) sorted
+def test_repeated_teacher_ids_are_found_at_their_position_and_padding_is_ignored(monkeypatch, count_elements):
+    import student.losses as losses
+
+    monkeypatch.setattr(losses, "_COUNT_ELEMENTS", count_elements)
+    V, K = 6, 3
+    ids = torch.tensor([[[0, 1, 2], [3, 4, 5], [9, 9, 9]],    # row 0: the last position is padding, garbage ids
+                        [[5, 4, 3], [2, 1, 0], [1, 2, 1]]])   # row 1: a repeat at t = 2
+    lp = torch.full((2, 3, K), -2.0)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    with pytest.raises(ValueError, match=r"repeated id at \(row, t\)=\(1, 2\)"):
+        losses.check_teacher_topk("f", ids, lp, mask, V)
+    ok = ids.clone()
+    ok[1, 2] = torch.tensor([1, 2, 0])
+    out = losses.check_teacher_topk("f", ok, lp, mask, V)
+    assert out[0, 2].tolist() == [0, 1, 2] and out[1, 2].tolist() == [1, 2, 0]  # padding → 0 … K−1, the rest kept
+    with pytest.raises(ValueError, match="out of range"):
+        losses.check_teacher_topk("f", ok, lp, torch.ones(2, 3), V)  # the garbage row counts once it is valid
+
+
 def test_registry():
     assert get_loss("sampled_rkl").fn is sampled_rkl_loss and get_loss("topk_kl").fn is topk_kl_loss
     assert set(LOSSES) == {"sampled_rkl", "topk_kl"}
