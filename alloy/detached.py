@@ -159,11 +159,33 @@ def http_get(url: str, timeout: float = 3.0) -> tuple[int, bytes]:
         return 0, b""
 
 
+# Prefect's server answers 503 for the errors it calls client-retryable (SQLite busy or locked while a flow run
+# writes): its own client retries them with backoff, and so do we. Seconds before each retry; ~15 s in all.
+RETRY_503_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def http_json(url: str, body: dict | None = None, method: str | None = None, timeout: float = 5.0,
+              retry_s: tuple[float, ...] = RETRY_503_S):
+    """A JSON request (GET without a body, else POST unless `method` says otherwise); its JSON answer, None for an
+    empty one (a 204). A 503 is retried after each of `retry_s` seconds (or the answer's Retry-After, when it says
+    more, up to 30 s), then raised as the HTTPError it is; any other error is raised at once."""
+    data = None if body is None else json.dumps(body).encode()
+    for wait_s in (*retry_s, None):
+        req = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read()
+            return json.loads(raw) if raw else None
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or wait_s is None:
+                raise
+            after = exc.headers.get("Retry-After", "") if exc.headers else ""
+            time.sleep(max(wait_s, min(float(after), 30.0)) if after.replace(".", "", 1).isdigit() else wait_s)
+
+
 def http_post_json(url: str, body: dict, timeout: float = 5.0):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"null")
+    return http_json(url, body, "POST", timeout)
 
 
 def wait_until(check, entry: dict, what: str, timeout_s: float) -> None:

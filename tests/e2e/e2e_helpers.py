@@ -1,12 +1,12 @@
 """Helpers of the e2e tests: the CLI as a user runs it, a user's environment, the Prefect/MLflow REST APIs."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
+
+from alloy.detached import http_json
 
 ROOT = Path(__file__).resolve().parents[2]
 ALLOY = [sys.executable, "-m", "alloy.cli"]
@@ -32,16 +32,10 @@ def run_cli(*args: str, timeout: float = 300.0, env: dict | None = None) -> subp
 
 
 def api_get(url: str):
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
+    """A REST API's JSON answer; a 503 (Prefect's "retry me" while SQLite is busy) is retried as Prefect's client does."""
+    return http_json(url)
 
 
 def api_send(url: str, body: dict, method: str = "POST"):
     """A JSON request to a REST API; its JSON answer (None for an empty one, e.g. Prefect's 204 of a PATCH)."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method=method,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        raw = r.read()
-    return json.loads(raw) if raw else None
-
-
+    return http_json(url, body, method, timeout=10.0)

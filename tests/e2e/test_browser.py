@@ -92,8 +92,8 @@ def click_text(driver, text: str, tag: str = "*", within: str = "") -> None:
 
 
 def patient(call, tries: int = 5):
-    """call(), again after a second on an HTTP 5xx or a refused connection (the Prefect server answered 503 once
-    while a flow run kept the 2 shared cores busy)."""
+    """call(), again after a second on an HTTP 5xx or a refused connection. A 503 (SQLite busy while a flow run keeps
+    the 2 shared cores busy) is already retried with backoff inside api_get/api_send; this covers the rest."""
     import urllib.error
 
     for i in range(tries):
@@ -226,8 +226,10 @@ def test_prefect_ui_quick_run_of_the_smoke_deployment_completes(browser, stack, 
         wait_for_text(browser, fr["name"], "Completed", "smoke")
         assert browser.save_screenshot(str(shots / "prefect-quick-run.png"))
     finally:
-        api_send(f"{api}/deployments/{dep_id}", {"parameters": dep["parameters"]}, "PATCH")
-        if "every_before" in locals():
-            for r in patient(lambda: api_send(f"{api}/flow_runs/filter", {})):
-                if r["id"] not in every_before:
-                    patient(lambda: api_send(f"{api}/flow_runs/{r['id']}", {}, "DELETE"))
+        try:
+            patient(lambda: api_send(f"{api}/deployments/{dep_id}", {"parameters": dep["parameters"]}, "PATCH"))
+        finally:  # the flow runs go even when the restore failed: `alloy status`'s test looks for the smoke run
+            if "every_before" in locals():
+                for r in patient(lambda: api_send(f"{api}/flow_runs/filter", {})):
+                    if r["id"] not in every_before:
+                        patient(lambda: api_send(f"{api}/flow_runs/{r['id']}", {}, "DELETE"))
