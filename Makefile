@@ -6,6 +6,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.alloy-setup-stamp
 CONFIG  ?= configs/demo.yaml
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test` (0: the plain serial run, in collection order); tests/conftest.py groups them
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo dataset-example agentic smoke test test-unit bench clean-runs
 
@@ -43,7 +45,7 @@ smoke: setup
 	$(BIN)/alloy run configs/smoke.yaml --report runs/smoke-report.json
 
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-unit: setup
 	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)

@@ -22,6 +22,19 @@ torch.set_num_threads(1)
 from s3_fixtures import moto_server, s3_bucket, s3_env  # noqa: F401,E402  (pytest fixtures)
 
 
+# `make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`). Each test file is
+# one group, so a module's fixtures are built once, on one worker, and its tests keep their order; the files on the
+# e2e session's `alloy up` stack are one group, browser first: test_prefect_deploy's last test stops that stack.
+E2E_STACK_FILES = ("test_browser.py", "test_prefect_deploy.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = "e2e-stack" if item.path.name in E2E_STACK_FILES else item.path.relative_to(config.rootpath).as_posix()
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def judge_dir(tmp_path_factory):
     """The small anti-hack judge (teachers/judge_model.py), trained once per session (~45 s on 2 cores; it raises
