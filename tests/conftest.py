@@ -37,24 +37,36 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def judge_dir(tmp_path_factory):
-    """The small anti-hack judge (teachers/judge_model.py), trained once per session (~45 s on 2 cores; it raises
-    unless it classifies a held-out set well). ALLOY_TEST_JUDGE_DIR names one trained before (same code) to reuse."""
+    """The small anti-hack judge (teachers/judge_model.py), trained once per `make test` (~45 s on 2 cores; it raises
+    unless it classifies a held-out set well). Under pytest-xdist the first worker that asks trains it in the run's
+    shared temp dir while a second one waits on the lock: two judges trained at once on the 2 cores took 240-370 s.
+    ALLOY_TEST_JUDGE_DIR names one trained before (same code) to reuse."""
     import os
     from pathlib import Path
+
+    from filelock import FileLock
 
     from teachers.judge_model import train_judge
 
     if os.environ.get("ALLOY_TEST_JUDGE_DIR"):
         return Path(os.environ["ALLOY_TEST_JUDGE_DIR"])
-    out = tmp_path_factory.mktemp("judge") / "judge"
-    # on every core, as `python -m teachers.judge_model` trains it (torch's default): nothing else runs while a
-    # fixture builds, and 2 threads took 44 s here against 71 s on one
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        print("JUDGE-TRAINING", train_judge(out))
-    finally:
-        torch.set_num_threads(threads)
+    xdist = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    shared = tmp_path_factory.getbasetemp().parent if xdist else tmp_path_factory.mktemp("judge")
+    out = shared / "judge"
+    with FileLock(str(shared / "judge.lock")):
+        done = shared / "judge.ok"  # written after train_judge returns: it raises on a judge that classifies badly
+        if done.is_file():  # trained by another worker of this run
+            return out
+        # serially on every core, as `python -m teachers.judge_model` trains it (torch's default): nothing else runs
+        # while a fixture builds, and 2 threads took 44 s here against 71 s on one; under xdist the other worker is
+        # running tests, so one thread
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1 if xdist else os.cpu_count() or 1)
+        try:
+            print("JUDGE-TRAINING", train_judge(out))
+        finally:
+            torch.set_num_threads(threads)
+        done.touch()
     return out
 
 
