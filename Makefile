@@ -45,7 +45,7 @@ smoke: setup
 	$(BIN)/alloy run configs/smoke.yaml --report runs/smoke-report.json
 
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-unit: setup
 	$(BIN)/python -m pytest -m unit $(PYTEST_ARGS)

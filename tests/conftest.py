@@ -22,17 +22,25 @@ torch.set_num_threads(1)
 from s3_fixtures import moto_server, s3_bucket, s3_env  # noqa: F401,E402  (pytest fixtures)
 
 
-# `make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`). Each test file is
-# one group, so a module's fixtures are built once, on one worker, and its tests keep their order; the files on the
-# e2e session's `alloy up` stack are one group, browser first: test_prefect_deploy's last test stops that stack.
+# `make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadfile --no-loadscope-reorder`), with the work
+# units chosen here: each test file is one unit, so a module's fixtures are built once, on one worker, and its tests
+# keep their order; the files on the e2e session's `alloy up` stack are one unit, browser first: test_prefect_deploy's
+# last test stops that stack. (xdist's own `loadgroup` marks do not group under pytest 9: it renames `item._nodeid`,
+# which pytest 9 no longer reads, and silently falls back to one test per unit.)
 E2E_STACK_FILES = ("test_browser.py", "test_prefect_deploy.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = "e2e-stack" if item.path.name in E2E_STACK_FILES else item.path.relative_to(config.rootpath).as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # any other --dist: xdist's own scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "e2e-stack" if path.rsplit("/", 1)[-1] in E2E_STACK_FILES else path
+
+    return FileUnits(config, log)
 
 
 @pytest.fixture(scope="session")
