@@ -35,6 +35,7 @@ from domains.episodes import Episode, EpisodeRun, run_token_episode  # the turn 
 from domains.tools import TURN_END, count_tool_calls, parse_tool_call
 from infra.chat import PromptRenderer, response_text
 from engine.client import EngineClient, seed_for
+from engine.coalesce import Coalescer
 from teachers.april import AprilBuffer, Partial, Sample, collect_batch, merge_continuation, plan_requests
 from domains.compaction import Compaction, tokenizer_summarizer
 
@@ -81,6 +82,8 @@ class Roller:
         self.uses_tools = hasattr(domain, "env")
         self.env_kwargs = dict(env_kwargs or {})
         self._aborting = False
+        self.coalescer = Coalescer(client)  # used while `coalesce` (set per step by rollout_step)
+        self.coalesce = False
 
     def text(self, ids: Sequence[int]) -> str:
         """The response text of `ids`: up to the first stop id, special tokens removed (what the verifier sees)."""
@@ -106,9 +109,10 @@ class Roller:
         async def generate(context: list[int], max_new: int, i: int) -> tuple[list[int], list[float], str]:
             call = f"{rid}-{i}"
             seed = None if self.seed is None else seed_for(self.seed, call)
-            g = (await self.client.generate([context], max_new_tokens=max_new, temperature=self.temperature,
-                                            stop_token_ids=self.stops, stop=stop_strs, return_logprob=True, rid=call,
-                                            sampling_seed=seed))[0]
+            gen = self.coalescer.generate if self.coalesce else self.client.generate
+            g = (await gen([context], max_new_tokens=max_new, temperature=self.temperature,
+                           stop_token_ids=self.stops, stop=stop_strs, return_logprob=True, rid=call,
+                           sampling_seed=seed))[0]
             return g.output_ids, g.output_logprobs, g.finish_reason
 
         try:
@@ -163,6 +167,9 @@ async def rollout_step(roller: Roller, buffer: AprilBuffer, cursor: PromptCursor
     n_resume, n_fresh = plan_requests(batch_size, over_sampling, len(buffer), min_extra)
     requests = buffer.take_resumable(version, n_resume) + cursor.take(n_fresh, max_new_tokens, version)
     roller._aborting = False
+    # every request runs to its end (no abort by the clock): one engine request per step instead of one per
+    # episode (engine/coalesce.py); a tool episode's turns keep their own calls, each turn as soon as it is ready
+    roller.coalesce = not roller.uses_tools and (deterministic or len(requests) <= batch_size)
 
     async def submit(i: int) -> Episode:
         return await roller.episode(requests[i], version, f"{requests[i].sample_id}-v{version}")
