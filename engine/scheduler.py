@@ -40,11 +40,13 @@ from engine.decode import FusedDecoder
 from engine.device import (check_mem_fraction, dtype_name, limit_memory, memory_budget_error, oom_message,
                            resolve_device, resolve_dtype)
 from engine.kv_cache import BatchKVCache
+from engine.native_model import engine_model, fused_decode
 from engine.running import RunningBatch, Segment
 from engine.protocol import ProtocolError, SeqResult, SeqSpec
 from engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
 from engine.weight_updates import UpdateJob, WeightUpdates
 from infra.choices import MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS
+
 
 log = logging.getLogger("alloy.engine")
 
@@ -181,7 +183,7 @@ class Engine(WeightUpdates):
             self._fail_all("server shutting down")
 
     def _load_initial(self) -> None:
-        from infra.models import load_tokenizer
+        from infra.tokenizer import load_tokenizer
 
         if self.threads:
             torch.set_num_threads(self.threads)
@@ -200,9 +202,7 @@ class Engine(WeightUpdates):
         # walked them all, triggered by the millions of small objects of a log-prob answer)
 
     def _load_on_device(self) -> None:
-        from infra.models import load_model
-
-        self._set_model(load_model(self.model_path, dtype=self.dtype, device=self.device))
+        self._set_model(engine_model(self.model_path, dtype=self.dtype, device=self.device))
         if self.weights_buffer:
             from engine.weight_buffer import copy_into, read_buffer
 
@@ -213,7 +213,10 @@ class Engine(WeightUpdates):
             log.info("applied weight buffer %s (weight_version %s)", self.weights_buffer, version)
         self._gen = torch.Generator(device=self.device).manual_seed(self._seed)
         with torch.inference_mode():  # warm-up: the first forward pays one-off allocation/dispatch costs
-            self.model(input_ids=torch.tensor([[0, 0]], device=self.device), use_cache=False)
+            if self._fused is not None:
+                self._fused.prefill([[0, 0]], 1, None)
+            else:
+                self.model(input_ids=torch.tensor([[0, 0]], device=self.device), use_cache=False)
 
     def _set_model(self, model) -> None:
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -222,8 +225,7 @@ class Engine(WeightUpdates):
         self._sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
         # decode steps skip transformers' module dispatch for Llama/Qwen2 (same logits; ALLOY_ENGINE_FUSED_DECODE=0
         # turns it off); None → the plain HF forward
-        fused_ok = os.environ.get("ALLOY_ENGINE_FUSED_DECODE", "1").lower() not in ("0", "false", "no")
-        self._fused = FusedDecoder.for_model(model) if fused_ok else None
+        self._fused = FusedDecoder.for_model(model) if fused_decode() else None
         self._batch.max_segments = self.max_segments if self._fused is not None else 1  # the HF forward: one cache
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         from engine.weight_buffer import state_bytes

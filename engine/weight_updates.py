@@ -109,13 +109,13 @@ class WeightUpdates:
         return True, msg
 
     def _load_weights(self, job: UpdateJob) -> tuple[bool, str]:
-        from infra.models import load_model
+        from engine.native_model import engine_model
 
         if job.tensors is not None:
             return self._copy_weights(job)
         t0 = time.perf_counter()
         try:  # on the host in the engine's dtype first: a bad dir never touches the device
-            model = load_model(job.model_path, dtype=self.dtype)
+            model = engine_model(job.model_path, dtype=self.dtype)
         except Exception as e:  # noqa: BLE001 - a bad path is the client's error, reported as success=false
             return False, f"Failed to load weights from {job.model_path}: {type(e).__name__}: {e}"
         vocab = int(model.get_input_embeddings().weight.shape[0])

@@ -19,11 +19,12 @@ from typing import Iterable
 
 import torch
 from transformers.utils import logging as hf_logging
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
                           Qwen2Config, Qwen2ForCausalLM)
 
 from infra.presets import PRESETS, Preset  # noqa: F401  (re-exported: the preset table lives without torch)
-from infra.tokenizer import bpe_eos_ids, read_train_text, save_bpe_tokenizer, save_char_tokenizer, train_bpe_tokenizer
+from infra.tokenizer import (bpe_eos_ids, load_tokenizer, read_train_text, save_bpe_tokenizer,  # noqa: F401
+                            save_char_tokenizer, train_bpe_tokenizer)  # load_tokenizer: re-exported
 
 hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars are noise for tiny local checkpoints
 
@@ -118,8 +119,3 @@ def model_device(model) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-def load_tokenizer(path: str | Path):
-    tok = AutoTokenizer.from_pretrained(str(path))
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok

@@ -151,3 +151,50 @@ def save_bpe_tokenizer(tok: PreTrainedTokenizerFast, out_dir: str | Path) -> Pre
     cfg["model_max_length"] = 32768  # as Qwen2 (the default is a 1e30 sentinel)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return tok
+
+
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _json(path: Path) -> dict:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def generic_tokenizer(path: str | Path) -> bool:
+    """Whether `AutoTokenizer` would build the dir's tokenizer as the generic fast tokenizer: tokenizer.json present,
+    `tokenizer_class` TokenizersBackend / PreTrainedTokenizerFast, no custom code (`auto_map`), and transformers does
+    not override that class for the model type (its table of checkpoints whose declared class is wrong, e.g.
+    qwen2 → Qwen2Tokenizer)."""
+    src = Path(path)
+    tc = _json(src / "tokenizer_config.json")
+    if tc.get("tokenizer_class") not in GENERIC_TOKENIZER_CLASSES or "auto_map" in tc \
+            or not (src / "tokenizer.json").is_file():
+        return False
+    from transformers.models.auto.tokenization_auto import (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS,
+                                                            TOKENIZER_MAPPING_NAMES)
+
+    model_type = _json(src / "config.json").get("model_type")
+    registered = (TOKENIZER_MAPPING_NAMES.get(model_type) or "TokenizersBackend").removesuffix("Fast")
+    return registered in ("TokenizersBackend", "PreTrainedTokenizer") \
+        or model_type not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+
+
+def load_tokenizer(path: str | Path):
+    """The HF tokenizer of the local dir `path` (the class `AutoTokenizer` picks), its pad token the EOS when it has
+    none. A generic fast tokenizer (`generic_tokenizer`: Alloy's own char and Llama BPE tokenizers, many exported
+    checkpoints) is built by that class directly: the same tokenizer, without AutoTokenizer's import of
+    transformers' model configuration machinery (~2 s of CPU), so the engine server, which needs only the
+    tokenizer, starts faster."""
+    if generic_tokenizer(path):
+        from transformers import PreTrainedTokenizerFast as Loader
+    else:
+        from transformers import AutoTokenizer as Loader
+
+    tok = Loader.from_pretrained(str(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
