@@ -127,3 +127,30 @@ def test_a_rollout_step_coalesces_only_when_no_request_can_be_aborted(server, ov
         assert co == {"calls": 8, "requests": 1} and requests == 1
     else:  # APRIL counts completions as they come, and aborts the rest: one request per episode (+ the abort)
         assert co["calls"] == 0 and requests >= 16
+
+
+def test_an_unseeded_synchronous_step_is_the_same_on_two_servers_started_with_one_seed(server, tmp_path):
+    """The synchronous step is one request, so a server seeded at start samples its batch in one order: two servers
+    started with the same `--seed` give the same step, as two `make demo` runs did (docs/results.md)."""
+    _, base = server
+    dom, tok = load_domain("reverse"), load_tokenizer(base)
+
+    async def step(url: str):
+        client = EngineClient(url)
+        try:
+            roller = Roller(client, dom, tok, temperature=1.0)  # no per-call seeds
+            samples, _ = await rollout_step(roller, AprilBuffer(max_staleness=2), PromptCursor(dom, tok, 50, 0),
+                                            batch_size=16, over_sampling=1.0, max_new_tokens=16, version=0)
+            return [(s.sample_id, s.output_ids) for s in samples]
+        finally:
+            await client.aclose()
+
+    runs = []
+    for i in range(2):
+        srv = EngineProc(base, tmp_path / f"seeded-{i}.log", "--seed", "1234").start().wait_healthy()
+        try:
+            runs.append(asyncio.run(step(srv.url)))
+        finally:
+            srv.kill()
+    assert runs[0] == runs[1] and len(runs[0]) == 16
+    assert len({tuple(ids) for _, ids in runs[0]}) > 1  # sampled, not one greedy answer repeated
