@@ -20,9 +20,19 @@ error of the request (after the client's own retries) is every caller's error.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from typing import NamedTuple, Sequence
 
 from engine.client import EngineClient, Generation
+
+
+class _Call(NamedTuple):
+    """One queued call: what stays its own inside a shared request, and where its answer goes."""
+    prompt: list[int]
+    budget: int
+    stop: list[str] | None
+    rid: str | None
+    seed: int | None
+    answer: asyncio.Future
 
 
 class Coalescer:
@@ -31,7 +41,7 @@ class Coalescer:
 
     def __init__(self, client: EngineClient):
         self.client = client
-        self._queued: dict[tuple, list[tuple[list[int], int, Any, str | None, int | None, asyncio.Future]]] = {}
+        self._queued: dict[tuple, list[_Call]] = {}
         self.counters = {"calls": 0, "requests": 0}
 
     async def generate(self, input_ids: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
@@ -59,31 +69,31 @@ class Coalescer:
         if queue is None:
             queue = self._queued[key] = []
             loop.call_soon(self._send, key)
-        queue.append((list(input_ids[0]), int(max_new_tokens), list(stop) if stop else None, rid, sampling_seed, fut))
+        queue.append(_Call(list(input_ids[0]), int(max_new_tokens), list(stop) if stop else None, rid, sampling_seed,
+                           fut))
         self.counters["calls"] += 1
         return [await fut]
 
     def _send(self, key: tuple) -> None:
-        items = self._queued.pop(key)
-        rids = [r for _, _, _, r, _, _ in items]
-        if len(set(rids)) != len(rids) and rids[0] is not None:  # one request wants unique ids: send them apart
-            for item in items:
-                self._post(key, [item])
+        calls = self._queued.pop(key)
+        rids = [c.rid for c in calls]
+        if rids[0] is not None and len(set(rids)) != len(rids):  # one request wants unique ids: send them apart
+            for c in calls:
+                self._post(key, [c])
         else:
-            self._post(key, items)
+            self._post(key, calls)
 
-    def _post(self, key: tuple, items: list) -> None:
+    def _post(self, key: tuple, calls: list[_Call]) -> None:
         temperature, top_p, top_k, stop_ids, ignore_eos, return_logprob, binary, no_rid, no_seed = key
-        stops = [s for _, _, s, *_ in items]
+        stops = [c.stop for c in calls]
         self.counters["requests"] += 1
         coro = self.client.generate(
-            [p for p, *_ in items], max_new_tokens=[b for _, b, *_ in items], temperature=temperature, top_p=top_p,
-            top_k=top_k, stop_token_ids=list(stop_ids) or None, stop=stops if any(stops) else None,
-            ignore_eos=ignore_eos, return_logprob=return_logprob,
-            rid=None if no_rid else [r for _, _, _, r, _, _ in items],
-            sampling_seed=None if no_seed else [s for *_, s, _ in items], binary=binary)
+            [c.prompt for c in calls], max_new_tokens=[c.budget for c in calls], temperature=temperature,
+            top_p=top_p, top_k=top_k, stop_token_ids=list(stop_ids) or None, stop=stops if any(stops) else None,
+            ignore_eos=ignore_eos, return_logprob=return_logprob, rid=None if no_rid else [c.rid for c in calls],
+            sampling_seed=None if no_seed else [c.seed for c in calls], binary=binary)
         task = asyncio.ensure_future(coro)
-        task.add_done_callback(lambda t: _deliver(t, [f for *_, f in items]))
+        task.add_done_callback(lambda t: _deliver(t, [c.answer for c in calls]))
 
 
 def _deliver(task: asyncio.Task, futures: list[asyncio.Future]) -> None:

@@ -51,7 +51,7 @@ def native_config(path: str | Path) -> SimpleNamespace | None:
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     qkv_bias = True if kind == "qwen2" else bool(raw.get("attention_bias", False))
     return SimpleNamespace(
-        model_type=kind, architectures=archs, _attn_implementation="sdpa", hidden_act="silu", pretraining_tp=1,
+        model_type=kind, _attn_implementation="sdpa", hidden_act="silu", pretraining_tp=1,
         use_sliding_window=False, hidden_size=hidden, num_hidden_layers=int(raw["num_hidden_layers"]),
         num_attention_heads=heads, num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(raw.get("head_dim") or hidden // heads), intermediate_size=int(raw["intermediate_size"]),
@@ -59,8 +59,7 @@ def native_config(path: str | Path) -> SimpleNamespace | None:
         rope_theta=float(theta), max_position_embeddings=int(raw.get("max_position_embeddings") or 1 << 20),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=kind == "llama" and bool(raw.get("attention_bias", False)),
-        eos_token_id=raw.get("eos_token_id"), bos_token_id=raw.get("bos_token_id"),
-        pad_token_id=raw.get("pad_token_id"))
+        eos_token_id=raw.get("eos_token_id"))
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -173,7 +172,7 @@ def load_native(path: str | Path, dtype: torch.dtype = torch.float32,
     """The checkpoint at `path` as a `NativeCausalLM` in `dtype` on `device` (None: the host), in eval mode; None
     when it is not one the fused decoder computes exactly (see `native_config`). Raises `ValueError` naming the
     tensor when the weights do not fit the config (a missing, unexpected or misshapen tensor)."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     src = Path(path)
     config, files = native_config(src), _weight_files(src)
@@ -182,13 +181,13 @@ def load_native(path: str | Path, dtype: torch.dtype = torch.float32,
     gen = {}
     if (src / "generation_config.json").is_file():
         gen = json.loads((src / "generation_config.json").read_text())
-    generation_config = SimpleNamespace(eos_token_id=gen.get("eos_token_id", config.eos_token_id),
-                                        bos_token_id=gen.get("bos_token_id"), pad_token_id=gen.get("pad_token_id"))
-    model = NativeCausalLM(config, generation_config)
+    model = NativeCausalLM(config, SimpleNamespace(eos_token_id=gen.get("eos_token_id", config.eos_token_id)))
     where = "cpu" if device is None else str(device)
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f), device=where))
+    for f in files:  # tensor by tensor, each cast as it is read: never a whole float32 copy on the device
+        with safe_open(str(f), framework="pt", device=where) as fh:
+            for k in fh.keys():
+                state[k] = fh.get_tensor(k).to(dtype)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = dict(model.named_parameters())  # a tied lm_head is the embedding's parameter: listed once
@@ -199,7 +198,7 @@ def load_native(path: str | Path, dtype: torch.dtype = torch.float32,
     for k, p in expected.items():
         if tuple(state[k].shape) != tuple(p.shape):
             raise ValueError(f"{src}: tensor {k} has shape {tuple(state[k].shape)}, the config says {tuple(p.shape)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.to(where)

@@ -47,7 +47,6 @@ from engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_lo
 from engine.weight_updates import UpdateJob, WeightUpdates
 from infra.choices import MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS
 
-
 log = logging.getLogger("alloy.engine")
 
 

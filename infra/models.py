@@ -117,5 +117,3 @@ def model_device(model) -> torch.device:
     if isinstance(dev, torch.device):
         return dev
     return next((p.device for p in model.parameters()), torch.device("cpu"))
-
-
