@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from infra import zygote
 from infra.procs import cancel_on_stop, log_tail, on_stop, pdeathsig_preexec
 from infra.choices import MAX_LOGPROB_ENTRIES, READ_TIMEOUT_S, Backend
 from engine.backends import BACKENDS, server_backend
@@ -174,7 +175,7 @@ class _Server:
     spec: ServerSpec
     port: int
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | zygote.Forked | None = None
     restarts: int = 0
     restart_times: collections.deque = field(default_factory=collections.deque)
     failed: str | None = None
@@ -361,9 +362,10 @@ class Supervisor:
         with open(srv.log_path, "ab") as logf:  # the child keeps its own copy of the fd
             logf.write(f"\n=== alloy launch {time.strftime('%H:%M:%S')}: {' '.join(redact(cmd))}\n".encode())
             logf.flush()
-            popen = lambda: subprocess.Popen(  # noqa: E731
-                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT),
-                start_new_session=True, preexec_fn=pdeathsig_preexec(os.getpid()))
+            popen = lambda: zygote.spawn(cmd, env=env, stdout=logf.fileno(), cwd=str(REPO_ROOT)) or (  # noqa: E731
+                subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                 cwd=str(REPO_ROOT), start_new_session=True,
+                                 preexec_fn=pdeathsig_preexec(os.getpid())))
             srv.proc = self._spawner.run(popen)
         log.info("started %s (pid %d) on %s, log %s", srv.spec.name, srv.proc.pid, srv.url, srv.log_path)
 

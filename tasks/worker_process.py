@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from infra import procs
+from infra import procs, zygote
 from infra.config import secret_overrides_env, split_secret_overrides
 from infra.progress import progress
 from training.progress_events import PROGRESS_ENV, read_events
@@ -99,8 +99,9 @@ def run_worker(cmd: list[str], log_path: Path, steps: int, label: str,
     procs.raise_if_stopped(f"{label} not started")
     with open(log_path, "ab") as fh, progress(label, max(steps, 1)) as bar:
         offset = events_path.stat().st_size if events_path.exists() else 0  # a retry appends: only its own events
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=procs.pdeathsig_preexec())
+        proc = zygote.spawn(cmd, env=env, stdout=fh.fileno()) or subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=procs.pdeathsig_preexec())
         # a stop request SIGTERMs the trainer at once, even while this thread is busy (a slow progress update)
         token = procs.on_stop(lambda: procs.signal_group(proc.pid, signal.SIGTERM))
         try:

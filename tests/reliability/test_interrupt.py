@@ -77,26 +77,12 @@ def wait_for(proc: subprocess.Popen, out: Path, log: Path, trainer: str, step_li
             except psutil.Error:
                 pass
         trainers = [pid for pid, cmd in kids.items() if trainer in cmd]
-        served = any("engine.server" in _cmdline(q) for pid in trainers for q in _children(pid))
+        # its server: forked by the run's process zygote (infra/zygote.py), a sibling of the trainer, or its child
+        served = any("engine.server" in cmd for cmd in kids.values())
         if trainers and served and (step_line is None or log.exists() and re.search(step_line, log.read_bytes()[since:])):
             return
         time.sleep(0.5)
     raise AssertionError(f"{trainer} did not get going in {timeout:.0f} s:\n{out.read_text()[-3000:]}")
-
-
-def _cmdline(p: psutil.Process) -> str:
-    """A process's command line, or "" once it has exited (a zombie until its parent reaps it: normal for a moment)."""
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:
-        return ""
-
-
-def _children(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
 
 
 def interrupt(proc: subprocess.Popen, tag: str, second_after: float | None = None, terminal: bool = True,
