@@ -8,7 +8,7 @@ to import `module` (the first time), fork, and run the module as `__main__` in t
 
 What a child gets is what `subprocess.Popen(cmd, env=env, cwd=cwd, stdout=fd, stderr=STDOUT, stdin=DEVNULL,
 start_new_session=True)` plus `PR_SET_PDEATHSIG` gives (tasks/worker_process.py, engine/launcher.py):
-- its argv as its process title (`ps`, psutil), its own session (pgid == pid: one `killpg` reaches it all), the
+- its argv as its process title (`ps`, psutil; `set_title`), its own session (pgid == pid: one `killpg` reaches it all), the
   environment and working directory asked for, stdout and stderr on the given descriptor, stdin on /dev/null;
 - torch's thread count from `OMP_NUM_THREADS`, fresh numpy and `random` seeds, atexit handlers run at exit;
 - death with the process that asked for it: the request's connection stays open while the child lives; when it
@@ -465,12 +465,7 @@ def _fresh_process_state(env: dict[str, str], argv: list[str], cwd: str) -> None
     threads = env.get("OMP_NUM_THREADS", "")
     if "torch" in sys.modules and threads.isdigit() and int(threads) > 0:
         sys.modules["torch"].set_num_threads(int(threads))
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(" ".join(argv))
-    except ImportError:
-        pass
+    set_title(" ".join(argv))
 
 
 def _run_main(module: str) -> int:
@@ -507,6 +502,27 @@ def _run_main(module: str) -> int:
     return code
 
 
+def set_title(title: str) -> None:
+    """Show `title` as this process's command line (`ps`, /proc/PID/cmdline, psutil's `cmdline()` split on spaces):
+    written over the argv strings the kernel reports (`arg_start`..`arg_end` in /proc/self/stat; the zygote starts
+    with TITLE_ROOM blanks of argv to make room). The title ends in a NUL and the area in a blank: the kernel then
+    reports the text up to that NUL (its rule for a rewritten argv), never the environment block, so
+    /proc/PID/environ still shows the environment the process started with."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49: arg_start, arg_end
+    except (OSError, IndexError, ValueError):
+        return
+    room = end - start
+    if room < 2:
+        return
+    data = title.encode(errors="replace")[: room - 2] + b"\0"
+    import ctypes
+
+    ctypes.memmove(start, data + b" " * (room - len(data)), room)
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -521,15 +537,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = argv[0]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # our own session; a stop reaches the children, not us
-    # Children's titles go into our argv (its blank tail is their room), never into the environment block: there
-    # /proc/PID/environ keeps showing the environment each child was forked with (ours, as a fresh child's would).
-    os.environ["SPT_NOENV"] = "1"
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"{sys.executable} -m infra.zygote {path}")
-    except ImportError:
-        pass
     try:
         _Zygote(path).serve()
     finally:

@@ -93,7 +93,9 @@ def test_a_signal_ends_the_child_with_the_signal_as_its_returncode(child_module,
     while "sleeping" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None
-    assert "-m zygote_child_mod sleep" in " ".join(psutil.Process(proc.pid).cmdline())  # `ps` shows the command
+    shown = psutil.Process(proc.pid)
+    assert shown.cmdline() == [sys.executable, "-m", "zygote_child_mod", "sleep"]  # `ps` shows the command
+    assert shown.environ().get("PATH") == os.environ.get("PATH")  # and /proc/PID/environ an environment
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.2)
     os.killpg(proc.pid, signal.SIGTERM)
