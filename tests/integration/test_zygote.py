@@ -160,3 +160,28 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_the_zygote_is_reaped_when_its_starter_exits_so_its_cpu_counts_in_the_starters(tmp_path):
+    """`time alloy run` and getrusage count the work of forked children: the starter reaps its zygote at exit."""
+    script = tmp_path / "starter.py"
+    script.write_text(textwrap.dedent(f'''
+        import os, sys
+        from infra import zygote
+        os.environ.pop(zygote.ENV, None)
+        with open({str(tmp_path / "help.log")!r}, "ab") as fh:
+            p = zygote.spawn([sys.executable, "-m", "engine.server", "--help"], env=dict(os.environ),
+                             stdout=fh.fileno())
+        assert p is not None and p.wait(120) == 0
+        print(next(iter(zygote._started.values())).pid, flush=True)
+    '''))
+    env = {k: v for k, v in os.environ.items() if k != zygote.ENV}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    zygote_pid = int(out.split()[0])
+    assert not psutil.pid_exists(zygote_pid) or not _alive(zygote_pid)
+    # the starter alone imports next to nothing; the zygote imported torch and the engine (seconds of CPU)
+    assert usage.ru_utime + usage.ru_stime > 1.0, usage
