@@ -185,3 +185,20 @@ def test_the_zygote_is_reaped_when_its_starter_exits_so_its_cpu_counts_in_the_st
     assert not psutil.pid_exists(zygote_pid) or not _alive(zygote_pid)
     # the starter alone imports next to nothing; the zygote imported torch and the engine (seconds of CPU)
     assert usage.ru_utime + usage.ru_stime > 1.0, usage
+
+
+def test_the_process_start_bench_measures_both_arms_and_fails_a_planted_miss(tmp_path):
+    """bench/process_start.py: fresh and forked server starts; `--check --target 0` cannot be met (a ratio < 0):
+    exit 1, the JSON written all the same."""
+    import json
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "process_start.json"
+    r = subprocess.run([sys.executable, os.path.join(repo, "bench", "process_start.py"), "--quick", "--out", str(out),
+                        "--check", "--target", "0"], cwd=repo, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stdout + r.stderr
+    got = json.loads(out.read_text())
+    assert len(got["fresh"]["starts"]) == len(got["forked"]["starts"]) == 2 and got["target"]["met"] is False
+    assert len(got["meta"]["commit"]) == 40 and got["meta"]["argv"][-1] == "0"
+    fresh, forked = got["fresh"]["cpu_s"]["median"], got["forked"]["cpu_s"]["median"]
+    assert 0 < forked < fresh  # a forked start skips the imports (measured: 0.37 against 2.3 CPU-s)
