@@ -58,6 +58,7 @@ IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "CUDA",
                "TEMP", "TMP", "LANG", "LC_", "TZ", "MPL", "MLFLOW_ENABLE", "SSL_", "REQUESTS_CA")
 # applied in the child as a fresh interpreter would (torch's threads, buffering, bytecode, sys.path: `_fresh`)
 APPLIED = {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONPATH"}
+THREADS = {"OMP_NUM_THREADS", "MKL_NUM_THREADS"}  # applied only as a positive count
 START_TIMEOUT_S = 30.0
 TITLE_ROOM = 4096  # characters of blank argv the zygote starts with: room for its children's titles (`ps`)
 REQUEST_TIMEOUT_S = 300.0  # the first request for a module waits for its import (seconds; minutes on a busy box)
@@ -104,7 +105,11 @@ def env_mismatch(want: dict[str, str], have: dict[str, str], added: set[str] = f
     difference). PYTHONPATH is a difference only when an entry is missing from the zygote's sys.path."""
     out = []
     for key in sorted(set(want) | set(have)):
-        if key in APPLIED or not key.startswith(IMPORT_TIME) or want.get(key) == have.get(key):
+        if not key.startswith(IMPORT_TIME) or want.get(key) == have.get(key):
+            continue
+        if key in THREADS and want.get(key, "").isdigit() and int(want[key]) > 0:
+            continue  # a thread count the child sets (torch.set_num_threads); unset, it would get the zygote's
+        if key in APPLIED and key not in THREADS:
             continue
         if key in added and key not in want:
             continue

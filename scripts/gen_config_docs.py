@@ -48,6 +48,10 @@ in.
   `ALLOY_JUDGE_API_KEY` (`specialists.guard.judge_api_key`), `ALLOY_SECRET_OVERRIDES` (a JSON list of `a.b=value`
   overrides for any other secret field). `alloy run --set engine.api_key=…` moves the value into the environment
   for you. Secret fields print as `***`.
+- **Process starts**: on a host without a GPU, trainers and engine servers are forked from a process zygote that
+  has done their imports (`python -m infra.zygote` in `ps`; a server starts in ~0.4 s instead of ~2.4 s).
+  `ALLOY_ZYGOTE=0` in the environment of `alloy run` (or a worker) starts every child fresh instead; GPU hosts
+  always do (docs/architecture.md, "Processes").
 - **Reuse**: a stage's checkpoints are keyed by a hash of the settings that shape its result; a rerun with the
   same settings reuses complete checkpoints (`run.resume`). Fields marked *ops* (scheduling, logging, serving,
   credentials) are left out of that hash: changing them reuses the checkpoints.

@@ -119,6 +119,8 @@ def test_env_mismatch_names_only_import_time_variables():
     # set by the zygote's own imports (as a fresh child's would set it): absent from the request is no difference
     assert zygote.env_mismatch({"HF_HOME": "/a", "TMPDIR": "/t"}, have, added={"TORCH_EXTENSIONS_DIR"}) == []
     assert zygote.env_mismatch(dict(have, OMP_NUM_THREADS="1"), have) == []  # applied in the child
+    # but without a count the child would keep the zygote's (OpenMP reads it when torch is loaded)
+    assert zygote.env_mismatch(have, dict(have, OMP_NUM_THREADS="1")) == ["OMP_NUM_THREADS"]
 
 
 def test_the_child_and_the_zygote_die_with_the_process_that_asked(child_module, tmp_path):
