@@ -202,9 +202,10 @@ def _address() -> str | None:
         path = os.path.join(d, "sock")
         lifeline_r, lifeline_w = os.pipe()  # the zygote exits when our end closes: when this process is gone
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "infra.zygote", path, " " * TITLE_ROOM], stdin=lifeline_r,
-                                    stdout=subprocess.PIPE, stderr=open(os.path.join(d, "zygote.log"), "ab"),
-                                    env=dict(os.environ, **{ENV: path}), start_new_session=True, close_fds=True)
+            with open(os.path.join(d, "zygote.log"), "ab") as err:  # the zygote's own warnings (its imports')
+                proc = subprocess.Popen([sys.executable, "-m", "infra.zygote", path, " " * TITLE_ROOM],
+                                        stdin=lifeline_r, stdout=subprocess.PIPE, stderr=err,
+                                        env=dict(os.environ, **{ENV: path}), start_new_session=True, close_fds=True)
         finally:
             os.close(lifeline_r)
         ready = proc.stdout.readline() if _readable(proc.stdout, START_TIMEOUT_S) else b""
@@ -272,7 +273,10 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     if not data:
         raise EOFError
     while len(data) < 4:
-        data += conn.recv(4 - len(data)) or b""
+        chunk = conn.recv(4 - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
     (n,) = struct.unpack("!I", data[:4])
     body = data[4:]
     while len(body) < n:
