@@ -4,8 +4,9 @@
 
 Each arm runs in its own process (`ALLOY_ZYGOTE=0` for the fresh arm, unset for the forked one), imports what the
 flow process imports (`training`), and launches `--starts` servers of one tiny model one after the other through
-`engine.launcher.Supervisor`, as the pipeline does: wall from launch to `/health` 200, and the server's own CPU
-seconds from `/proc/PID/stat` (for a forked server: since the fork). The forked arm's first start includes the
+`engine.launcher.Supervisor`, as the pipeline does: wall from launch to `/health` 200, and the CPU seconds the
+server reports for itself right after (`process_cpu_seconds`: its getrusage; a forked server's counts from the
+fork, which resets it). The forked arm's first start includes the
 zygote's import of the engine, so the target compares the later starts: `--check` exits 1 when the median CPU of a
 forked start (2nd onwards) is not below `--target` × the median of a fresh one (default 0.5). On a GPU host the
 zygote is off (infra/zygote.py): the forked arm then measures fresh starts and the target is not judged (exit 2).
@@ -26,21 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, add_check, spread, start_meta, verdict, write_json  # noqa: E402
 
 ARM = r'''
-import json, os, sys, time
+import json, sys, time
+sys.path.insert(0, sys.argv[4])
+from harness import server_cpu_s
 import training  # noqa: F401  (as the flow process: DS_ACCELERATOR, TORCH_EXTENSIONS_DIR)
 from engine.launcher import Supervisor, ServerSpec
 model, n, logs = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-tck = os.sysconf("SC_CLK_TCK")
-def cpu(pid):
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / tck
 out = []
 with Supervisor(logs, install_signal_handlers=False) as sup:
     for i in range(n):
         t = time.monotonic()
-        sup.start([ServerSpec(f"s{i}", model)])
+        url = sup.start([ServerSpec(f"s{i}", model)])[f"s{i}"]
         wall = time.monotonic() - t
-        out.append({"wall_s": round(wall, 3), "cpu_s": cpu(sup.status()[-1]["pid"])})
+        out.append({"wall_s": round(wall, 3), "cpu_s": server_cpu_s([url])})
 print(json.dumps(out))
 '''
 
@@ -50,8 +49,8 @@ def run_arm(model: str, starts: int, zygote_on: bool, work: Path) -> list[dict]:
     if not zygote_on:
         env["ALLOY_ZYGOTE"] = "0"
     logs = work / ("forked" if zygote_on else "fresh")
-    r = subprocess.run([sys.executable, "-c", ARM, model, str(starts), str(logs)], cwd=str(REPO), env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-c", ARM, model, str(starts), str(logs), str(REPO / "bench")],
+                       cwd=str(REPO), env=env, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         raise SystemExit(f"the {'forked' if zygote_on else 'fresh'} arm failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from infra import zygote
-from infra.procs import cancel_on_stop, log_tail, on_stop, pdeathsig_preexec
+from infra.procs import cancel_on_stop, log_tail, on_stop
 from infra.choices import MAX_LOGPROB_ENTRIES, READ_TIMEOUT_S, Backend
 from engine.backends import BACKENDS, server_backend
 from engine.client import API_KEY_ENV, EngineClient, run_sync
@@ -362,11 +362,7 @@ class Supervisor:
         with open(srv.log_path, "ab") as logf:  # the child keeps its own copy of the fd
             logf.write(f"\n=== alloy launch {time.strftime('%H:%M:%S')}: {' '.join(redact(cmd))}\n".encode())
             logf.flush()
-            popen = lambda: zygote.spawn(cmd, env=env, stdout=logf.fileno(), cwd=str(REPO_ROOT)) or (  # noqa: E731
-                subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 cwd=str(REPO_ROOT), start_new_session=True,
-                                 preexec_fn=pdeathsig_preexec(os.getpid())))
-            srv.proc = self._spawner.run(popen)
+            srv.proc = self._spawner.run(lambda: zygote.start(cmd, env=env, stdout=logf, cwd=str(REPO_ROOT)))
         log.info("started %s (pid %d) on %s, log %s", srv.spec.name, srv.proc.pid, srv.url, srv.log_path)
 
     def _wait_healthy(self, servers: list[_Server], allow_new_port: bool) -> list[str]:

@@ -46,6 +46,8 @@ import tempfile
 import threading
 import time
 
+from infra.procs import pdeathsig_preexec, signal_group
+
 log = logging.getLogger("alloy")
 
 ENV = "ALLOY_ZYGOTE"
@@ -265,6 +267,16 @@ def spawn(cmd: list[str], *, env: dict[str, str], stdout: int, cwd: str | None =
     return Forked(sock, int(reply["pid"]), cmd, rest)
 
 
+def start(cmd: list[str], *, env: dict[str, str], stdout, cwd: str | None = None):
+    """Start `cmd` with stdout and stderr appended to the open file `stdout`, stdin on /dev/null, in its own session,
+    dying with this process: forked from the zygote where `spawn` can, else `subprocess.Popen` with
+    `PR_SET_PDEATHSIG` (follows the calling thread: call from a thread that outlives the child). Returns the
+    `Forked` or the `Popen`."""
+    return spawn(cmd, env=env, stdout=stdout.fileno(), cwd=cwd) or subprocess.Popen(
+        cmd, stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd,
+        start_new_session=True, preexec_fn=pdeathsig_preexec())
+
+
 # ------------------------------------------------------------------------------------------------- the zygote
 
 
@@ -322,8 +334,7 @@ class _Zygote:
         self.sel.register(0, selectors.EVENT_READ, "lifeline")  # stdin: the pipe whose writer started us
         self.children: dict[int, socket.socket] = {}  # child pid -> the connection that asked for it
         self.owner: dict[socket.socket, int] = {}
-        libc = __import__("ctypes").CDLL(None, use_errno=True)
-        self.prctl = libc.prctl
+        self.die_with_us = pdeathsig_preexec(self.pid)  # libc resolved now, not in each child
 
     def serve(self) -> None:
         sys.stdout.write("ready\n")
@@ -347,7 +358,7 @@ class _Zygote:
                     if not alive:
                         pid = self.owner.pop(conn, None)
                         if pid is not None:
-                            _kill_group(pid)
+                            signal_group(pid, signal.SIGKILL)
                         self._drop(conn)
             self._reap()
 
@@ -435,9 +446,7 @@ class _Zygote:
         code = 1
         try:
             os.setsid()
-            self.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the zygote
-            if os.getppid() != self.pid:
-                os._exit(1)
+            self.die_with_us()  # PR_SET_PDEATHSIG: SIGKILLed when the zygote dies
             for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -550,13 +559,6 @@ def set_title(title: str) -> None:
     import ctypes
 
     ctypes.memmove(start, data + b" " * (room - len(data)), room)
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

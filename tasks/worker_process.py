@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,9 +98,7 @@ def run_worker(cmd: list[str], log_path: Path, steps: int, label: str,
     procs.raise_if_stopped(f"{label} not started")
     with open(log_path, "ab") as fh, progress(label, max(steps, 1)) as bar:
         offset = events_path.stat().st_size if events_path.exists() else 0  # a retry appends: only its own events
-        proc = zygote.spawn(cmd, env=env, stdout=fh.fileno()) or subprocess.Popen(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=procs.pdeathsig_preexec())
+        proc = zygote.start(cmd, env=env, stdout=fh)
         # a stop request SIGTERMs the trainer at once, even while this thread is busy (a slow progress update)
         token = procs.on_stop(lambda: procs.signal_group(proc.pid, signal.SIGTERM))
         try:
