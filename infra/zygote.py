@@ -30,6 +30,7 @@ otherwise starts its own zygote on its first `spawn`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import importlib
 import json
@@ -80,15 +81,36 @@ def _stop_started() -> None:
             os.close(proc._alloy_lifeline)
         except OSError:
             pass
-    for proc in _started.values():
+    for path, proc in _started.items():
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        d = os.path.dirname(path)
+        try:
+            keep = os.path.getsize(os.path.join(d, "zygote.log")) > 0
+        except OSError:
+            keep = False
+        if keep:  # what it printed (an import's warning, a bad request) stays readable
+            log.info("process zygote's log: %s", os.path.join(d, "zygote.log"))
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        else:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 atexit.register(_stop_started)
+
+
+def stop() -> None:
+    """Stop the zygotes this process started and reap them now, as at exit (a bench counts each stage's CPU:
+    `getrusage(RUSAGE_CHILDREN)` then includes the zygote and the children it forked). Children still running die
+    with it; the next `start` starts a new zygote."""
+    with _lock:
+        _stop_started()
+        _started.clear()
+        _refused.clear()
 
 
 def gpu_host() -> bool:

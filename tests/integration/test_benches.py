@@ -8,7 +8,8 @@ every JSON's `meta`.
 `--check` (issue 35) is exercised on the same runs, each with the exit code it must give: overhead with a planted
 miss (`--target 0`: no ratio is ≤ 0) exits 1 and still writes its JSON; teacher_scaling's quick run has no N = 12,
 so it cannot judge its target (2); scoring_transport has no target (0: it ran); a small loss_memory run with a
-reachable target (`--target 100`) exits 0.
+reachable target (`--target 100`) exits 0; async_specialists with a planted miss (`--target 100`: its stage 100×
+faster than the reference's, here this very tree run fresh) exits 1.
 
 They run at once (separate processes): on 2 cores their start-ups (imports, server launches) overlap.
 """
@@ -29,11 +30,12 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 BENCHES = {"teacher_scaling": "teacher_scaling", "overhead": "overhead", "trl_compare": "trl_compare",
            "april_demo": "april", "scoring_transport": "scoring_transport",
-           "loss_memory": "loss_memory"}  # name → bench/<script>.py
+           "loss_memory": "loss_memory", "async_specialists": "async_specialists"}  # name → bench/<script>.py
 EXTRA = {"april_demo": ["--workload", "demo"], "overhead": ["--check", "--target", "0"],
          "teacher_scaling": ["--check"], "scoring_transport": ["--check"],
-         "loss_memory": ["--variants", "topk_kl", "--vocab", "4096", "--check", "--target", "100"]}
-RC = {"overhead": 1, "teacher_scaling": 2}  # --check's exit code where it is not 0 (see the module docstring)
+         "loss_memory": ["--variants", "topk_kl", "--vocab", "4096", "--check", "--target", "100"],
+         "async_specialists": ["--reference-tree", str(REPO), "--check", "--target", "100"]}
+RC = {"overhead": 1, "teacher_scaling": 2, "async_specialists": 1}  # --check's exit code where it is not 0 (see the module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +205,28 @@ def test_loss_memory_check(results):
     assert r["bench"] == "loss_memory" and r["target"] == 100 and r["target_met"] is True
     assert r["max_new_over_logits"] <= 100 and {x["impl"] for x in r["runs"]} == {"old", "new"}
     assert len(r["meta"]["commit"]) == 40 and len(r["meta"]["loadavg_end"]) == 3
+
+
+def test_async_specialists_shape(results):
+    """Three stages from one base (the reference tree's, this tree's synchronous and asynchronous), each specialist
+    scored on its `final/` by the same evaluation; the ratios are those of the reported walls; the planted miss
+    (`--target 100`) is judged, not skipped."""
+    r = results["async_specialists"]
+    common_shape(r, "async_specialists")
+    assert set(r["runs"]) == {"reference", "sync", "async"} and r["stage_mode"] == "sync"
+    assert r["reference"]["tree"] == str(REPO) and r["reference"]["commit"] == r["meta"]["commit"]
+    for mode, runs in r["runs"].items():
+        (run,) = runs
+        assert set(run["scores"]) == set(r["domains"]) == set(run["own_scores"]) and len(r["domains"]) == 2
+        for d, score in run["scores"].items():  # this tree's eval of `final/` is the specialist's own eval
+            assert 0 <= score <= 1 and score == pytest.approx(run["own_scores"][d], abs=1e-9)
+        assert run["steps"] == 8 * 2 and run["wall_s"] > 0 and run["cpu_s"] > 0
+        assert run["lifted"] == sum(run["scores"][d] >= r["base_scores"][d] + 0.15 for d in r["domains"])
+    walls = {m: v[0]["wall_s"] for m, v in r["runs"].items()}
+    assert r["speedup_vs_reference"] == pytest.approx(walls["reference"] / walls["sync"], rel=1e-2)
+    assert r["async_vs_sync"] == pytest.approx(walls["sync"] / walls["async"], rel=1e-2)
+    assert r["met"] is False and r["target"]["speedup"] == 100
+    assert r["runs"]["async"][0]["lag_mean"] > 0 and r["runs"]["sync"][0]["lag_mean"] == 0
 
 
 def test_april_demo_workload(results):

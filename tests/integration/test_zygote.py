@@ -165,17 +165,31 @@ def _alive(pid: int) -> bool:
 
 
 def test_the_zygote_is_reaped_when_its_starter_exits_so_its_cpu_counts_in_the_starters(tmp_path):
-    """`time alloy run` and getrusage count the work of forked children: the starter reaps its zygote at exit."""
+    """`time alloy run` and getrusage count the work of forked children: the starter reaps its zygote at exit, or
+    when it calls `zygote.stop()` (a bench, per stage); either way the zygote's socket directory is removed, and a
+    start after `stop()` starts a new zygote."""
     script = tmp_path / "starter.py"
     script.write_text(textwrap.dedent(f'''
-        import os, sys
+        import os, resource, sys
         from infra import zygote
         os.environ.pop(zygote.ENV, None)
-        with open({str(tmp_path / "help.log")!r}, "ab") as fh:
-            p = zygote.spawn([sys.executable, "-m", "engine.server", "--help"], env=dict(os.environ),
-                             stdout=fh.fileno())
-        assert p is not None and p.wait(120) == 0
-        print(next(iter(zygote._started.values())).pid, flush=True)
+        def kids():
+            r = resource.getrusage(resource.RUSAGE_CHILDREN)
+            return r.ru_utime + r.ru_stime
+        def help_run():
+            with open({str(tmp_path / "help.log")!r}, "ab") as fh:
+                p = zygote.spawn([sys.executable, "-m", "engine.server", "--help"], env=dict(os.environ),
+                                 stdout=fh.fileno())
+            assert p is not None and p.wait(120) == 0
+            return next(iter(zygote._started))
+        first = help_run()
+        before = kids()
+        zygote.stop()
+        assert kids() - before > 1.0, kids() - before  # the zygote imported torch and the engine
+        assert not os.path.exists(os.path.dirname(first)) and not zygote._started
+        second = help_run()
+        assert second != first
+        print(zygote._started[second].pid, os.path.dirname(second), flush=True)
     '''))
     env = {k: v for k, v in os.environ.items() if k != zygote.ENV}
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env,
@@ -183,10 +197,11 @@ def test_the_zygote_is_reaped_when_its_starter_exits_so_its_cpu_counts_in_the_st
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, out
-    zygote_pid = int(out.split()[0])
+    zygote_pid, sock_dir = int(out.split()[0]), out.split()[1]
     assert not psutil.pid_exists(zygote_pid) or not _alive(zygote_pid)
-    # the starter alone imports next to nothing; the zygote imported torch and the engine (seconds of CPU)
-    assert usage.ru_utime + usage.ru_stime > 1.0, usage
+    assert not os.path.exists(sock_dir)
+    # the starter alone imports next to nothing; each zygote imported torch and the engine (seconds of CPU)
+    assert usage.ru_utime + usage.ru_stime > 2.0, usage
 
 
 def test_the_process_start_bench_measures_both_arms_and_fails_a_planted_miss(tmp_path):
