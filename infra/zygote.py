@@ -8,8 +8,8 @@ to import `module` (the first time), fork, and run the module as `__main__` in t
 
 What a child gets is what `subprocess.Popen(cmd, env=env, cwd=cwd, stdout=fd, stderr=STDOUT, stdin=DEVNULL,
 start_new_session=True)` plus `PR_SET_PDEATHSIG` gives (tasks/worker_process.py, engine/launcher.py):
-- its argv as its process title (`ps`, psutil; `set_title`), its own session (pgid == pid: one `killpg` reaches it all), the
-  environment and working directory asked for, stdout and stderr on the given descriptor, stdin on /dev/null;
+- its argv as its process title (`ps`, psutil; `set_title`), its own session (pgid == pid: one `killpg` reaches
+  it all), the environment and working directory asked for, stdout and stderr on the given descriptor, stdin on /dev/null;
 - torch's thread count from `OMP_NUM_THREADS`, fresh numpy and `random` seeds, atexit handlers run at exit;
 - death with the process that asked for it: the request's connection stays open while the child lives; when it
   closes (that process exited, or was SIGKILLed) the zygote SIGKILLs the child's group; the zygote dies with the
@@ -22,7 +22,8 @@ fork, and GPU runs are the ones the GPU pipeline check exercises); a command oth
 module`; an environment that differs from the zygote's in a variable a library reads when imported (`IMPORT_TIME`
 prefixes: HF_, TORCH, CUDA, PYTHON..., LD_, HOME, TMPDIR...); an import that starts a Python thread (forking it is
 unsafe: the zygote then refuses every request). A module the zygote cannot import (on the child's PYTHONPATH
-only, or broken) is imported by the child itself, which reports a failure in its own log as a fresh one would. Variables our own modules read are read at run time, not at import.
+only, or broken) is imported by the child itself, which reports a failure in its own log as a fresh one would.
+Variables our own modules read are read at run time, not at import.
 A forked child finds the zygote through `ALLOY_ZYGOTE` (its socket path, in the child's environment), so a trainer's
 engine server is forked by the same zygote (in `ps`, a sibling of its trainer under the zygote); a process started
 otherwise starts its own zygote on its first `spawn`.

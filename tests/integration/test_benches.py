@@ -35,7 +35,8 @@ EXTRA = {"april_demo": ["--workload", "demo"], "overhead": ["--check", "--target
          "teacher_scaling": ["--check"], "scoring_transport": ["--check"],
          "loss_memory": ["--variants", "topk_kl", "--vocab", "4096", "--check", "--target", "100"],
          "async_specialists": ["--reference-tree", str(REPO), "--check", "--target", "100"]}
-RC = {"overhead": 1, "teacher_scaling": 2, "async_specialists": 1}  # --check's exit code where it is not 0 (see the module docstring)
+# --check's exit code where it is not 0 (see the module docstring)
+RC = {"overhead": 1, "teacher_scaling": 2, "async_specialists": 1}
 
 
 @pytest.fixture(scope="module")
