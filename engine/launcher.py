@@ -38,7 +38,7 @@ from engine.backends import BACKENDS, server_backend
 from engine.client import API_KEY_ENV, EngineClient, run_sync
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout: engine/launcher.py
 
 @dataclass
 class ServerSpec:

@@ -323,18 +323,29 @@ def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _shadowing(pythonpath: str) -> list[str]:
-    """Entries of `pythonpath` missing from sys.path that hold a top-level module or package the zygote imported:
-    a fresh child would have imported it from there."""
-    loaded = {name.split(".", 1)[0] for name in sys.modules}
+    """Entries of `pythonpath` missing from sys.path that hold a top-level module or package the zygote imported
+    from somewhere else: a fresh child would have imported that copy instead. An entry that holds the very files
+    loaded (the checkout an editable install points at) shadows nothing."""
     out = []
     for entry in (p for p in pythonpath.split(os.pathsep) if p and p not in sys.path):
         try:
-            names = {n[:-3] if n.endswith(".py") else n.split(".", 1)[0] for n in os.listdir(entry)}
+            names = os.listdir(entry)
         except OSError:
             continue
-        if names & loaded:
-            out.append(entry)
+        for n in names:
+            module = sys.modules.get(n[:-3] if n.endswith(".py") else n.split(".", 1)[0])
+            if module is not None and os.path.realpath(os.path.join(entry, n)) not in _origins(module):
+                out.append(entry)
+                break
     return out
+
+
+def _origins(module) -> set[str]:
+    """Where `module` was loaded from: its file, or its package's directories (real paths)."""
+    if hasattr(module, "__path__"):
+        return {os.path.realpath(p) for p in module.__path__}
+    file = getattr(module, "__file__", None)
+    return {os.path.realpath(file)} if file else set()
 
 
 def _threads() -> int:
