@@ -333,11 +333,20 @@ def _shadowing(pythonpath: str) -> list[str]:
         except OSError:
             continue
         for n in names:
-            module = sys.modules.get(n[:-3] if n.endswith(".py") else n.split(".", 1)[0])
+            module = sys.modules.get(_module_name(entry, n) or "")
             if module is not None and os.path.realpath(os.path.join(entry, n)) not in _origins(module):
                 out.append(entry)
                 break
     return out
+
+
+def _module_name(entry: str, name: str) -> str | None:
+    """The top-level module the directory entry `name` of a sys.path entry would provide: a package directory, a
+    `.py` file or an extension module; None for anything else (`prefect.yaml` provides no module `prefect`)."""
+    if os.path.isdir(os.path.join(entry, name)):
+        return name if name.isidentifier() else None
+    stem, dot, ext = name.partition(".")
+    return stem if dot and (ext == "py" or ext.endswith("so") or ext.endswith("pyd")) and stem.isidentifier() else None
 
 
 def _origins(module) -> set[str]:

@@ -21,6 +21,8 @@ def test_an_entry_with_another_copy_of_a_loaded_package_shadows_it(tmp_path):
 def test_an_entry_with_only_unloaded_names_or_missing_shadows_nothing(tmp_path):
     (tmp_path / "zygote_rules_unloaded").mkdir()
     (tmp_path / "README.md").write_text("")
+    (tmp_path / "json.yaml").write_text("")  # named like a loaded module, but no module (prefect.yaml in a checkout)
+    (tmp_path / "os.txt").write_text("")
     assert zygote._shadowing(os.pathsep.join([str(tmp_path), str(tmp_path / "absent"), ""])) == []
 
 
