@@ -96,10 +96,16 @@ def start_server(model: Path, log: Path, tree: Path = REPO) -> tuple[subprocess.
     from engine.launcher import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "engine.server", "--model", str(model), "--port", str(port), "--threads", "1",
+    # the engine was `infra.engine` until the restructuring of issue 32; an exported tree runs its own copy, first
+    # on PYTHONPATH (the editable install would otherwise supply this checkout's modules it lacks)
+    module = "engine.server" if (tree / "engine" / "server.py").is_file() else "infra.engine.server"
+    cmd = [sys.executable, "-m", module, "--model", str(model), "--port", str(port), "--threads", "1",
            "--max-total-tokens", "262144", "--max-prefill-tokens", "16384", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=str(tree), stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+                                                         else [])))
+    proc = subprocess.Popen(cmd, cwd=str(tree), stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
 
