@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from infra.procs import log_tail
+from infra.procs import log_tail, pythonpath_first
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -214,7 +214,7 @@ def stack_env(home: Path, api_url: str, tracking_uri: str, ui_url: str | None) -
         PREFECT_HOME=str(pdir), PREFECT_PROFILES_PATH=str(pdir / "profiles.toml"), PREFECT_API_URL=api_url,
         PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{pdir / 'prefect.db'}",
         PREFECT_SERVER_ANALYTICS_ENABLED="false", MLFLOW_TRACKING_URI=tracking_uri,
-        PYTHONPATH=os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+        PYTHONPATH=pythonpath_first(REPO_ROOT, env),
         PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")  # HF_HUB_OFFLINE: as the user's environment has it
     if ui_url:
         env["ALLOY_MLFLOW_UI_URL"] = ui_url  # lets a flow link its Prefect artifacts to the MLflow run page

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import harness  # noqa: F401  (puts the repository on sys.path, quiet env defaults)
 from harness import REPO, add_check, own_cpu_s, start_meta, verdict, write_outputs
+from infra.procs import pythonpath_first
 
 TARGET_SPEEDUP, QUALITY_SLACK, LIFT = 1.4, 0.02, 0.15
 QUICK = ["base.steps=40", "specialists.steps=8", "specialists.batch_size=16", "specialists.val_every=4",
@@ -56,8 +57,7 @@ def _run(cmd: list[str], log: Path, tree: Path | None = None):
     with open(log, "wb") as fh:  # the child keeps its own descriptor
         if tree is None:
             return zygote.start(cmd, env=dict(os.environ), stdout=fh, cwd=str(REPO))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep), ALLOY_ZYGOTE="0")
+        env = dict(os.environ, PYTHONPATH=pythonpath_first(tree), ALLOY_ZYGOTE="0")
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=tree, env=env, start_new_session=True)
 
 

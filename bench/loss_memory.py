@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, add_check, start_meta, verdict, write_json  # noqa: E402
+from infra.procs import pythonpath_first  # noqa: E402
 
 V_QWEN = 151_936
 K = 16
@@ -188,8 +189,7 @@ def measure(variant: str, impl: str, B: int, T: int, V: int, device: str) -> dic
 
 # ---- orchestration -------------------------------------------------------------------------------------------
 def run_child(variant, impl, B, T, V, device, timeout) -> dict:
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = {**os.environ, "PYTHONPATH": path,
+    env = {**os.environ, "PYTHONPATH": pythonpath_first(REPO),
            # glibc: a fixed 1 MiB mmap threshold (no dynamic raise), so every tensor ≥ 1 MiB is its own mapping, given
            # back to the OS when freed: the RSS follows the live tensors instead of malloc's retained heap
            "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}

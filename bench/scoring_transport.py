@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, add_check, end_meta, exit_on_sigterm, start_meta, verdict  # noqa: E402
+from infra.procs import pythonpath_first  # noqa: E402
 
 VARIANTS = ("json_items", "json_vectorised", "binary")
 POINTS = {"tiny": dict(samples=96, prompt_len=16, response_len=16, top_k=16),
@@ -101,9 +102,7 @@ def start_server(model: Path, log: Path, tree: Path = REPO) -> tuple[subprocess.
     module = "engine.server" if (tree / "engine" / "server.py").is_file() else "infra.engine.server"
     cmd = [sys.executable, "-m", module, "--model", str(model), "--port", str(port), "--threads", "1",
            "--max-total-tokens", "262144", "--max-prefill-tokens", "16384", "--log-level", "warning"]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
-                                                         else [])))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath_first(tree))
     proc = subprocess.Popen(cmd, cwd=str(tree), stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from infra import zygote
-from infra.procs import cancel_on_stop, log_tail, on_stop
+from infra.procs import cancel_on_stop, log_tail, on_stop, pythonpath_first
 from infra.choices import MAX_LOGPROB_ENTRIES, READ_TIMEOUT_S, Backend
 from engine.backends import BACKENDS, server_backend
 from engine.client import API_KEY_ENV, EngineClient, run_sync
@@ -101,7 +101,7 @@ def server_env(spec: ServerSpec, base: Mapping[str, str], threads_per_server: in
     count per CPU server, the spec's own variables (its GPUs: CUDA_VISIBLE_DEVICES) and, for our server, the API
     key (in the environment, not in argv: `ps` shows argv)."""
     env = dict(base)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = pythonpath_first(REPO_ROOT, env)
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     backend = server_backend(spec.backend)
     if backend.cpu:

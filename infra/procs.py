@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Callable
+from typing import Callable, Mapping
 
 log = logging.getLogger("alloy")
 
@@ -49,6 +49,12 @@ def pdeathsig_preexec(parent_pid: int | None = None):
             os._exit(1)
 
     return preexec
+
+
+def pythonpath_first(entry: str | os.PathLike, env: Mapping[str, str] | None = None) -> str:
+    """A PYTHONPATH with `entry` first, then `env`'s own PYTHONPATH (default: this process's environment) if set."""
+    rest = (os.environ if env is None else env).get("PYTHONPATH")
+    return os.pathsep.join([str(entry)] + ([rest] if rest else []))
 
 
 def log_tail(path: str | os.PathLike, n_lines: int = 30) -> str:

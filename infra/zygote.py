@@ -9,7 +9,8 @@ to import `module` (the first time), fork, and run the module as `__main__` in t
 What a child gets is what `subprocess.Popen(cmd, env=env, cwd=cwd, stdout=fd, stderr=STDOUT, stdin=DEVNULL,
 start_new_session=True)` plus `PR_SET_PDEATHSIG` gives (tasks/worker_process.py, engine/launcher.py):
 - its argv as its process title (`ps`, psutil; `set_title`), its own session (pgid == pid: one `killpg` reaches
-  it all), the environment and working directory asked for, stdout and stderr on the given descriptor, stdin on /dev/null;
+  it all), the environment and working directory asked for, stdout and stderr on the given descriptor, stdin on
+  /dev/null;
 - torch's thread count from `OMP_NUM_THREADS`, fresh numpy and `random` seeds, atexit handlers run at exit;
 - death with the process that asked for it: the request's connection stays open while the child lives; when it
   closes (that process exited, or was SIGKILLed) the zygote SIGKILLs the child's group; the zygote dies with the
@@ -346,7 +347,8 @@ def _module_name(entry: str, name: str) -> str | None:
     if os.path.isdir(os.path.join(entry, name)):
         return name if name.isidentifier() else None
     stem, dot, ext = name.partition(".")
-    return stem if dot and (ext == "py" or ext.endswith("so") or ext.endswith("pyd")) and stem.isidentifier() else None
+    module = ext == "py" or ext.rsplit(".", 1)[-1] in ("so", "pyd")
+    return stem if dot and module and stem.isidentifier() else None
 
 
 def _origins(module) -> set[str]:

@@ -41,3 +41,22 @@ def test_a_server_runs_in_the_checkout_with_it_first_on_its_pythonpath():
     env = launcher.server_env(launcher.ServerSpec(name="t", model_path="/m"), {"PYTHONPATH": "/x"})
     assert env["PYTHONPATH"].split(os.pathsep) == [str(launcher.REPO_ROOT), "/x"]
     assert (launcher.REPO_ROOT / "pyproject.toml").is_file()
+
+
+def test_pythonpath_first_puts_the_entry_before_the_environments_own():
+    from infra.procs import pythonpath_first
+
+    assert pythonpath_first("/repo", {"PYTHONPATH": "/a" + os.pathsep + "/b"}) == os.pathsep.join(["/repo", "/a", "/b"])
+    assert pythonpath_first("/repo", {}) == pythonpath_first("/repo", {"PYTHONPATH": ""}) == "/repo"
+
+
+def test_only_package_directories_py_files_and_extension_modules_provide_modules(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "not-a-name").mkdir()
+    assert zygote._module_name(str(tmp_path), "pkg") == "pkg"
+    assert zygote._module_name(str(tmp_path), "not-a-name") is None
+    assert zygote._module_name(str(tmp_path), "mod.py") == "mod"
+    assert zygote._module_name(str(tmp_path), "ext.cpython-311-x86_64-linux-gnu.so") == "ext"
+    assert zygote._module_name(str(tmp_path), "ext.abi3.so") == zygote._module_name(str(tmp_path), "ext.pyd") == "ext"
+    for other in ("prefect.yaml", "disk.iso", "README.md", "Makefile"):
+        assert zygote._module_name(str(tmp_path), other) is None
