@@ -20,8 +20,10 @@ and overrides; per stage (`base`, `specialists`, `teachers`, `distill`, `eval`):
 trainer process trained on (from its summary) and each engine server ran on (its log's "engine ready" line), `ok`;
 `throughput`: rollout tokens/s (specialists' sampled tokens over rollout time, the student's sampled tokens/s),
 teacher scoring tokens/s, training tokens/s per trainer (positions forwarded in updates over update time);
-`mfu`: each trainer's 6·N·tokens/s over the card's dense bf16 peak (`PEAK_TFLOPS`; N = the model's parameters;
-attention FLOPs left out, so a lower bound; PPO's policy only); `gpu_memory`: the peak of every process seen by
+`mfu`: each trainer's 6·N·tokens/s over the card's dense bf16 peak (`training.mfu`, the one definition: `PEAK_TFLOPS`;
+N = the model's parameters; attention FLOPs left out, so a lower bound; PPO's policy only), comparable across runs;
+`mfu_trainers`: the MFU each trainer reported in its own summary (6·N plus attention, PPO's policy and critic);
+`gpu_memory`: the peak of every process seen by
 `nvidia-smi --query-compute-apps` (sampled every `SAMPLE_S`) and each trainer's own `torch.cuda.max_memory_*`;
 `weight_push`: seconds the specialists' pushes sat on the critical path (`push_s` per step: the next rollout waits)
 and the student's (`timing_s.push_s`), and the deferred load time the servers spent off it (`push_load_s`);
@@ -49,11 +51,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, add_check, start_meta, write_json  # noqa: E402  (puts the repository on sys.path)
+from training.mfu import PEAK_TFLOPS, ModelShape, card_peak, flops_per_token  # noqa: E402,F401
+from training.mfu import mfu as _mfu  # noqa: E402
 
 ABSENT = ("mlflow", "sglang")
 SAMPLE_S = 1.0  # nvidia-smi sampling period
-# dense bf16 tensor-core peak per card, TFLOP/s (vendor data sheets, SXM parts); MFU is null for other cards
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "B200": 2250.0}
 QUICK = ["base.steps=100", "base.train.warmup_steps=10", "base.n_train_per_domain=500", "specialists.steps=4",
          "specialists.batch_size=64", "specialists.max_parallel=6", "specialists.val_every=2",
          "specialists.checkpoint_every=100", "specialists.critic_warmup_steps=1", "specialists.eval_n=32",
@@ -307,14 +309,11 @@ def model_params(root: Path) -> int | None:
 
 
 def mfu(tokens: float, seconds: float, params: int | None, peak_tflops: float | None) -> float | None:
-    """6·N·tokens/s over the peak (a lower bound: attention FLOPs left out)."""
-    if not (tokens and seconds and params and peak_tflops):
+    """6·N·tokens/s over the peak (`training.mfu` without its attention term: a lower bound)."""
+    if not (tokens and params):
         return None
-    return round(6 * params * tokens / seconds / (peak_tflops * 1e12), 5)
-
-
-def card_peak(name: str | None) -> float | None:
-    return next((v for k, v in PEAK_TFLOPS.items() if name and k in name), None)
+    value = _mfu(tokens * flops_per_token(ModelShape(params, 0, 0), 0), seconds, peak_tflops)
+    return None if value is None else round(value, 5)
 
 
 def summarize(report: dict | None, root: Path, device: str, params: int | None, peak: float | None,
@@ -367,6 +366,8 @@ def summarize(report: dict | None, root: Path, device: str, params: int | None, 
     mfus = {"base": mfu(base.get("train_tokens"), base.get("train_s"), params, peak),
             "specialists_policy": mfu(spec_train_tok, spec_train_s, params, peak),
             "student": mfu(student.get("train_tokens"), st_timing.get("train_s"), params, peak)}
+    reported = {"base": base.get("mfu"), "student": student.get("mfu"),
+                **{k: v.get("mfu") for k, v in specs.items()}}
     push = {"specialists_on_critical_path_s": round(sum(h.get("push_s", 0) for v in specs.values()
                                                         for h in v.get("history", [])), 3),
             "specialist_steps": sum(len(v.get("history", [])) for v in specs.values()),
@@ -375,7 +376,7 @@ def summarize(report: dict | None, root: Path, device: str, params: int | None, 
             # the path each trainer's pushes took (tensor: CUDA IPC / shm handles; memory; distributed; disk)
             "paths": {k: v.get("weight_sync") for k, v in trainers.items() if v.get("weight_sync")}}
     trainer_mem = {k: v.get("gpu") for k, v in trainers.items() if v.get("gpu")}
-    return {"stages": stages, "throughput": throughput, "mfu": mfus, "params": params, "weight_push": push,
+    return {"stages": stages, "throughput": throughput, "mfu": mfus, "mfu_trainers": reported, "params": params, "weight_push": push,
             "gpu_memory": {"nvidia_smi_available": sampler.available, "nvidia_smi_error": sampler.error,
                            "per_process_peak_mib": sampler.peak_mib, "trainers_torch": trainer_mem},
             "servers": servers}
