@@ -16,7 +16,8 @@ opens no port beyond loopback. The accelerator comes from `DS_ACCELERATOR`
 cuda, the accelerator's own backend otherwise.
 
 The optimizer is always a torch AdamW handed to DeepSpeed (never DeepSpeed's FusedAdam, which JIT-compiles for
-minutes on CPU); the schedule is a torch LambdaLR (`lr_multiplier`), stepped by the engine after each update.
+minutes on CPU), fused (`fused=True`, torch's own kernel, nothing to compile) when its parameters are on CUDA
+(`training.ds_config.adamw_kwargs`); the schedule is a torch LambdaLR (`lr_multiplier`), stepped by the engine after each update.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ deepspeed = _import_deepspeed()
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from infra.placement import GPU_MEM_FRACTION_ENV  # noqa: E402
-from training.ds_config import TrainSettings, build_ds_config, loss_normalizer, lr_multiplier  # noqa: E402
+from training.ds_config import (TrainSettings, adamw_kwargs, build_ds_config, loss_normalizer,  # noqa: E402
+                                lr_multiplier)
 from training.safe_load import deepspeed_allowed, safe_torch_load  # noqa: E402
 
 CHECKPOINT_TAG = "state"  # fixed tag: one resumable state per directory, no "latest" guessing
@@ -280,7 +282,9 @@ class DeepSpeedBackend:
         s = settings
 
         def make_optimizer(groups):
-            return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
+            device = next((p.device.type for g in groups for p in g["params"]), "cpu")
+            return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay,
+                                     **adamw_kwargs(device, self.ds_config))
 
         def make_scheduler(optimizer):
             # LambdaLR.state_dict skips plain lambdas; the schedule is rebuilt from settings, only the step is saved
