@@ -17,7 +17,8 @@ cuda, the accelerator's own backend otherwise.
 
 The optimizer is always a torch AdamW handed to DeepSpeed (never DeepSpeed's FusedAdam, which JIT-compiles for
 minutes on CPU), fused (`fused=True`, torch's own kernel, nothing to compile) when its parameters are on CUDA
-(`training.ds_config.adamw_kwargs`); the schedule is a torch LambdaLR (`lr_multiplier`), stepped by the engine after each update.
+(`training.ds_config.adamw_kwargs`); the schedule is a torch LambdaLR (`lr_multiplier`), stepped by the engine
+after each update.
 """
 from __future__ import annotations
 
