@@ -117,3 +117,38 @@ def similar_width(a: int, b: int, min_width: int = 48, ratio: float = 2.0) -> bo
     """Whether segments of widths `a` and `b` belong together by the rule of `width_segments`."""
     lo, hi = sorted((max(a, min_width), max(b, min_width)))
     return hi <= ratio * lo
+
+
+# Batch sizes a static decode step is shaped for (`engine.static_batch`): every size up to 8, then steps of 8 to 64,
+# of 16 to 256 and of 64 beyond, as SGLang's `--cuda-graph-bs`. A step of n rows runs at the smallest size ≥ n,
+# so a CUDA graph per size covers every batch with at most ~12% padding rows past 64.
+def batch_bucket(n: int) -> int:
+    """The static decode step's row count for `n` running rows (n ≥ 1): the smallest bucket ≥ n."""
+    if n < 1:
+        raise ValueError(f"batch_bucket needs at least one row, got {n}")
+    for step, upto in ((1, 8), (8, 64), (16, 256)):
+        if n <= upto:
+            return -(-n // step) * step
+    return -(-n // 64) * 64
+
+
+def column_bucket(t: int, cap: int, smallest: int = 64) -> int:
+    """Key/value columns a static decode step attends over when the longest row needs `t` (its position + 1):
+    the next power of two ≥ t (at least `smallest`), at most `cap` (the KV pool's columns; t ≤ cap). Powers of
+    two: a row's decode crosses O(log T) sizes, so few CUDA graphs are captured, and attention reads < 2× the
+    columns it needs."""
+    if not 1 <= t <= cap:
+        raise ValueError(f"column_bucket: {t} columns needed, the pool has {cap}")
+    size = smallest
+    while size < t:
+        size *= 2
+    return min(size, cap)
+
+
+def running_rows_for_memory(requested: int, budget_bytes: float, bytes_per_token: int, columns: int) -> int:
+    """`max_running_requests` that a KV pool of `budget_bytes` holds, each row `columns` tokens of
+    `bytes_per_token` (keys and values of every layer): min(requested, ⌊budget / (bytes_per_token · columns)⌋),
+    at least 1 (a server that cannot hold one row fails at its first request, naming the memory, not here)."""
+    per_row = bytes_per_token * columns
+    fit = int(budget_bytes // per_row) if per_row > 0 else requested
+    return max(1, min(requested, fit))

@@ -159,8 +159,40 @@ class FusedDecoder:
             h = h + lin(torch.nn.functional.silu(gate) * up, *p["down"])
         return lin(self._rms(h, self.final_norm)[:, -1], *self.lm_head)
 
+    def step_static(self, ids: torch.Tensor, pos: torch.Tensor, pool, columns: int) -> torch.Tensor:
+        """One decode step of rows `0 … B-1` of a `static_batch.KVPool`: ids (B,) long, pos (B,) long (each row's
+        new token goes to column pos[r] of its row) → logits (B, V). Attention reads the first `columns` columns
+        (> every pos) under the mask `column ≤ pos[r]`. Every shape depends only on (B, columns) and every tensor
+        is read in place, so the step can be captured in a CUDA graph (`engine.cuda_graphs`) and replayed after
+        the pool's `last`/`pos` buffers change. The arithmetic is `step`'s, per row the same as over a
+        left-padded cache (masked columns weigh exactly 0)."""
+        lin = torch.nn.functional.linear
+        b = ids.shape[0]
+        rows = pool.row_index[:b]
+        mask = (pool.col_index[None, :columns] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, columns)
+        h = torch.nn.functional.embedding(ids[:, None], self.embed)  # (B, 1, H)
+        cos, sin = self._cos_sin(pos[:, None], h.dtype)
+        for i, p in enumerate(self.layers):
+            d, g = p["head_dim"], p["groups"]
+            n = self._rms(h, p["in_norm"])
+            q, k, v = lin(n, *p["qkv"]).split(p["split"], dim=-1)
+            q = q.view(b, 1, -1, d).transpose(1, 2)  # (B, Hq, 1, D)
+            k = k.view(b, 1, -1, d).transpose(1, 2)  # (B, Hkv, 1, D)
+            v = v.view(b, 1, -1, d).transpose(1, 2)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            kb, vb = pool.k[i], pool.v[i]
+            kb[rows, :, pos] = k[:, :, 0]  # (B, Hkv, D) into column pos[r] of row r
+            vb[rows, :, pos] = v[:, :, 0]
+            o = self._attend(q, kb[:b, :, :columns], vb[:b, :, :columns], mask, p["scaling"], g)
+            o = o.reshape(b, -1, 1, d).transpose(1, 2).reshape(b, 1, -1)
+            h = h + lin(o, *p["o"])
+            m = self._rms(h, p["post_norm"])
+            gate, up = lin(m, *p["gate_up"]).split(p["inter"], dim=-1)
+            h = h + lin(torch.nn.functional.silu(gate) * up, *p["down"])
+        return lin(self._rms(h, self.final_norm)[:, -1], *self.lm_head)
+
     def prefill(self, prompts: list, keep: int, caches: list[tuple[list[int], BatchKVCache]] | None = None,
-                spare: int = 32) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                spare: int = 32, static: tuple | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Forward of G prompts of different lengths → (logits of the last `keep` positions of each prompt
         (G, keep, V), right-aligned like a left-padded batch; a mask (g_s, L_s) long per entry of `caches`).
 
@@ -174,6 +206,9 @@ class FusedDecoder:
         attention runs by groups of similar length (`engine.prefill`), so it does not either. No per-module
         dispatch, which was ~0.8 ms of every HF forward here. So one prefill takes every waiting prompt.
         Logit rows of a prompt shorter than `keep` are 0 in its padding columns (the engine reads only real ones).
+
+        `static` (instead of `caches`): `(pool, slots)`, a `static_batch.KVPool` and one pool row per prompt (G,)
+        long: prompt i's keys/values go to columns 0 … L_i-1 of row slots[i] (no padding), for the static step.
         """
         lin, emb_f = torch.nn.functional.linear, torch.nn.functional.embedding
         dev = self.embed.device  # index tensors are built on the host (small) and moved to the model's device once
@@ -194,6 +229,9 @@ class FusedDecoder:
             mask[r, c] = 1
             segs.append((tok.to(dev), r.to(dev), c.to(dev), ls, len(idx), cache))
             masks.append(mask.to(dev))
+        if static is not None:
+            pool, slots = static
+            slot_tok = slots[row]  # (N,) pool row of each packed token; its column is its position
         groups = plan(lens.tolist(), device=dev)
         for i, p in enumerate(self.layers):
             d = p["head_dim"]
@@ -207,6 +245,9 @@ class FusedDecoder:
                 kp.transpose(1, 2)[r, c] = k[tok]
                 vp.transpose(1, 2)[r, c] = v[tok]
                 cache.layers[i].set_buffers(kp, vp, ls)
+            if static is not None:
+                pool.k[i].transpose(1, 2)[slot_tok, pos] = k
+                pool.v[i].transpose(1, 2)[slot_tok, pos] = v
             o = grouped_causal_attention(q, k, v, groups, p["scaling"])  # (N, Hq, D)
             h = h + lin(o.reshape(n_tok, -1), *p["o"])
             m = self._rms(h, p["post_norm"])

@@ -20,7 +20,7 @@ GREEDY_EPS = 1e-6
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                  uniform: torch.Tensor) -> torch.Tensor:
+                  uniform: torch.Tensor, flags: tuple[bool, bool] | None = None) -> torch.Tensor:
     """Pick one token per row.
 
     logits (B, V) float; temperature (B,) float (< 1e-6 → greedy); top_p (B,) in (0, 1]; top_k (B,) long, ≤ 0 or
@@ -29,7 +29,13 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     Non-greedy row: with p = softmax(logits / T) sorted descending (p_(1) ≥ p_(2) ≥ …), token rank r is kept iff
     r < top_k and sum_{j<r} p_(j) ≤ top_p; the kept masses are renormalised and the token is the first rank whose
     cumulative kept mass exceeds `uniform · total`.
+
+    `flags` (any row samples, any sampling row filters by top-k/top-p), when the caller knows them from the rows'
+    requests: then nothing here waits for the device (no `bool(tensor)`, no `nonzero`; every row's draw is computed
+    and greedy rows keep their argmax), which a GPU step needs. Each row's result is the same either way.
     """
+    if flags is not None:
+        return _sample_no_sync(logits, temperature, top_p, top_k, uniform, *flags)
     ids = logits.argmax(dim=-1)
     sampled = temperature >= GREEDY_EPS
     if not bool(sampled.any()):
@@ -53,6 +59,30 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     picked = choice.squeeze(1) if order is None else order.gather(1, choice).squeeze(1)
     ids[rows] = picked
     return ids
+
+
+def _sample_no_sync(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                    uniform: torch.Tensor, any_sampled: bool, any_filter: bool) -> torch.Tensor:
+    """`sample_tokens` over every row at once, branching only on the host's flags (see there)."""
+    ids = logits.argmax(dim=-1)
+    if not any_sampled:
+        return ids
+    sampled = temperature >= GREEDY_EPS
+    t = torch.where(sampled, temperature, torch.ones_like(temperature))  # greedy rows: any finite draw, discarded
+    probs = torch.softmax(logits.float() / t[:, None], dim=-1)  # (B, V)
+    vocab = probs.shape[-1]
+    k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
+    order = None
+    if any_filter:
+        probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = probs.cumsum(dim=-1) - probs
+        rank = torch.arange(vocab, device=probs.device)
+        probs = probs.masked_fill((mass_before > top_p[:, None]) | (rank[None, :] >= k[:, None]), 0.0)
+    cdf = probs.cumsum(dim=-1)
+    target = uniform.to(cdf.dtype) * cdf[:, -1]
+    choice = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
+    picked = choice.squeeze(1) if order is None else order.gather(1, choice).squeeze(1)
+    return torch.where(sampled, picked, ids)
 
 
 def report_logprobs(logits: torch.Tensor, temperature: torch.Tensor, original: bool = False) -> torch.Tensor:

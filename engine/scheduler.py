@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from engine.batching import prefill_group, width_segments
+from engine.cuda_graphs import cuda_graph_default
 from engine.decode import FusedDecoder
 from engine.device import (check_mem_fraction, dtype_name, limit_memory, memory_budget_error, oom_message,
                            resolve_device, resolve_dtype)
@@ -44,6 +45,7 @@ from engine.native_model import engine_model, fused_decode
 from engine.running import RunningBatch, Segment
 from engine.protocol import ProtocolError, SeqResult, SeqSpec
 from engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
+from engine.static_engine import StaticDecode
 from engine.weight_updates import UpdateJob, WeightUpdates
 from infra.choices import MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS
 
@@ -69,15 +71,17 @@ class Seq:
         return None if self.finished_at is None else self.finished_at - self.created
 
 
-class Engine(WeightUpdates):
+class Engine(WeightUpdates, StaticDecode):
     """Owns the model and the scheduler thread. Thread-safe API: `start`, `stop`, `submit`, `abort`,
     `update_weights` (with their ordering and application, from `WeightUpdates`: engine/weight_updates.py);
+    the static decode path (a preallocated KV pool, fixed-shape steps, CUDA graphs) is `StaticDecode`'s;
     read-only properties once `ready` is set."""
 
     def __init__(self, model_dir: str, *, max_running_requests: int = MAX_RUNNING_REQUESTS,
                  max_total_tokens: int = MAX_TOTAL_TOKENS, max_prefill_tokens: int = MAX_PREFILL_TOKENS, threads: int | None = None, weight_version: str = "default",
                  seed: int = 0, max_segments: int = 4, weights_buffer: str | None = None, device: str = "cpu",
-                 dtype: str = "auto", mem_fraction_static: float | None = None):
+                 dtype: str = "auto", mem_fraction_static: float | None = None, decode_path: str | None = None,
+                 cuda_graph: bool | None = None):
         self.model_path = self.tokenizer_path = str(model_dir)
         # where the model, its KV caches and sampling live (engine/device.py; raises DeviceError on a bad value).
         # In process the default stays cpu (float32); the server's --device defaults to auto.
@@ -85,6 +89,16 @@ class Engine(WeightUpdates):
         self.dtype = resolve_dtype(dtype, self.device)
         self.mem_fraction_static = check_mem_fraction(mem_fraction_static)
         self.weights_buffer = weights_buffer  # applied right after loading model_dir (its version wins)
+        # decode path (Llama/Qwen2): "static" (one preallocated KV pool, fixed-shape steps, CUDA graphs on a GPU:
+        # engine/static_batch.py), "segments" (growing left-padded caches: running.py, the CPU's fastest), or
+        # "auto": static on CUDA, segments on the CPU. Models the fused decoder does not cover use segments.
+        decode_path = decode_path or os.environ.get("ALLOY_ENGINE_DECODE_PATH", "").strip() or "auto"
+        if decode_path not in ("auto", "static", "segments"):
+            raise ValueError(f"decode_path must be auto, static or segments, got {decode_path!r}")
+        self.decode_path = decode_path
+        self.cuda_graph = cuda_graph_default() if cuda_graph is None else bool(cuda_graph)
+        self._graphs = None  # engine.cuda_graphs.StepGraphs on the static path
+        self._static = False  # set by _set_model
         self.max_running_requests = max_running_requests
         self.max_total_tokens, self.max_prefill_tokens = max_total_tokens, max_prefill_tokens
         self.threads = threads
@@ -119,6 +133,7 @@ class Engine(WeightUpdates):
         self.decode_segments = 0  # Σ over decode steps of the running batch's segments (running.py)
         self.decode_holes = 0  # Σ over decode steps of finished rows still decoded along (RunningBatch.drop)
         self.engine_cpu_seconds = 0.0  # CPU time of the engine thread in _step (vs wall: GIL/CPU contention)
+        self.decode_cpu_seconds = 0.0  # CPU time of the engine thread in decode steps (host time per step)
         self.idle_seconds = 0.0  # wall time the engine thread waited for work (nothing running or queued)
 
     # -- thread-safe API --------------------------------------------------------------------------------------------
@@ -197,6 +212,7 @@ class Engine(WeightUpdates):
         budget = memory_budget_error(self.device, self.mem_fraction_static)
         if budget is not None:
             raise RuntimeError(budget)
+        self._size_running_requests()
         gc.freeze()  # the model, torch and the libraries: never scanned by the cyclic GC again (a full collection
         # walked them all, triggered by the millions of small objects of a log-prob answer)
 
@@ -225,7 +241,12 @@ class Engine(WeightUpdates):
         # decode steps skip transformers' module dispatch for Llama/Qwen2 (same logits; ALLOY_ENGINE_FUSED_DECODE=0
         # turns it off); None → the plain HF forward
         self._fused = FusedDecoder.for_model(model) if fused_decode() else None
-        self._batch.max_segments = self.max_segments if self._fused is not None else 1  # the HF forward: one cache
+        self._static = self._fused is not None and (
+            self.decode_path == "static" or (self.decode_path == "auto" and self.device.type == "cuda"))
+        if self._static:  # a new model (the batch is empty here): a new pool shaped for it
+            self._build_static()
+        else:
+            self._batch, self._graphs = RunningBatch(self.max_segments if self._fused is not None else 1), None
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         from engine.weight_buffer import state_bytes
 
@@ -408,6 +429,9 @@ class Engine(WeightUpdates):
         self._wait_gen.extendleft(reversed([s for i, s in enumerate(cand) if i not in chosen]))
         group = [cand[i] for i in pick]  # shortest first: left-padded, so leading padding descends down the rows
         keep = max([1] + [len(s.spec.input_ids) - s.spec.logprob_start for s in group if s.spec.return_logprob])
+        if self._static:
+            self._prefill_static(group, keep)
+            return True
         if self._fused is not None:  # one cache per width class: short rows never carry a long row's columns
             plan = width_segments([len(s.spec.input_ids) for s in group])
         else:
@@ -453,7 +477,14 @@ class Engine(WeightUpdates):
                 any(p.temperature >= 1e-6 for p in sp))
 
     def _decode_step(self) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            self._decode_static() if self._static else self._decode_segments()
+        finally:
+            self.decode_seconds += time.perf_counter() - t0
+            self.decode_cpu_seconds += time.thread_time() - c0
+
+    def _decode_segments(self) -> None:
         batch = self._batch
         ids, pos = batch.inputs()
         B, holes = ids.shape[0], batch.holes
@@ -476,7 +507,6 @@ class Engine(WeightUpdates):
         if dead:
             self._drop_rows(dead)
         self.decode_rows += B
-        self.decode_seconds += time.perf_counter() - t0
 
     def _drop_rows(self, dead: set[int]) -> None:
         """Finished/aborted rows leave the batch lazily: they become holes of their segment (decoded along, their

@@ -83,7 +83,8 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 DEFAULTS = dict(max_running_requests=MAX_RUNNING_REQUESTS, max_total_tokens=MAX_TOTAL_TOKENS,
                 max_prefill_tokens=MAX_PREFILL_TOKENS, threads=None, weight_version="default", seed=0, max_body_mb=None,
                 max_seqs=4096, read_timeout_s=READ_TIMEOUT_S, weights_buffer=None, device="auto", dtype="auto",
-                mem_fraction_static=None, max_logprob_entries=MAX_LOGPROB_ENTRIES, weight_buffer_dirs=None)
+                mem_fraction_static=None, max_logprob_entries=MAX_LOGPROB_ENTRIES, weight_buffer_dirs=None,
+                decode_path=None, cuda_graph=None)
 
 
 def _dumps(obj: Any) -> str:
@@ -281,6 +282,8 @@ async def get_server_info(request: web.Request) -> web.Response:
         "idle_seconds": round(engine.idle_seconds, 6), "process_cpu_seconds": round(process_cpu_seconds(), 6),
         "device": str(engine.device), "dtype": dtype_name(engine.dtype),
         "mem_fraction_static": engine.mem_fraction_static, **memory_info(engine.device),
+        "decode_path": "static" if engine._static else "segments", "decode_cpu_seconds": round(engine.decode_cpu_seconds, 6),
+        **engine.graph_info(),
     })
 
 
@@ -396,7 +399,8 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
                     max_total_tokens=cfg["max_total_tokens"], max_prefill_tokens=cfg["max_prefill_tokens"],
                     threads=cfg["threads"], weight_version=cfg["weight_version"], seed=cfg["seed"],
                     weights_buffer=cfg["weights_buffer"], device=cfg["device"], dtype=cfg["dtype"],
-                    mem_fraction_static=cfg["mem_fraction_static"])
+                    mem_fraction_static=cfg["mem_fraction_static"], decode_path=cfg["decode_path"],
+                    cuda_graph=cfg["cuda_graph"])
     middlewares = [errors_middleware] + ([auth_middleware(api_key)] if api_key else [])
     app = web.Application(client_max_size=cfg["body_limit"], middlewares=middlewares)
     app[ENGINE] = engine
@@ -483,6 +487,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.server") -
                    help="CUDA only (SGLang's name): cap this process at F of the GPU's memory (several servers share "
                         "one GPU by the placement plan's fractions); refuse to start if the model and warm-up need "
                         "more. Ignored on cpu")
+    p.add_argument("--decode-path", default=None, choices=["auto", "static", "segments"],
+                   help="Llama/Qwen2 decode steps: static (one preallocated KV pool, fixed-shape steps, CUDA graphs on "
+                        "a GPU), segments (growing per-width caches, the CPU's fastest) or auto (static on cuda; "
+                        "default, or $ALLOY_ENGINE_DECODE_PATH)")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="SGLang's name: run the static decode step eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -520,7 +530,8 @@ def _build_main_app(args) -> web.Application:
                     max_body_mb=args.max_body_mb, read_timeout_s=args.read_timeout_s,
                     weights_buffer=args.weights_buffer, device=args.device, dtype=args.dtype,
                     mem_fraction_static=args.mem_fraction_static, max_logprob_entries=args.max_logprob_entries,
-                    weight_buffer_dirs=args.weight_buffer_dirs)
+                    weight_buffer_dirs=args.weight_buffer_dirs, decode_path=args.decode_path,
+                    cuda_graph=False if args.disable_cuda_graph else None)
 
 
 def _serve(app: web.Application, args) -> None:
