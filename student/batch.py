@@ -103,31 +103,34 @@ def collate(samples: Sequence[StudentSample], pad_id: int, version: int, with_to
 
 def opd_loss(logits: torch.Tensor, batch: OPDBatch, *, loss: OPDLoss | str, direction: str, beta: float,
              reward_coef: float, is_clip: float | None,
-             global_token_count: float) -> tuple[torch.Tensor, dict[str, float]]:
+             global_token_count: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The OPD loss `loss` (an `OPDLoss` from `student.losses.get_loss`, or its name) of one micro-batch.
     logits (B, T, V) from the student's forward over `input_ids`; the objectives are in student/losses.py.
 
-    Both normalise by `global_token_count` (N/(W·G), see DeepSpeedBackend.loss_normalizer). Metrics add
-    `logp_abs_diff` = token-mean |log π_now − log π_rollout| (train/inference mismatch plus staleness).
+    Both normalise by `global_token_count` (N/(W·G), see DeepSpeedBackend.loss_normalizer). Metrics (detached 0-d
+    tensors) add `logp_abs_diff` = token-mean |log π_now − log π_rollout| (train/inference mismatch plus staleness).
     """
     spec = get_loss(loss) if isinstance(loss, str) else loss
     # Every full-vocabulary quantity is one chunked gather over the whole (B, T, V) logits (no float32 copy, no
     # slice, so backward allocates one logits-sized gradient; training/logprobs.py): column 0 the sampled token, then
     # the teacher's top-k ids. The last position predicts nothing: it gets a target 0 and stays off the mask.
     B, T, V = logits.shape
-    batch = batch.to(logits.device)  # collated on the host; the losses run where the logits are
+    # collated on the host: what needs a host read (the top-k check, the valid positions' indices) is done there,
+    # before the copy, so nothing here waits for the device (no sync per micro-batch); the losses run on the device
+    host = batch
+    batch = batch.to(logits.device)
     mask = batch.mask
-    off = torch.zeros((B, 1), dtype=torch.long, device=batch.input_ids.device)
-    ids = torch.cat([batch.input_ids[:, 1:], off], dim=1).unsqueeze(-1)  # (B, T, 1): position t predicts token t+1
+    off = torch.zeros((B, 1), dtype=torch.long, device=host.input_ids.device)
+    ids = torch.cat([host.input_ids[:, 1:], off], dim=1).unsqueeze(-1)  # (B, T, 1): position t predicts token t+1
     with_topk = spec.needs_teacher_topk and batch.topk_ids is not None and batch.topk_logp is not None
     if with_topk:
-        topk = check_teacher_topk("opd_loss", batch.topk_ids, batch.topk_logp, mask, V, direction, beta)
+        topk = check_teacher_topk("opd_loss", host.topk_ids, host.topk_logp, host.mask, V, direction, beta)
         ids = torch.cat([ids, torch.cat([topk, off[..., None].expand(B, 1, topk.shape[-1])], dim=1)], dim=-1)
-    valid = torch.cat([mask != 0, off.bool()], dim=1).to(logits.device)
+    valid = torch.cat([host.mask != 0, off.bool()], dim=1)  # on the host: its indices need no device sync
     gathered = gather_log_softmax(logits, ids.to(logits.device), valid)[:, :-1]  # (B, T-1, 1 [+ K])
     logp = gathered[..., 0]  # (B, T-1); −log V off the mask, where no loss reads it
     # train/inference log-prob gap |log π_now − log π_rollout| per token: ~1e-6 on-policy, grows with staleness
-    gap = {"logp_abs_diff": float(((logp.detach() - batch.rollout_logp).abs() * mask).sum() / mask.sum().clamp_min(1))}
+    gap = {"logp_abs_diff": ((logp.detach() - batch.rollout_logp).abs() * mask).sum() / mask.sum().clamp_min(1)}
     inputs = OPDInputs(logits=logits[:, :-1], logp=logp, teacher_logp=batch.teacher_logp,
                        rollout_logp=batch.rollout_logp, mask=mask, reward_adv=batch.reward_adv if reward_coef else None,
                        topk_ids=batch.topk_ids, topk_logp=batch.topk_logp,

@@ -11,9 +11,10 @@ declares what it needs (``needs_teacher_topk``) and looked up once by name (``ge
   or TRL/GKD's generalized JSD.
 
 Conventions: padded ``(B, T)`` tensors with ``mask (B, T)`` (1 = response token that counts); losses return
-``(loss, metrics)`` with metrics as python floats; aggregation is token-mean (Σ over valid tokens / their number, or
-/ ``global_token_count`` so that data-parallel ranks sum to the one-rank loss). The few masked-mean lines are
-repeated here on purpose: ``student`` does not import ``teachers``' internals (docs/architecture.md, "Layering").
+``(loss, metrics)`` with metrics as detached 0-d tensors (as torchtune's losses do: the trainer reads them back once
+per optimizer step, training/step_metrics.py, not once per micro-batch); aggregation is token-mean (Σ over valid
+tokens / their number, or / ``global_token_count`` so that data-parallel ranks sum to the one-rank loss). The few
+masked-mean lines are repeated here on purpose: ``student`` does not import ``teachers``' internals (docs/architecture.md, "Layering").
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from infra.config import OPD_LOSSES
 from training.logprobs import MAX_LOG_RATIO, gather_log_softmax
 
 DIRECTIONS = ("forward", "reverse", "jsd")
+Metrics = dict[str, torch.Tensor]  # metric name → detached 0-d tensor
 # Tail mass is clamped to ≥ TAIL_MIN so log(tail) stays finite (reverse KL against a teacher whose top-k already holds
 # all the mass would otherwise be +inf); log-probs are clamped to ≥ LOG_FLOOR so -inf (masked vocab) stays finite.
 TAIL_MIN = 1e-12
@@ -37,14 +39,16 @@ def _token_mean(x: torch.Tensor, valid: torch.Tensor, global_token_count: float 
     """Σ_{valid} x / N with N = number of valid tokens (or global_token_count). x, valid (B, T)."""
     total = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
     if global_token_count is None:
-        return total / max(int(valid.sum()), 1)
+        return total / valid.sum().clamp_min(1)  # a 0-d int tensor: the same float division, no host read
     if float(global_token_count) <= 0:
         raise ValueError(f"global_token_count must be > 0, got {float(global_token_count)}")
     return total / global_token_count
 
 
-def _mean(x: torch.Tensor, valid: torch.Tensor) -> float:
-    return _token_mean(x.detach(), valid, None).item()
+def _mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A metric: the detached token mean, a 0-d tensor left on the device (read back once per optimizer step,
+    training/step_metrics.py: `.item()` here would stall the host every micro-step)."""
+    return _token_mean(x.detach(), valid, None)
 
 
 def _check_bt(fn: str, mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
@@ -75,7 +79,7 @@ def importance_ratio(logp_current: torch.Tensor, logp_behaviour: torch.Tensor, m
 def sampled_rkl_loss(logp_student: torch.Tensor, logp_teacher: torch.Tensor, mask: torch.Tensor,
                      old_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None,
                      reward_adv: torch.Tensor | None = None, reward_coef: float = 0.0, is_clip: float | None = None,
-                     global_token_count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                     global_token_count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """Sampled-token reverse KL as a policy-gradient loss (slime / Thinking Machines OPD form):
 
         rkl_t = log π_s(y_t) − log π_T(y_t)          (π_s from old_logp if given, else the detached logp_student)
@@ -120,7 +124,7 @@ def sampled_rkl_loss(logp_student: torch.Tensor, logp_teacher: torch.Tensor, mas
         w = importance_ratio(logp_det, rollout_logp, mask, is_clip)
     loss = _token_mean(-adv * ratio * w, valid, global_token_count)
     metrics = {
-        "loss": loss.item(),
+        "loss": loss.detach(),
         "reverse_kl": _mean(rkl, valid),
         "adv_abs_mean": _mean(adv.abs(), valid),
         "is_weight_mean": _mean(w, valid),
@@ -155,7 +159,7 @@ def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor, teacher_topk_logp: torch.Tensor,
                  mask: torch.Tensor, direction: str = "forward", beta: float = 0.5,
                  global_token_count: float | torch.Tensor | None = None,
-                 chunk_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 chunk_tokens: int | None = None) -> tuple[torch.Tensor, Metrics]:
     """Token-level KL between the teacher's top-k distribution and the student's, each with one tail bucket.
 
     Buckets at each position: the K teacher ids, plus a tail holding the rest of the mass,
@@ -241,7 +245,7 @@ def _repeats(rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def topk_kl_from_student_logp(student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tensor, mask: torch.Tensor,
                               direction: str = "forward", beta: float = 0.5,
                               global_token_count: float | torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, dict[str, float]]:
+                              ) -> tuple[torch.Tensor, Metrics]:
     """``topk_kl_loss`` from the student's log-probs of the teacher's top-k ids (B, T, K) (with grad; float32 or
     wider), already gathered from its full log-softmax, and validated ids (``check_teacher_topk``)."""
     valid = mask != 0
@@ -265,7 +269,7 @@ def topk_kl_from_student_logp(student_topk_logp: torch.Tensor, teacher_topk_logp
 
     loss = _token_mean(per_tok, valid, global_token_count)
     metrics = {
-        "loss": loss.item(),
+        "loss": loss.detach(),
         "teacher_tail_mass": _mean(t_log[..., -1].exp(), valid),
         "student_tail_mass": _mean(s_log[..., -1].exp(), valid),
     }
@@ -295,7 +299,7 @@ class OPDInputs:
     student_topk_logp: torch.Tensor | None = None
 
 
-Objective = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+Objective = Callable[..., tuple[torch.Tensor, Metrics]]
 
 
 @dataclass(frozen=True)
@@ -305,12 +309,12 @@ class OPDLoss:
     global_token_count=)`` → ``(loss, metrics)`` (pure: tensors and floats in)."""
 
     name: str
-    fn: Callable[..., tuple[torch.Tensor, dict[str, float]]]
+    fn: Callable[..., tuple[torch.Tensor, Metrics]]
     objective: Objective
     needs_teacher_topk: bool  # the teacher must score with top-k (OPDInputs.topk_ids / topk_logp)
 
     def __call__(self, x: OPDInputs, *, direction: str, beta: float, reward_coef: float, is_clip: float | None,
-                 global_token_count: float | torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+                 global_token_count: float | torch.Tensor | None) -> tuple[torch.Tensor, Metrics]:
         if self.needs_teacher_topk and (x.topk_ids is None or x.topk_logp is None):
             raise ValueError(f"{self.name} needs the teacher's top-k (score with top_k > 0)")
         return self.objective(x, direction=direction, beta=beta, reward_coef=reward_coef, is_clip=is_clip,
@@ -320,7 +324,7 @@ class OPDLoss:
 LOSSES: dict[str, OPDLoss] = {}
 
 
-def register_loss(name: str, *, fn: Callable[..., tuple[torch.Tensor, dict[str, float]]],
+def register_loss(name: str, *, fn: Callable[..., tuple[torch.Tensor, Metrics]],
                   needs_teacher_topk: bool) -> Callable[[Objective], Objective]:
     """Decorator: register an objective under ``name``, one of ``infra.config.OPD_LOSSES`` (the names
     ``distill.loss`` accepts)."""
@@ -337,7 +341,7 @@ def register_loss(name: str, *, fn: Callable[..., tuple[torch.Tensor, dict[str, 
 
 @register_loss("sampled_rkl", fn=sampled_rkl_loss, needs_teacher_topk=False)
 def sampled_rkl_objective(x: OPDInputs, *, direction: str, beta: float, reward_coef: float, is_clip: float | None,
-                          global_token_count: float | torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+                          global_token_count: float | torch.Tensor | None) -> tuple[torch.Tensor, Metrics]:
     """ℓ_t = −w_t·A_t·ρ_t with A_t = −(log π_s − log π_T)(y_t) + reward_coef·A^reward, w_t the truncated importance
     ratio π_now/π_rollout (exact correction for samples from an older student). ``direction``, ``beta``: unused."""
     return sampled_rkl_loss(x.logp, x.teacher_logp, x.mask, rollout_logp=x.rollout_logp, reward_adv=x.reward_adv,
@@ -346,7 +350,7 @@ def sampled_rkl_objective(x: OPDInputs, *, direction: str, beta: float, reward_c
 
 @register_loss("topk_kl", fn=topk_kl_loss, needs_teacher_topk=True)
 def topk_kl_objective(x: OPDInputs, *, direction: str, beta: float, reward_coef: float, is_clip: float | None,
-                      global_token_count: float | torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+                      global_token_count: float | torch.Tensor | None) -> tuple[torch.Tensor, Metrics]:
     """The teacher-top-k + tail-bucket divergence (direction, beta) at every response position, plus, if
     reward_coef > 0, the importance-weighted policy-gradient term of the task reward alone (``sampled_rkl_loss``
     with π_T := π_s, so its KL advantage is exactly 0). Metrics add the sampled-token ``reverse_kl`` and
@@ -366,7 +370,7 @@ def topk_kl_objective(x: OPDInputs, *, direction: str, beta: float, reward_coef:
                                     reward_adv=x.reward_adv, reward_coef=reward_coef, is_clip=is_clip,
                                     global_token_count=global_token_count)
         total = total + pg
-        metrics.update(reward_pg_loss=pg_m["loss"], loss=float(total.detach()))
+        metrics.update(reward_pg_loss=pg_m["loss"], loss=total.detach())
     return total, metrics
 
 

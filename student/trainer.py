@@ -35,12 +35,14 @@ import numpy as np
 from domains.compaction import compaction_for, episode_of, summary_allowance
 from domains.evaluate import episode_budget, evaluate_model, tool_metrics
 from infra.chat import stop_token_ids, token_budget
+from infra.checkpoint_budget import checkpoint_rule
 from training.batching import MAX_BUCKETS, length_buckets, length_sorted_split
 from engine.client import seed_for
 from training.ledger import Ledger
 from training.checkpoints import commit_checkpoint, restore_latest
 from training.progress_events import report
 from training.ranks import Ranks, led
+from training.step_metrics import host_floats
 from student.batch import collate, opd_loss, reward_advantage
 from student.losses import get_loss
 from student.sampler import (PromptStream, StudentSample, check_student_domains, domain_weights, episode_reward,
@@ -49,6 +51,7 @@ from student.scoring import TeacherScorer
 
 log = logging.getLogger("alloy.student")
 DROP_STALE = "stale"
+STATE_PARTS = ("state",)  # the DeepSpeed state: only the newest checkpoint on a GPU keeps it
 
 
 @dataclass
@@ -135,7 +138,8 @@ class DistillTrainer:
         """Restore the newest complete checkpoint under out_url, if any (DeepSpeed state, ledger, stream, counters).
         Returns the local HF dir of its weights, which the caller serves as version `state.step`; None if none."""
         restored = restore_latest(self.work_dir, self.out_url, self.ranks.world_size, who="student",
-                                  setting="distill.train.world_size")
+                                  setting="distill.train.world_size", state_parts=STATE_PARTS,
+                                  keep_setting="distill.keep_checkpoints")
         if restored is None:
             return None
         local, data, url = restored
@@ -323,16 +327,19 @@ class DistillTrainer:
         return scores
 
     def checkpoint(self) -> str:
-        """Commit weights (HF + DeepSpeed state), cursor, ledger and drops as one checkpoint; keep the last two."""
+        """Commit weights (HF + DeepSpeed state), cursor, ledger and drops as one checkpoint; keep the last
+        `distill.keep_checkpoints` (on a GPU the older ones without their DeepSpeed state)."""
         t = time.perf_counter()
 
         def write_parts(local: Path) -> None:
             self.backend.save_hf(local / "hf", tokenizer=self.tok)
             self.backend.save_state(local / "state")
 
+        keep, slim = checkpoint_rule(self.dc.keep_checkpoints, on_gpu=self.backend.device.type != "cpu")
         url = commit_checkpoint(self.work_dir, self.out_url, self.state.step, self.ranks.world_size,
                                 dict(vars(self.state), ledger=self.ledger.state_dict()), write_parts,
-                                meta={"stage": "student", "cursor": self.state.cursor})
+                                meta={"stage": "student", "cursor": self.state.cursor}, keep_last=keep,
+                                state_parts=STATE_PARTS, slim=slim)
         self.timing["ckpt_s"] += time.perf_counter() - t
         self.last_checkpoint = url
         return url
@@ -422,7 +429,10 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
     # loss is a sum over tokens / the global count, so the grouping changes nothing but float rounding. Fewer samples
     # than micro-batches: zero-loss micro-steps (first) keep DeepSpeed's boundary count
     chunks = sorted(length_sorted_split([len(s.prompt_ids) + len(s.output_ids) for s in mine], G), key=len)
-    sums: dict[str, float] = {}
+    # every bucket's loss metrics (device tensors) and every micro-step's backend.step result, with their token
+    # counts, in the order they are summed: read back to the host once, after the optimizer step (no sync per
+    # micro-batch, training/step_metrics.py), then summed as floats exactly as they always were
+    parts: list[tuple[dict, int, bool]] = []  # (metrics, tokens, from a bucket's loss)
     m: dict[str, float] = {}
     tokens = 0
     backend.train_mode()
@@ -442,17 +452,19 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
                          reward_adv=[adv[i] for i in rows])
             out = backend(input_ids=mb.input_ids.to(backend.device),
                           attention_mask=mb.attention_mask.to(backend.device))
-            loss_t, m = opd_loss(out.logits, mb, loss=loss, direction=dc.direction, beta=dc.beta,
-                                 reward_coef=dc.reward_coef, is_clip=dc.is_clip, global_token_count=norm)
+            loss_t, bm = opd_loss(out.logits, mb, loss=loss, direction=dc.direction, beta=dc.beta,
+                                  reward_coef=dc.reward_coef, is_clip=dc.is_clip, global_token_count=norm)
             total = loss_t if total is None else total + loss_t
-            n = mb.num_tokens
+            n = mb.num_tokens  # the host mask's count: no device read
             n_mb += n
-            for k, v in m.items():  # token-weighted means; `loss` is already a share of the global mean
-                sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "reward_pg_loss") else v * n)
+            parts.append((bm, n, True))
         m = backend.step(total)
         tokens += n_mb
-        for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + v * n_mb
+        parts.append((m, n_mb, False))
+    sums: dict[str, float] = {}
+    for (_, n, from_loss), pm in zip(parts, host_floats(*(p[0] for p in parts))):
+        for k, v in pm.items():  # token-weighted means; `loss` is already a share of the global mean
+            sums[k] = sums.get(k, 0.0) + (v if from_loss and k in ("loss", "reward_pg_loss") else v * n)
     out_m = {f"train/{k}": (v / G if k in ("loss", "reward_pg_loss") else v / max(tokens, 1))
              for k, v in sums.items() if k not in ("stepped", "lr", "grad_norm")}
     out_m.update({"train/lr": sums.get("lr", 0.0) / max(tokens, 1), "train/grad_norm": m.get("grad_norm", 0.0),

@@ -61,8 +61,8 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     n = mask.to(x.dtype).sum()
-    if unbiased and n > 1:
-        var = var * n / (n - 1)
+    if unbiased:  # n / (n − 1) only where n > 1, without reading n on the host (no device sync)
+        var = torch.where(n > 1, var * n / torch.where(n > 1, n - 1, torch.ones_like(n)), var)
     return var
 
 
@@ -94,9 +94,8 @@ def explained_variance(y_pred: torch.Tensor, y: torch.Tensor, mask: torch.Tensor
     Returns nan when Var[y] = 0 (undefined), rather than a misleading number.
     """
     var_y = masked_var(y, mask)
-    if var_y == 0:
-        return torch.tensor(float("nan"), dtype=y.dtype)
-    return 1.0 - masked_var(y - y_pred, mask) / var_y
+    ev = 1.0 - masked_var(y - y_pred, mask) / var_y
+    return torch.where(var_y == 0, torch.full_like(ev, float("nan")), ev)  # no `if`: no device sync
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -242,7 +241,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 eps_clip: float = 0.2, eps_clip_high: float | None = None, eps_clip_c: float | None = None,
                 tis_weights: torch.Tensor | None = None, agg: str = "token_mean",
-                global_token_count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                global_token_count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (arXiv:1707.06347 eq. 7), as a loss to minimise, per token:
 
         ρ_t = exp(logp_t − old_logp_t)
@@ -251,8 +250,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         TIS (rollout/trainer mismatch): ℓ_t ← w_t·ℓ_t,  w = tis_weights (detached; see ``tis_weights``)
 
     then ``agg_loss(ℓ, mask, agg)``. Shapes: logp (B, T) with grad; old_logp, advantages, mask, tis_weights (B, T).
-    Metrics: ``pg_loss``, ``clip_frac`` (tokens where the clipped term is the active one), ``approx_kl``
-    (k1 mean of KL(π_old‖π) = mean(old_logp − logp) on tokens sampled from π_old), ``dual_clip_frac``, ``ratio_mean``.
+    Metrics (detached 0-d tensors, read back once per step: training/step_metrics.py): ``pg_loss``, ``clip_frac``
+    (tokens where the clipped term is the active one), ``approx_kl`` (k1 mean of KL(π_old‖π) = mean(old_logp − logp)
+    on tokens sampled from π_old), ``dual_clip_frac``, ``ratio_mean``.
     """
     _check_shapes("policy_loss", "logp", logp, old_logp=old_logp, advantages=advantages, mask=mask,
                   tis_weights=tis_weights)
@@ -280,26 +280,26 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     loss = agg_loss(loss_mat, mask, agg, global_token_count)
     with torch.no_grad():
         metrics = {
-            "pg_loss": loss.item(),
-            "clip_frac": masked_mean((surr_clipped > surr).to(logp.dtype), mask).item(),
-            "approx_kl": masked_mean(-log_ratio, mask).item(),
-            "dual_clip_frac": masked_mean(dual_active.to(logp.dtype), mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
+            "pg_loss": loss.detach(),
+            "clip_frac": masked_mean((surr_clipped > surr).to(logp.dtype), mask),
+            "approx_kl": masked_mean(-log_ratio, mask),
+            "dual_clip_frac": masked_mean(dual_active.to(logp.dtype), mask),
+            "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, metrics
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                value_clip: float | None = 0.2, agg: str = "token_mean",
-               global_token_count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+               global_token_count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped critic loss (PPO2 / verl form), INCLUDING the factor ½:
 
         v_clip_t = clip(v_t, v_old_t − c, v_old_t + c)
         ℓ_t = ½ · max((v_clip_t − R_t)², (v_t − R_t)²)            (c = value_clip; None → ½·(v_t − R_t)²)
 
     then ``agg_loss(ℓ, mask, agg)``. Shapes: values (B, T) with grad; old_values, returns, mask (B, T).
-    Metrics: ``vf_loss``, ``vf_clip_frac`` (tokens where the clipped branch is the larger one), ``explained_variance``
-    (of returns by values; nan if the returns are constant), ``value_mean``.
+    Metrics (detached 0-d tensors): ``vf_loss``, ``vf_clip_frac`` (tokens where the clipped branch is the larger
+    one), ``explained_variance`` (of returns by values; nan if the returns are constant), ``value_mean``.
     """
     _check_shapes("value_loss", "values", values, old_values=old_values, returns=returns, mask=mask)
     values, old_values, returns = _zero_pad(mask, values, old_values.detach(), returns.detach())
@@ -314,10 +314,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     loss = 0.5 * agg_loss(torch.maximum(clipped, unclipped), mask, agg, global_token_count)
     with torch.no_grad():
         metrics = {
-            "vf_loss": loss.item(),
-            "vf_clip_frac": masked_mean((clipped > unclipped).to(values.dtype), mask).item(),
-            "explained_variance": explained_variance(values, returns, mask).item(),
-            "value_mean": masked_mean(values, mask).item(),
+            "vf_loss": loss.detach(),
+            "vf_clip_frac": masked_mean((clipped > unclipped).to(values.dtype), mask),
+            "explained_variance": explained_variance(values, returns, mask),
+            "value_mean": masked_mean(values, mask),
         }
     return loss, metrics
 

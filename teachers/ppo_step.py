@@ -33,6 +33,7 @@ import torch
 
 from training.batching import MAX_BUCKETS, length_buckets
 from training.logprobs import gather_log_softmax
+from training.step_metrics import host_floats
 from teachers import ppo_math
 from teachers.april import Sample
 
@@ -237,10 +238,11 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
         "explained_variance": explained_var,
         "tis_weight_mean": ppo_math.masked_mean(tis, mask).item() if tis is not None else 1.0,
     }
-    sums: dict[str, float] = {}
+    per_epoch: list[dict] = []  # each epoch's metrics as device tensors: read back once, after the last step
     policy.train_mode()
     critic.train_mode()
     for epoch in range(ppo_epochs):
+        em: dict = {}
         if not critic_only:
             if epoch == 0 and first_pi is not None:
                 logp, entropy = first_pi
@@ -252,17 +254,22 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
                                             global_token_count=norm_pi)
             ent = ppo_math.agg_loss(entropy, mask.to(dev), global_token_count=norm_pi)
             policy.step(pg - entropy_coef * ent)
-            for k in ("pg_loss", "clip_frac", "approx_kl"):
-                sums[k] = sums.get(k, 0.0) + pg_m[k]
-            sums["entropy"] = sums.get("entropy", 0.0) + ppo_math.masked_mean(entropy.detach(), mask.to(dev)).item()
-            if epoch == 0:
-                metrics["clip_frac_first"], metrics["ratio_mean_first"] = pg_m["clip_frac"], pg_m["ratio_mean"]
+            em = {k: pg_m[k] for k in ("pg_loss", "clip_frac", "approx_kl", "ratio_mean")}
+            em["entropy"] = ppo_math.masked_mean(entropy.detach(), mask.to(dev))
         values = first_v if epoch == 0 and first_v is not None else _values(critic, batch)
         dev = values.device
         vf, vf_m = ppo_math.value_loss(values, old_values.to(dev), returns.to(dev), mask.to(dev), value_clip,
                                        global_token_count=norm_v)
         critic.step(vf)
-        sums["vf_loss"] = sums.get("vf_loss", 0.0) + vf_m["vf_loss"]
+        per_epoch.append({**em, "vf_loss": vf_m["vf_loss"]})
+    sums: dict[str, float] = {}
+    for epoch, em in enumerate(host_floats(*per_epoch)):  # the same floats, summed in the same order as before
+        if not critic_only:
+            for k in ("pg_loss", "clip_frac", "approx_kl", "entropy"):
+                sums[k] = sums.get(k, 0.0) + em[k]
+            if epoch == 0:
+                metrics["clip_frac_first"], metrics["ratio_mean_first"] = em["clip_frac"], em["ratio_mean"]
+        sums["vf_loss"] = sums.get("vf_loss", 0.0) + em["vf_loss"]
     metrics.update({k: v / ppo_epochs for k, v in sums.items()})
     return metrics
 

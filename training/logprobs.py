@@ -135,5 +135,7 @@ def gather_log_softmax(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Ten
     if chunk < 1:
         raise ValueError(f"gather_log_softmax: chunk_tokens must be >= 1, got {chunk}")
     ids = ids.to(device=logits.device, dtype=torch.long)
-    rows_b, rows_t = _rows(None if valid is None else valid.to(logits.device).bool(), (B, T), logits.device)
+    # the valid positions' indices are found where `valid` lives (a host mask: no device sync), then moved
+    rows_b, rows_t = _rows(None if valid is None else valid.bool(), (B, T), logits.device)
+    rows_b, rows_t = rows_b.to(logits.device), rows_t.to(logits.device)
     return _GatherLogSoftmax.apply(logits, ids, rows_b, rows_t, float(temperature), bool(with_entropy), int(chunk))

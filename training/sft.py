@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from infra.chat import completion_ids, end_of_turn_ids, render_prompt_ids
+from training.step_metrics import host_floats
 
 
 @dataclass
@@ -95,7 +96,8 @@ def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Ten
     """Token-level next-token cross-entropy.
 
     logits (B, T, V), input_ids (B, T), loss_mask (B, T). loss = Σ_t m_t · CE(logits_t, ids_{t+1}) / N,
-    N = `token_normalizer` (e.g. the global token count across ranks) or Σ m.
+    N = `token_normalizer` (e.g. the global token count across ranks) or Σ m. Metrics `loss`, `token_acc`, `tokens`
+    are detached 0-d tensors (read back after the optimizer step: training/step_metrics.py).
     """
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
     target = input_ids[:, 1:]
@@ -105,7 +107,7 @@ def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Ten
     loss = (nll * m).sum() / n
     with torch.no_grad():
         acc = ((logp.argmax(-1) == target).float() * m).sum() / m.sum().clamp_min(1.0)
-    return loss, {"loss": float(loss.detach()), "token_acc": float(acc), "tokens": float(m.sum())}
+    return loss, {"loss": loss.detach(), "token_acc": acc, "tokens": m.sum()}
 
 
 def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size: int, seed: int = 0,
@@ -141,7 +143,9 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size
         out = backend(input_ids=batch.input_ids.to(backend.device), attention_mask=batch.attention_mask.to(backend.device))
         loss, metrics = sft_loss(out.logits, batch.input_ids.to(backend.device), batch.loss_mask.to(backend.device),
                                  token_normalizer=backend.loss_normalizer(global_tokens))
-        metrics.update(backend.step(loss), forward_tokens=float(batch.attention_mask.sum()))  # this rank's positions
+        stepped = backend.step(loss)
+        metrics = host_floats(metrics)[0]  # one device→host read per step, after the update was queued
+        metrics.update(stepped, forward_tokens=float(batch.attention_mask.sum()))  # this rank's positions (host)
         if on_step is not None:
             on_step(step, metrics)
         if should_stop is not None and step < steps and should_stop(step):

@@ -17,3 +17,16 @@ def test_fused_adamw_on_cuda_only():
     assert adamw_kwargs("cuda", offloaded) == {}
     assert adamw_kwargs("cuda", {"zero_optimization": {"offload_optimizer": {"device": "none"}}}) == {"fused": True}
     assert adamw_kwargs("cuda", {"zero_optimization": {"stage": 3}}) == {"fused": True}
+
+
+def test_host_floats_reads_tensors_back_as_the_same_floats():
+    import torch
+
+    from training.step_metrics import host_floats
+
+    a = {"loss": torch.tensor(0.1, dtype=torch.float32), "n": 3, "bf": torch.tensor(1.0078125, dtype=torch.bfloat16)}
+    b = {"kl": torch.tensor([2.5], dtype=torch.float64), "lr": 1e-3}
+    got = host_floats(a, b)
+    assert got == [{"loss": torch.tensor(0.1).item(), "n": 3.0, "bf": 1.0078125}, {"kl": 2.5, "lr": 1e-3}]
+    assert [list(d) for d in got] == [["loss", "n", "bf"], ["kl", "lr"]]  # keys keep their order
+    assert all(type(v) is float for d in got for v in d.values()) and host_floats() == []
