@@ -86,7 +86,8 @@ class StepGraphs:
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        # thread_local: the server's HTTP thread may touch CUDA (memory stats) while this thread captures
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             out = self.eager(rows, columns)
         self.graphs[(rows, columns)] = (graph, out)
         self.captured += 1
