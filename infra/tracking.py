@@ -259,6 +259,26 @@ class Tracker:
         for i in range(0, len(items), 1000):
             self._client.log_batch(rid, metrics=items[i:i + 1000])
 
+    def start_system_metrics(self) -> Any | None:
+        """Start MLflow's system-metrics monitor on this run (a thread sampling CPU, memory, disk, network and, with
+        `nvidia-ml-py` installed, each GPU's utilisation and memory: `system/...` metrics beside the curves);
+        returns it (call `.finish()` at the end) or None where it cannot start. Without `pynvml` only a warning
+        says the GPU metrics are missing. Sampling every 10 s unless MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL says."""
+        import importlib.util
+
+        rid = self._rid("start_system_metrics")
+        if importlib.util.find_spec("pynvml") is None:
+            log.warning("MLflow system metrics without GPU metrics: `pynvml` is missing (pip install nvidia-ml-py)")
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            monitor = SystemMetricsMonitor(rid, resume_logging=True, tracking_uri=self.tracking_uri)
+            monitor.start()
+        except Exception as exc:  # noqa: BLE001 - monitoring is an extra: the run goes on without it
+            log.warning("MLflow system metrics not started: %s: %s", type(exc).__name__, exc)
+            return None
+        return monitor
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
 
@@ -428,6 +448,9 @@ class NoopTracker:
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         return None
 
+    def start_system_metrics(self) -> None:
+        return None
+
     def set_tags(self, tags: dict) -> None:
         return None
 
@@ -462,6 +485,21 @@ class NoopTracker:
 
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
         return []
+
+
+SYSTEM_METRICS_ENV = "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"  # MLflow's own switch, honoured here too
+
+
+def system_metrics_wanted(on_gpu: bool, env: dict | None = None) -> bool:
+    """Whether a trainer logs MLflow's system metrics: MLflow's own switch (MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING,
+    true/false) when set, else on a GPU only (its utilisation and memory are what a GPU run needs beside its
+    curves; a CPU run, CI included, logs what it always did)."""
+    raw = (os.environ if env is None else env).get(SYSTEM_METRICS_ENV, "").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    return on_gpu
 
 
 def make_tracker(rank: int, *, enabled: bool = True, runs_root: str | os.PathLike = "runs", experiment: str = "alloy",

@@ -13,7 +13,8 @@ A worker module describes itself once, as a `Worker` (its module, its own flags,
 3. joins torch.distributed (`init_distributed`; rank and world size from the launcher, e.g. torchrun) and leaves it
    at the end (`shutdown_distributed`), however `run` ends;
 4. resumes the MLflow run `--mlflow-run-id` on rank 0 (a `NoopTracker` elsewhere, or without an id, or with
-   tracking off) and ends it KILLED when stopped by a signal (the stage that started it ends it otherwise);
+   tracking off) and ends it KILLED when stopped by a signal (the stage that started it ends it otherwise); on a
+   GPU it logs MLflow's system metrics there too (GPU utilisation and memory: `start_system_metrics`);
 5. writes `run`'s result as JSON to `--result` atomically (rank 0): a reader sees the whole file or none.
 
 The tasks that start workers use the same description: `WORKER.argv(init=..., out=...)` is the command line, so a
@@ -144,11 +145,15 @@ class Worker:
             try:
                 from training.deepspeed_backend import init_distributed, shutdown_distributed
 
+                monitor = None
                 try:
                     rank, world = init_distributed()
                     tracker = open_tracker(cfg, args.mlflow_run_id if rank == 0 else None)
+                    monitor = start_system_metrics(tracker)
                     result = run(WorkerRun(args, cfg, tracker, rank, world, work))
                 finally:
+                    if monitor is not None:
+                        monitor.finish()
                     shutdown_distributed()
             except WorkerStopped as stop:
                 log.warning("%s: %s; exiting", self.module, stop)
@@ -178,6 +183,21 @@ def open_tracker(cfg, run_id: str | None):
     if not run_id or not cfg.tracking.enabled:
         return NoopTracker()
     return Tracker(runs_root=cfg.run.root, experiment=cfg.tracking.experiment, uri=cfg.tracking.uri).resume(run_id)
+
+
+def start_system_metrics(tracker):
+    """MLflow's system-metrics monitor on the tracker's run when this process trains on a GPU (DeepSpeed's
+    accelerator is cuda) or MLflow's switch asks for it (`infra.tracking.system_metrics_wanted`), else None; a
+    NoopTracker (rank > 0, tracking off) never starts one."""
+    from deepspeed.accelerator import get_accelerator
+
+    from infra.tracking import system_metrics_wanted
+
+    if not getattr(tracker, "run_id", None):
+        return None
+    if not system_metrics_wanted(get_accelerator().device_name() == "cuda"):
+        return None
+    return tracker.start_system_metrics()
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:

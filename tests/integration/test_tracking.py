@@ -303,3 +303,34 @@ def test_noop_tracker_does_nothing(tmp_path, monkeypatch, store):
     assert mlflow.active_run() is None
     real = make_tracker(0, runs_root=store[0], experiment="alloy-test")
     assert isinstance(real, Tracker) and real.tracking_uri == store[1]
+
+
+@pytest.mark.unit
+def test_system_metrics_on_a_gpu_only_unless_mlflow_says(monkeypatch):
+    from infra.tracking import system_metrics_wanted
+
+    assert system_metrics_wanted(True, env={}) and not system_metrics_wanted(False, env={})  # CI: off
+    assert system_metrics_wanted(False, env={"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "true"})
+    assert not system_metrics_wanted(True, env={"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false"})
+    assert NoopTracker().start_system_metrics() is None
+
+
+def test_system_metrics_are_logged_to_the_run_and_stop(tracker, monkeypatch, caplog):
+    import importlib.util
+    import time
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    run_id = tracker.start_parent("system-metrics")
+    with caplog.at_level("WARNING", logger="alloy.tracking"):
+        monitor = tracker.start_system_metrics()
+    assert monitor is not None
+    if importlib.util.find_spec("pynvml") is None:  # no GPU metrics: said once, the rest is logged
+        assert "pynvml" in caplog.text
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(
+            k.startswith("system/") for k in tracker._client.get_run(run_id).data.metrics):
+        time.sleep(0.2)
+    monitor.finish()
+    keys = set(tracker._client.get_run(run_id).data.metrics)
+    assert "system/cpu_utilization_percentage" in keys, keys
+    tracker.end()
