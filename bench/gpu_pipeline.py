@@ -27,6 +27,7 @@ N = the model's parameters; attention FLOPs left out, so a lower bound; PPO's po
 `nvidia-smi --query-compute-apps` (sampled every `SAMPLE_S`) and each trainer's own `torch.cuda.max_memory_*`;
 `weight_push`: seconds the specialists' pushes sat on the critical path (`push_s` per step: the next rollout waits)
 and the student's (`timing_s.push_s`), and the deferred load time the servers spent off it (`push_load_s`);
+`stage_windows`: each stage's start and end (epoch seconds: `tasks.context.stage_timer` wrapped);
 `ok` per part and a top-level `ok`. Exit 1 when anything failed, when a trainer or server is not on
 `--expect-device` (default: cuda when torch sees a GPU), or when the report is missing a stage.
 """
@@ -146,6 +147,28 @@ def prefect_stand_in() -> None:
     for name in ABSENT:
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]  (an import raises ModuleNotFoundError)
+
+
+def record_stage_windows() -> list[dict]:
+    """Record each stage's wall-clock window (`tasks.context.stage_timer`: {"stage", "start", "end"} in epoch
+    seconds), so a caller sampling the GPU beside this process (bench/gpu_perf.py) can tell how busy it was during
+    each stage. Wraps the timer's enter/exit; the stage timings themselves are unchanged."""
+    from tasks.context import stage_timer
+
+    windows: list[dict] = []
+    enter, exit_ = stage_timer.__enter__, stage_timer.__exit__
+
+    def on_enter(self):
+        self._window = {"stage": self.name, "start": time.time(), "end": None}
+        windows.append(self._window)
+        return enter(self)
+
+    def on_exit(self, *exc):
+        self._window["end"] = time.time()
+        return exit_(self, *exc)
+
+    stage_timer.__enter__, stage_timer.__exit__ = on_enter, on_exit
+    return windows
 
 
 # ------------------------------------------------------------------------------------------ GPU memory sampler
@@ -436,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
            "stand_in": "prefect: pass-through stand-ins; mlflow, sglang: absent (see the module docstring)"}
     report, error = None, None
     t0 = time.perf_counter()
+    windows = record_stage_windows()
     with GpuSampler() as sampler, ResumePruner(root) as pruner:
         try:
             from flows.pipeline import pipeline
@@ -449,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         out["flow_process_torch_peak_bytes"] = torch.cuda.max_memory_allocated()
     params = model_params(root)
     out.update(summarize(report, root, device, params, card_peak(info.get("gpu")), sampler))
+    out["stage_windows"] = windows  # epoch seconds; bench/gpu_perf.py reads the GPU's busy share per stage
     out["pruned_resume_checkpoints"] = {"n": len(pruner.pruned), "gb": round(pruner.freed_bytes / 1e9, 2)}
     out["report"] = {k: (report or {}).get(k) for k in ("summary", "timings_s", "throughput", "domains")}
     out["error"] = error

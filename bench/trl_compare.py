@@ -180,7 +180,8 @@ def run_alloy(spec: dict, names: list[str], seed: int, work: Path, overrides: di
         force_alloy_length()
     cfg = make_cfg(work, [{"name": d} for d in names], seed=seed, steps=spec["steps"], batch_size=spec["batch"],
                    max_new_tokens=spec["max_new_tokens"], temperature=1.0, loss="topk_kl", direction="reverse",
-                   n_prompts_per_domain=spec["n_prompts_per_domain"], train={"lr": spec["lr"]}, **overrides)
+                   n_prompts_per_domain=spec["n_prompts_per_domain"],
+                   train={"lr": spec["lr"], **({"dtype": "bf16"} if spec.get("cuda") else {})}, **overrides)
     fleet = start_teachers(names, {d: spec["teachers"][d] for d in names}, spec["base"], log_dir=work / "logs",
                            engine_cfg=cfg.engine, teachers_cfg=cfg.teachers)
     marks: dict[int, tuple[float, int]] = {}

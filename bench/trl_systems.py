@@ -98,7 +98,9 @@ def trl_args(cls, spec: dict, seed: int, out_dir: Path, **extra):
     return cls(output_dir=str(out_dir), per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1,
                max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
                weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", seed=seed, report_to="none",
-               save_strategy="no", logging_steps=10 ** 6, disable_tqdm=True, use_cpu=True, bf16=False,
+               save_strategy="no", logging_steps=10 ** 6, disable_tqdm=True,
+               # spec["cuda"] (bench/gpu_perf.py's TRL part): on the GPU in bf16 autocast, as a user would run it
+               use_cpu=not spec.get("cuda", False), bf16=bool(spec.get("cuda", False)),
                dataloader_num_workers=0, **extra)
 
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(BENCH))
 
 import harness  # noqa: E402
 
-LIBRARIES = {"harness", "merge_stats", "trl_systems"}  # modules of bench/ that are not benches
+LIBRARIES = {"harness", "merge_stats", "trl_systems", "gpu_parts"}  # modules of bench/ that are not benches
 
 
 def test_meta_fields():
