@@ -115,3 +115,78 @@ def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """
     logp = torch.log_softmax(logits.float(), dim=-1)
     return logp.clamp_(min=torch.finfo(logp.dtype).min)
+
+
+def prompt_logprobs(logits: torch.Tensor, asks: list[tuple]) -> list[tuple]:
+    """Prompt log-probs of several prompts of one forward, read back in one device→host copy.
+
+    logits (G, K, V): the last K positions' logits of each prompt (right-aligned, as the prefill keeps them);
+    asks: per prompt that returns log-probs, `(g, input_ids, start, top_k, token_ids)` — its row of `logits`, its
+    ids (length n), `logprob_start` (< n), `top_logprobs_num` and `token_ids_logprob` (None: not asked).
+    Returns per ask `(chosen, top, by_id)`: chosen[j] = log P(ids[start+1+j] | ids[:start+1+j]) (raw log_softmax,
+    n - 1 - start entries), top[j] = (values, ids) of the top-k (None when top_k = 0), by_id[j] = the log-probs of
+    `token_ids` (None when not asked). One `topk` per distinct k (not one per prompt), one copy for everything.
+    """
+    K = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    targets: list[int] = []
+    spans = []
+    for g, ids, st, _k, _tid in asks:
+        n = len(ids)
+        m = n - 1 - st  # positions st … n-2 score tokens st+1 … n-1; kept row K - n + p for position p
+        spans.append((len(rows), m))
+        rows += [g] * m
+        cols += range(K - n + st, K - 1)
+        targets += ids[st + 1:]
+    if not rows:
+        return [([], None if k <= 0 else [], None if tid is None else []) for _g, _i, _s, k, tid in asks]
+    dev = logits.device
+    logp = raw_logprobs(logits[torch.tensor(rows).to(dev), torch.tensor(cols).to(dev)])  # (M, V)
+    flat = [logp.gather(1, torch.tensor(targets).to(dev)[:, None]).squeeze(1).double()]
+    sizes = [len(rows)]
+    by_k: dict[int, list[int]] = {}
+    for a, (_g, _i, _s, k, _t) in enumerate(asks):
+        if k > 0 and spans[a][1] > 0:
+            by_k.setdefault(min(k, logp.shape[-1]), []).append(a)
+    tops = {}
+    for k, members in by_k.items():
+        sel = torch.tensor([r for a in members for r in range(spans[a][0], spans[a][0] + spans[a][1])]).to(dev)
+        vals, idx = torch.topk(logp[sel], k, dim=-1, sorted=True)
+        tops[k] = members
+        flat += [vals.flatten().double(), idx.flatten().double()]
+        sizes += [vals.numel(), idx.numel()]
+    id_asks = [a for a, ask in enumerate(asks) if ask[4] is not None and spans[a][1] > 0]
+    for a in id_asks:
+        start, m = spans[a]
+        flat.append(logp[start:start + m][:, list(asks[a][4])].flatten().double())
+        sizes.append(flat[-1].numel())
+    host = torch.cat(flat).cpu().tolist()  # the one copy
+    chunks, at = [], 0
+    for s in sizes:
+        chunks.append(host[at:at + s])
+        at += s
+    chosen_all = chunks[0]
+    out_top: dict[int, list] = {}
+    c = 1
+    for k, members in tops.items():
+        vals, idx = chunks[c], chunks[c + 1]
+        c += 2
+        at = 0
+        for a in members:
+            m = spans[a][1]
+            out_top[a] = [(vals[(at + j) * k:(at + j + 1) * k], [int(x) for x in idx[(at + j) * k:(at + j + 1) * k]])
+                          for j in range(m)]
+            at += m
+    out_ids = {}
+    for a in id_asks:
+        width = len(asks[a][4])
+        flat_a = chunks[c]
+        c += 1
+        out_ids[a] = [flat_a[j * width:(j + 1) * width] for j in range(spans[a][1])]
+    out = []
+    for a, (_g, _i, _s, k, tid) in enumerate(asks):
+        start, m = spans[a]
+        out.append((chosen_all[start:start + m], (out_top.get(a, []) if k > 0 else None),
+                    (out_ids.get(a, []) if tid is not None else None)))
+    return out

@@ -44,7 +44,7 @@ from engine.kv_cache import BatchKVCache
 from engine.native_model import engine_model, fused_decode
 from engine.running import RunningBatch, Segment
 from engine.protocol import ProtocolError, SeqResult, SeqSpec
-from engine.sampling import raw_logprobs, report_logprobs, sample_tokens, top_logprobs
+from engine.sampling import prompt_logprobs, report_logprobs, sample_tokens, top_logprobs
 from engine.static_engine import StaticDecode
 from engine.weight_updates import UpdateJob, WeightUpdates
 from infra.choices import MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS
@@ -352,25 +352,28 @@ class Engine(WeightUpdates, StaticDecode):
                          use_cache=cache is not None, logits_to_keep=keep)
         return out.logits, [mask] if caches else []
 
-    def _fill_input_logprobs(self, s: Seq, logits: torch.Tensor) -> None:
-        """Prompt log-probs of tokens start … n-1 from one row's kept logits (K, V) (the last K prompt columns).
+    def _fill_input_logprobs(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        """Prompt log-probs of tokens start … n-1 of every sequence of `seqs` that asks, from their kept logits
+        (G, K, V) (row i: seqs[i]'s last K prompt columns), read back in one copy (`sampling.prompt_logprobs`).
 
         Entry 0 is [null, ids[start]]; entry j ≥ 1 is log P(ids[start+j] | ids[:start+j]) = raw log_softmax of the
         logits at prompt position start+j-1, i.e. kept row K - n + start + j - 1.
         """
-        spec, res = s.spec, s.result
-        n, st, K = len(spec.input_ids), spec.logprob_start, logits.shape[0]
-        if not spec.return_logprob or st >= n:
+        asks, who = [], []
+        for i, s in enumerate(seqs):
+            spec = s.spec
+            if spec.return_logprob and spec.logprob_start < len(spec.input_ids):
+                asks.append((i, spec.input_ids, spec.logprob_start, spec.top_logprobs_num, spec.token_ids_logprob))
+                who.append(s)
+        if not asks:
             return
-        rows = logits[K - n + st: K - 1]  # positions st … n-2 → tokens st+1 … n-1
-        logp = raw_logprobs(rows)
-        targets = torch.tensor(spec.input_ids[st + 1:], dtype=torch.long, device=logp.device)
-        res.in_logprobs = [None] + logp.gather(1, targets[:, None]).squeeze(1).tolist()
-        if spec.top_logprobs_num > 0:
-            vals, idx = top_logprobs(logp, spec.top_logprobs_num)
-            res.in_top = [None] + list(zip(vals, idx))
-        if spec.token_ids_logprob is not None:
-            res.in_ids_logprobs = [None] + logp[:, list(spec.token_ids_logprob)].tolist()
+        for s, (chosen, top, by_id) in zip(who, prompt_logprobs(logits, asks)):
+            res = s.result
+            res.in_logprobs = [None] + chosen
+            if top is not None:
+                res.in_top = [None] + top
+            if by_id is not None:
+                res.in_ids_logprobs = [None] + by_id
 
     def _run_scoring(self, limit: float) -> bool:
         """One padded forward (no cache) for waiting prefill-only sequences; finish them."""
@@ -387,8 +390,7 @@ class Engine(WeightUpdates, StaticDecode):
         if need:
             keep = max(len(s.spec.input_ids) - s.spec.logprob_start for s in need)
             logits, _ = self._forward_prompts(need, keep, None)
-            for i, s in enumerate(need):
-                self._fill_input_logprobs(s, logits[i])
+            self._fill_input_logprobs(need, logits)
         for s in batch:
             self._finish(s, {"type": "length", "length": 0})
         return True
@@ -443,8 +445,7 @@ class Engine(WeightUpdates, StaticDecode):
         self.prefill_forwards += 1
         self.prefill_tokens += sum(int(m.sum()) for m in masks)
         self.prefill_padded_tokens += sum(m.numel() for m in masks)
-        for i, s in enumerate(group):
-            self._fill_input_logprobs(s, logits[i])
+        self._fill_input_logprobs(group, logits)
         alive, _ = self._sample_and_check(group, logits[:, -1])
         for (idx, cache), mask in zip(caches, masks):
             if not any(alive[i] for i in idx):

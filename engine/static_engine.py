@@ -62,8 +62,7 @@ class StaticDecode:
         real = sum(len(s.spec.input_ids) for s in group)
         self.prefill_tokens += real
         self.prefill_padded_tokens += real
-        for i, s in enumerate(group):
-            self._fill_input_logprobs(s, logits[i])
+        self._fill_input_logprobs(group, logits)
         alive, first = self._sample_and_check(group, logits[:, -1])
         pos = torch.tensor([len(s.spec.input_ids) for s in group], dtype=torch.long).to(self.device)
         batch.add(group, first, pos)

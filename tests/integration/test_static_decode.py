@@ -116,10 +116,12 @@ def test_static_engine_returns_what_the_segment_engine_returns(tiny_model_dir):
         assert t.result.finish_reason["type"] == s.result.finish_reason["type"], rid
         if s.result.finish_reason["type"] == "abort":
             continue  # where an abort lands depends on the thread's timing
-        if REFERENCE_NUMERICS:
+        # greedy rows in float32: the same tokens. A sampled row's draw near a boundary of its CDF may flip on the
+        # last bits of the logits (each path sums in its own order; the segment path's padding depends on arrival
+        # timing), as may a near-tie in bfloat16: those compare up to their first difference (inclusive)
+        if REFERENCE_NUMERICS and s.spec.sampling.temperature < 1e-6:
             assert t.result.finish_reason == s.result.finish_reason, rid
             assert t.result.output_ids == s.result.output_ids, rid
-        # in bfloat16 a near-tie may pick another token: compare up to the first difference (inclusive)
         n = next((i + 1 for i, (x, y) in enumerate(zip(t.result.output_ids, s.result.output_ids)) if x != y),
                  min(len(t.result.output_ids), len(s.result.output_ids)))
         torch.testing.assert_close(torch.tensor(t.result.out_logprobs[:n]), torch.tensor(s.result.out_logprobs[:n]),

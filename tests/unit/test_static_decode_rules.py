@@ -67,3 +67,33 @@ def test_sampling_without_syncs_picks_the_same_tokens(seed):
     zeros = torch.zeros(8)
     assert torch.equal(sample_tokens(logits, zeros, top_p, top_k, uniform, flags=(False, False)),
                        logits.argmax(-1))
+
+
+def test_prompt_logprobs_of_a_batch_match_each_prompt_alone():
+    """`prompt_logprobs` reads several prompts' log-probs (chosen, top-k of two sizes, requested ids) in one copy:
+    each is what the definition gives for that prompt alone, entry j = log_softmax(row K - n + start + j)[ids[...]]."""
+    from engine.sampling import prompt_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    K, V = 6, 11
+    logits = torch.randn(3, K, V, generator=g)
+    asks = [(0, (1, 2, 3, 4, 5), 1, 2, None), (1, (7, 8, 9), 0, 0, (3, 4)), (2, (5, 6, 7, 8, 9, 10), 3, 4, (0,)),
+            (2, (1, 2), 1, 3, (9,))]  # the last: start = n - 1, nothing to score
+    out = prompt_logprobs(logits, asks)
+    for (row, ids, st, k, tid), (chosen, top, by_id) in zip(asks, out):
+        n = len(ids)
+        logp = torch.log_softmax(logits[row], -1)
+        want = [float(logp[K - n + p, ids[p + 1]]) for p in range(st, n - 1)]
+        assert chosen == pytest.approx(want, abs=1e-6)
+        if k == 0:
+            assert top is None
+        else:
+            assert len(top) == len(want)
+            for j, (vals, top_ids) in enumerate(top):
+                v, i = torch.topk(logp[K - n + st + j], k)
+                assert top_ids == i.tolist() and vals == pytest.approx(v.tolist(), abs=1e-6)
+        if tid is None:
+            assert by_id is None
+        else:
+            assert by_id == [pytest.approx([float(logp[K - n + p, t]) for t in tid], abs=1e-6) for p in range(st, n - 1)]
+    assert out[3] == ([], [], [])
