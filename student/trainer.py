@@ -41,6 +41,7 @@ from engine.client import seed_for
 from training.ledger import Ledger
 from training.checkpoints import commit_checkpoint, restore_latest
 from training.progress_events import report
+from training.mfu import mfu, step_perf
 from training.ranks import Ranks, led
 from training.step_metrics import host_floats
 from student.batch import collate, opd_loss, reward_advantage
@@ -126,6 +127,7 @@ class DistillTrainer:
         self.compaction = compaction
         self.guards = dict(guards or {})
         self.train_tokens = 0  # prompt + response positions forwarded through training updates (this process)
+        self.train_flops = 0.0  # one card's training FLOPs of those updates (training/mfu.py)
         self.timing = {"sample_s": 0.0, "score_s": 0.0, "train_s": 0.0, "push_s": 0.0, "push_load_s": 0.0,
                        "eval_s": 0.0, "ckpt_s": 0.0}
         self._sampled_changed = asyncio.Condition()  # notified when a batch has been sampled (`_wait_sampled`)
@@ -233,9 +235,11 @@ class DistillTrainer:
         if fresh:
             t = time.perf_counter()
             metrics = await asyncio.to_thread(self._update, fresh, version)
-            self.timing["train_s"] += time.perf_counter() - t
+            train_s = time.perf_counter() - t
+            self.timing["train_s"] += train_s
             self.train_tokens += sum(len(s.prompt_ids) + len(s.output_ids) for s in fresh)  # positions trained
             st.updates += 1
+            metrics.update(self._perf(fresh, train_s))
         if self.dc.deterministic:  # batch version + max_staleness must still be sampled from these weights
             await self._wait_sampled(min(version + self.dc.max_staleness, self.dc.steps - 1) + 1)
         t = time.perf_counter()
@@ -344,6 +348,18 @@ class DistillTrainer:
         self.last_checkpoint = url
         return url
 
+    def _perf(self, fresh: list, train_s: float) -> dict:
+        """One update's `perf/train_tokens_per_s` (prompt + response positions over its time) and `perf/mfu` (one
+        card's; absent without a known peak, as on the CPU): the student trained once (forward + backward) on every
+        row (training/mfu.py). Adds its FLOPs to the run's (`summary`'s `mfu`)."""
+        if train_s <= 0:
+            return {}
+        p = step_perf([self.backend.model_shape], [len(s.prompt_ids) + len(s.output_ids) for s in fresh], train_s,
+                      self.backend.peak_tflops, self.ranks.world_size)
+        self.train_flops += p["flops"]
+        return {k: v for k, v in (("perf/train_tokens_per_s", p["tokens_per_s"]), ("perf/mfu", p["mfu"]))
+                if v is not None}
+
     def throughput(self) -> dict[str, float]:
         """Tokens per second of this run's producer/consumer loop (wall clock: the overlap is the point)."""
         if not hasattr(self, "_t_start"):
@@ -359,6 +375,8 @@ class DistillTrainer:
             "trained_samples": self.ledger.n_trained, "dropped": dict(self.state.dropped),
             "duplicates_skipped": self.ledger.duplicates_skipped, "wall_s": self.wall_s, "timing_s": dict(self.timing),
             "train_tokens": self.train_tokens, "device": str(self.backend.device),
+            "train_tokens_per_s": self.train_tokens / self.timing["train_s"] if self.timing["train_s"] else None,
+            "mfu": mfu(self.train_flops, self.timing["train_s"], self.backend.peak_tflops),
             "weight_sync": {"strategy": str(self.policy.sync), "last_path": str(self.policy.last_path)},
             "sampled_tokens": self.state.sampled_tokens, "scored_tokens": self.state.scored_tokens,
             "throughput": self.throughput(), "teachers": self.scorer.totals(), "evals": list(self.state.evals),

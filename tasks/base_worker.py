@@ -21,6 +21,7 @@ from domains.registry import load_domains
 from domains.tools import demonstration_segments
 from infra.chat import PromptRenderer, system_of
 from infra.tracking import NoopTracker
+from training.mfu import mfu
 from training.progress_events import report
 from training.sft import train_sft
 from training.session import commit_final, fresh_final, train_settings, trainable
@@ -104,9 +105,12 @@ def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tr
              len(pairs), len(domains), cfg.base.steps, backend.world_size)
     batch = cfg.base.train.micro_batch_size * backend.world_size
     forwarded = [0.0]  # positions this rank trained on (benchmarks: MFU)
+    work = {"flops": 0.0, "step_s": 0.0}  # this rank's training FLOPs and its steps' time (training/mfu.py)
 
     def on_step(step: int, m: dict) -> None:
         forwarded[0] += m.get("forward_tokens", 0.0)
+        work["flops"] += m.get("train_flops", 0.0)
+        work["step_s"] += m.get("step_s", 0.0)
         if not backend.is_main:
             return
         report(step, cfg.base.steps, loss=m["loss"], token_acc=m["token_acc"])  # the stage launcher follows these
@@ -114,7 +118,8 @@ def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tr
             log.info("base SFT step %d/%d: loss %.4g, token_acc %.4g", step, cfg.base.steps, m["loss"],
                      m["token_acc"])
             tracker.log_metrics({"sft/loss": m["loss"], "sft/token_acc": m["token_acc"],
-                                 "sft/grad_norm": float(m.get("grad_norm", 0.0))}, step=step)
+                                 "sft/grad_norm": float(m.get("grad_norm", 0.0)),
+                                 **perf_metrics(m, backend)}, step=step)
 
     val_history: list[dict] = []
     t0 = time.perf_counter()
@@ -133,7 +138,10 @@ def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tr
     backend.close()
     # `steps`: the steps taken (fewer than base.steps when stopped by its score: `stopped` says why)
     summary = {**last, "world_size": backend.world_size, "device": str(backend.device), "train_s": train_s,
-               "train_tokens": forwarded[0] * backend.world_size, "stopped": stopped, "validation": val_history}
+               "train_tokens": forwarded[0] * backend.world_size, "stopped": stopped, "validation": val_history,
+               # over the steps' own time (validation left out): positions/s of all ranks, and this rank's card's MFU
+               "train_tokens_per_s": forwarded[0] * backend.world_size / work["step_s"] if work["step_s"] else None,
+               "mfu": mfu(work["flops"], work["step_s"], backend.peak_tflops)}
     if backend.is_main:
         summary["checkpoint"] = commit_final(final, out_url, cfg.base.steps,
                                              meta={"stage": "base", "config_fingerprint": cfg.fingerprint(),
@@ -141,6 +149,15 @@ def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tr
     # the process group it trained in (report.json `resources`); device, time and positions trained (benchmarks);
     # `wall_s` from the start to the commit (`alloy run --dry-run` estimates the base from it)
     return {**summary, "wall_s": time.perf_counter() - t_start}
+
+
+def perf_metrics(m: dict, backend) -> dict:
+    """One SFT step's `perf/train_tokens_per_s` (all ranks' positions) and `perf/mfu` (this rank's card; absent
+    without a known peak, as on the CPU) from `train_sft`'s step metrics."""
+    s = m.get("step_s") or 0.0
+    out = {"perf/train_tokens_per_s": m.get("forward_tokens", 0.0) * backend.world_size / s if s else None,
+           "perf/mfu": mfu(m.get("train_flops"), s, backend.peak_tflops)}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 WORKER = Worker("tasks.base_worker", "Alloy base SFT worker (one process per rank)",

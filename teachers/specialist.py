@@ -36,6 +36,7 @@ import torch
 from domains.guard import guarded_reward
 from domains.verifiers import verifier_outcomes
 from training.checkpoints import commit_checkpoint, restore_latest
+from training.mfu import mfu, step_perf
 from training.progress_events import report
 from training.ranks import Ranks, led
 from teachers import ppo_math
@@ -104,6 +105,7 @@ class SpecialistTrainer:
         self.cursor = PromptCursor(domain, tokenizer, sc.n_prompts, seed, chat_template)
         self.state = SpecialistState()
         self.val_examples = domain.split("val", sc.val_n, seed) if sc.val_every else []
+        self.work: dict[str, float] = {}  # this process's training FLOPs, update seconds, positions (`_perf`)
         self.last_checkpoint: str | None = None
 
     # -- resume / checkpoint -----------------------------------------------------------------------------------
@@ -180,7 +182,8 @@ class SpecialistTrainer:
                 "april": self.buffer.counters, "verifier_errors": self.state.verifier_errors,
                 "checkpoint": self.last_checkpoint, "validation": sel.history, "best_step": sel.best_step,
                 "best_val": sel.best_score, "stopped": self.state.stopped, "device": str(self.policy.device),
-                "weight_sync": {"strategy": str(self.server.sync), "last_path": str(self.server.last_path)}}
+                "weight_sync": {"strategy": str(self.server.sync), "last_path": str(self.server.last_path)},
+                **self.perf_summary()}
 
     def validate(self) -> float:
         """Greedy score of the current policy on the val-split prompts; a new best is saved to `best_dir`."""
@@ -291,6 +294,7 @@ class SpecialistTrainer:
                **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked",
                                                                    "blocked_episodes")},
                **{f"guard_{k}": float(v) for k, v in b.reward_counts.items()}}
+        out.update(self._perf(rows, m, train_s))
         out = {k: float(v) for k, v in out.items() if v is not None}
         self.state.history.append({"step": self.state.step, **out})
         report(self.state.step, sc.steps, **out)  # every step, as data, for the process that started us
@@ -301,6 +305,26 @@ class SpecialistTrainer:
                      out.get("policy_loss", 0.0), out.get("value_loss", 0.0), april["partials"], b.rollout_s,
                      train_s, out["step_s"])
         return out, nxt
+
+    def _perf(self, rows: list[Sample], m: dict, train_s: float) -> dict:
+        """This step's `perf/train_tokens_per_s` (positions of the rows over the update's time) and `perf/mfu` (one
+        card's): the critic, and the policy unless the step trained the critic only, each trained `ppo_epochs`
+        times (forward + backward) on the rows (training/mfu.py; the no-grad forwards are not training FLOPs).
+        Adds to the run's totals (`summary`'s `mfu`); {} for a step that trained nothing."""
+        if not rows or not m or train_s <= 0:
+            return {}
+        shapes = [self.critic.model_shape] + ([self.policy.model_shape] if "pg_loss" in m else [])
+        lengths = [len(r.prompt_ids) + len(r.output_ids) for r in rows]
+        p = step_perf(shapes, lengths, train_s, self.policy.peak_tflops, self.ranks.world_size, self.sc.ppo_epochs)
+        for k, v in (("flops", p["flops"]), ("train_s", train_s), ("tokens", float(sum(lengths)))):
+            self.work[k] = self.work.get(k, 0.0) + v
+        return {"perf/train_tokens_per_s": p["tokens_per_s"], "perf/mfu": p["mfu"]}
+
+    def perf_summary(self) -> dict:
+        """The run's `train_tokens_per_s` and one card's `mfu` over every update's time (None on the CPU)."""
+        s = self.work.get("train_s", 0.0)
+        return {"train_tokens_per_s": self.work["tokens"] / s if s else None,
+                "mfu": mfu(self.work.get("flops"), s, self.policy.peak_tflops)}
 
     def _update(self, samples: list[Sample], rewards: list[float], version: int) -> dict:
         # every reward equal (all 0 on a hard domain, all 1 on a solved one): the whitened advantages would be pure

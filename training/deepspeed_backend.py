@@ -22,6 +22,7 @@ after each update.
 """
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
@@ -57,6 +58,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from infra.placement import GPU_MEM_FRACTION_ENV  # noqa: E402
 from training.ds_config import (TrainSettings, adamw_kwargs, build_ds_config, loss_normalizer,  # noqa: E402
                                 lr_multiplier)
+from training.mfu import ModelShape, card_peak  # noqa: E402
 from training.safe_load import deepspeed_allowed, safe_torch_load  # noqa: E402
 
 CHECKPOINT_TAG = "state"  # fixed tag: one resumable state per directory, no "latest" guessing
@@ -328,6 +330,21 @@ class DeepSpeedBackend:
     @property
     def device(self) -> torch.device:
         return self.engine.device
+
+    @functools.cached_property
+    def model_shape(self) -> ModelShape:
+        """The trained model's parameters, layers and hidden size: what its training FLOPs per token are counted
+        from (`training.mfu`). Each parameter once (a tied one too); under ZeRO-3 its full size (`ds_numel`)."""
+        n = sum(int(getattr(p, "ds_numel", p.numel())) for p in self.module.parameters())
+        return ModelShape.of(getattr(self.module, "config", None), n)
+
+    @property
+    def peak_tflops(self) -> float | None:
+        """This rank's card's dense bf16 peak (TFLOP/s, `training.mfu.card_peak`), None off CUDA or for a card not
+        in the table: the denominator of the MFU a trainer reports."""
+        if self.device.type != "cuda":
+            return None
+        return card_peak(torch.cuda.get_device_name(self.device))
 
     def forward_buckets(self, wanted: int) -> int:
         """How many forward calls a trainer may split one micro-batch into (length buckets, less padding): 1 under

@@ -76,8 +76,9 @@ def step_perf(shapes: Sequence[ModelShape], lengths: Sequence[int], seconds: flo
               world_size: int = 1, passes: int = 1) -> dict[str, float | None]:
     """One optimizer step's (or one stage's) speed: `tokens_per_s`, the global batch's positions Σ T_i over
     `seconds`, and `mfu` per card: the models `shapes`, each trained `passes` times (forward + backward) on the rows
-    `lengths` in `seconds`, their FLOPs split evenly over `world_size` ranks (one card each)."""
+    `lengths` in `seconds`, their FLOPs split evenly over `world_size` ranks (one card each); `flops`, one card's
+    share (to add up over steps)."""
     tokens = float(sum(lengths))
     flops = passes * sum(train_flops(s, lengths) for s in shapes) / world_size
     return {"tokens_per_s": tokens / seconds if seconds and seconds > 0 else None,
-            "mfu": mfu(flops, seconds, peak_tflops)}
+            "mfu": mfu(flops, seconds, peak_tflops), "flops": flops}

@@ -11,6 +11,7 @@ the RL rollouts and the OPD student's episodes.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from infra.chat import completion_ids, end_of_turn_ids, render_prompt_ids
+from training.mfu import train_flops
 from training.step_metrics import host_floats
 
 
@@ -121,7 +123,8 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size
     segments; `chat_template` is the `model.chat_template` mode the prompts are rendered in (`encode_pair`).
 
     `backend` is an `training.deepspeed_backend.DeepSpeedBackend`; each rank draws its shard of the same global batch.
-    Returns the last step's metrics.
+    Each step's metrics carry this rank's `forward_tokens`, `train_flops` and the step's `step_s`. Returns the last
+    step's metrics.
     """
     if not pairs:
         raise ValueError("train_sft: no training pairs")
@@ -131,6 +134,7 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size
     metrics: dict = {}
     backend.train_mode()
     for step in range(1, steps + 1):
+        t0 = time.perf_counter()
         if len(order) < batch_size:
             fresh = list(range(len(encoded)))
             rng.shuffle(fresh)
@@ -146,6 +150,10 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size
         stepped = backend.step(loss)
         metrics = host_floats(metrics)[0]  # one device→host read per step, after the update was queued
         metrics.update(stepped, forward_tokens=float(batch.attention_mask.sum()))  # this rank's positions (host)
+        # this rank's training FLOPs (training/mfu.py, rows at their own length) and the step's time, the update's
+        # read-back above included: a trainer reports MFU and tokens/s from these
+        metrics.update(train_flops=train_flops(backend.model_shape, [len(encoded[i][0]) for i in local_idx]),
+                       step_s=time.perf_counter() - t0)
         if on_step is not None:
             on_step(step, metrics)
         if should_stop is not None and step < steps and should_stop(step):

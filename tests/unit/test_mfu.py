@@ -37,6 +37,7 @@ def test_step_perf_splits_the_flops_over_ranks_and_counts_passes():
     # policy and critic, 2 epochs each, on 2 ranks: 2·2·flops / 2 ranks per card
     two = step_perf([shape, shape], [10, 4], 2.0, 1e-9, world_size=2, passes=2)
     assert two["tokens_per_s"] == 7.0 and two["mfu"] == pytest.approx(2 * flops / 2.0 / 1000.0, rel=1e-12)
+    assert one["flops"] == flops and two["flops"] == 2 * flops  # one card's share: 2 models · 2 passes / 2 ranks
     assert step_perf([shape], [10], 1.0, None)["mfu"] is None
 
 

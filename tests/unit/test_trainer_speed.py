@@ -30,3 +30,16 @@ def test_host_floats_reads_tensors_back_as_the_same_floats():
     assert got == [{"loss": torch.tensor(0.1).item(), "n": 3.0, "bf": 1.0078125}, {"kl": 2.5, "lr": 1e-3}]
     assert [list(d) for d in got] == [["loss", "n", "bf"], ["kl", "lr"]]  # keys keep their order
     assert all(type(v) is float for d in got for v in d.values()) and host_floats() == []
+
+
+def test_base_sft_step_perf_from_train_sft_metrics():
+    from types import SimpleNamespace
+
+    from tasks.base_worker import perf_metrics
+
+    m = {"forward_tokens": 100.0, "train_flops": 4e12, "step_s": 2.0}
+    cpu = SimpleNamespace(world_size=2, peak_tflops=None)
+    assert perf_metrics(m, cpu) == {"perf/train_tokens_per_s": 100.0}  # 2 ranks · 100 / 2 s; no MFU on the CPU
+    gpu = SimpleNamespace(world_size=2, peak_tflops=1.0)  # 4e12 FLOPs in 2 s on a 1 TFLOP/s card: twice its peak
+    assert perf_metrics(m, gpu) == {"perf/train_tokens_per_s": 100.0, "perf/mfu": 2.0}
+    assert perf_metrics({}, gpu) == {}
