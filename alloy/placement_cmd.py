@@ -2,7 +2,9 @@
 
 Prints which GPUs each trainer, rollout server and teacher server gets, as a table or, with --json, exactly
 `{"processes": [{"stage", "name", "kind", "gpus", "mem_fraction"}, ...]}`. A request that does not fit exits 2 with
-the planner's message. (`alloy run --dry-run`, alloy/plan.py, is the other "plan": what a run would train.)
+the planner's message. The table is followed by the run's checkpoint bytes (`alloy.plan.check_checkpoint_bytes`);
+checkpoints that would not fit the storage's free space exit 2 too, naming the fields that size them. (`alloy run
+--dry-run`, alloy/plan.py, is the other "plan": what a run would train.)
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def cmd_plan(args) -> int:
         # model.path need not exist on the machine that plans (resources.model_gb can stand for it); the planner
         # says so when it needs the checkpoint's config.json and cannot read it
         cfg = load_config(args.config, args.set, check_model_path=False)
-        plan = make_plan(cfg, node_gpus(cfg, args.gpus))
+        gpus = node_gpus(cfg, args.gpus)
+        plan = make_plan(cfg, gpus)
     except (ConfigError, PlacementError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -63,6 +66,14 @@ def cmd_plan(args) -> int:
         print('{"processes": [\n' + rows + "\n]}" if rows else '{"processes": []}')
     else:
         print(render(plan, args.config))
+    from alloy.plan import check_checkpoint_bytes
+
+    budget, lines = check_checkpoint_bytes(cfg, gpus, cfg.domain_names())
+    if not args.json:
+        print("\n".join(lines))
+    if not budget.ok:
+        print(f"error: {budget.name}: {budget.detail}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
 
 

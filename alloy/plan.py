@@ -3,7 +3,8 @@
 Checks (a failure names the field, path or key, and the command exits 2): the config; the model (a local
 checkpoint's config and tokenizer load; a Hub id must be in the local Hugging Face cache, as runs are offline; a
 preset builds its char tokenizer); the domain plugins; the storage URL (a probe written, read, listed and deleted
-under it with the credentials of the environment); the ports the config fixes; every external teacher's /health.
+under it with the credentials of the environment); the ports the config fixes; every external teacher's /health;
+the run's checkpoint bytes against the storage's free space (`check_checkpoint_bytes`, also run by `alloy plan`).
 No Prefect server, MLflow store, engine server or trainer is started.
 
 `preflight` is the part of these checks that needs no network but the storage's, run by `alloy config`, by
@@ -266,6 +267,73 @@ def check_teachers(cfg: AlloyConfig) -> list[Check]:
     return out
 
 
+# ------------------------------------------------------------------------------------------ checkpoint bytes
+
+
+def stored_bytes(cfg: AlloyConfig, domains: list[str]) -> int:
+    """Bytes already under this config's stage prefixes (a rerun reuses or replaces them); 0 where unreadable."""
+    url = cfg.storage_url
+    prefixes = [base_prefix(cfg, url), student_prefix_of(cfg, url),
+                *(specialist_prefix_of(cfg, url, d) for d in domains)]
+    total = 0
+    for prefix in prefixes:
+        try:
+            fs, path = get_fs(prefix, storage_options=None if is_local(prefix) else S3_OPTIONS)
+            total += int(fs.du(path)) if fs.exists(path) else 0
+        except Exception:  # noqa: BLE001  (a courtesy: what is stored only loosens the check)
+            continue
+    return total
+
+
+def check_checkpoint_bytes(cfg: AlloyConfig, gpus: int, domains: list[str]) -> tuple[Check, list[str]]:
+    """The run's checkpoint bytes (infra/checkpoint_budget.py: weights, DeepSpeed states × checkpoints kept, final/
+    exports) on `gpus` GPUs (0: the CPU) against its storage's free space (plus what the run already stores under
+    its own prefixes): (a Check named `checkpoints` that fails, naming the fields that size them and both numbers,
+    when they do not fit; the estimate's lines)."""
+    from infra.checkpoint_budget import budget_fields, budget_problem, fmt_bytes, free_bytes, run_bytes, run_trainers
+    from infra.placement import PlacementError, model_size
+    from infra.storage import to_local
+
+    try:
+        params, _, _ = model_size(cfg.model.path, cfg.resources.model_gb, cfg.model.preset)
+    except PlacementError as exc:
+        return Check("checkpoints", True, f"not estimated: {exc}"), []
+    trainers, at_once = run_trainers(cfg, params, gpus > 0, domains)
+    stays, extra = run_bytes(trainers, at_once)
+    need, url = stays + extra, cfg.storage_url
+    try:
+        free, where = free_bytes(url, to_local(url) if is_local(url) else None)
+    except ValueError as exc:
+        return Check("checkpoints", False, str(exc)), []
+    stored = stored_bytes(cfg, domains) if free is not None else 0
+    room = where if free is None else f"{fmt_bytes(free)} {where}" + (
+        f", {fmt_bytes(stored)} already stored by this run" if stored else "")
+    lines = [f"checkpoints (estimate: {params / 1e6:.1f}M params, trained on {'a GPU' if gpus > 0 else 'the CPU'}):",
+             *_budget_rows(trainers, extra, need, room)]
+    problem = budget_problem(need, free, stored, budget_fields(cfg))
+    if problem:
+        return Check("checkpoints", False, f"{url}: {problem}"), lines
+    return Check("checkpoints", True, f"~{fmt_bytes(need)} on {url} ({room})"), lines
+
+
+def _budget_rows(trainers: list, extra: int, need: int, room: str) -> list[str]:
+    """The estimate's table: one row per trainer (`infra.checkpoint_budget.TrainerBytes`), the extra while trainers
+    train, the total."""
+    from infra.checkpoint_budget import fmt_bytes
+
+    w = max(len(t.name) for t in trainers) + 2
+    rows = []
+    for t in trainers:
+        older = f" + {t.keep - 1} older × {fmt_bytes(t.older)}" if t.keep > 1 else ""
+        gone = " (deleted once final/ is in)" if t.transient else ""
+        resume = f"step-* {fmt_bytes(t.newest)}{older}{gone}, " if t.newest else ""
+        rows.append(f"  {t.name:<{w}}{resume}final {fmt_bytes(t.final)}")
+    if extra:
+        rows.append(f"  {'while training':<{w}}+{fmt_bytes(extra)} (the trainers at once; a new checkpoint lands "
+                    "before the oldest is pruned)")
+    return rows + [f"  {'total':<{w}}~{fmt_bytes(need)} ({room})"]
+
+
 # ------------------------------------------------------------------------------------------ estimates
 
 
@@ -424,8 +492,11 @@ def dry_run(config_path: str, overrides: list[str], out=None, err=None) -> int:
         return EXIT_USAGE
     print(f"dry run of {config_path}: run {cfg.run.name!r}, storage {cfg.storage_url} (nothing is trained)", file=out)
     pre, domains = preflight(cfg)
+    from tasks.gpu_lanes import node_gpus
+
+    budget, budget_lines = check_checkpoint_bytes(cfg, node_gpus(cfg), list(domains) or cfg.domain_names())
     checks = [Check("config", True, f"{config_path}: valid"), check_model(cfg), *pre, *check_ports(cfg),
-              *check_teachers(cfg)]
+              *check_teachers(cfg), budget]
     print("checks:", file=out)
     for c in checks:
         print(f"  {'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}", file=out)
@@ -434,7 +505,7 @@ def dry_run(config_path: str, overrides: list[str], out=None, err=None) -> int:
         try:
             lines, total = build_plan(cfg, _estimates(cfg), list(domains) or cfg.domain_names())
             print("plan (reuse = a complete checkpoint of the same training settings is in storage):", file=out)
-            print("\n".join(lines), file=out)
+            print("\n".join(lines + budget_lines), file=out)
             print(f"estimated time: {_fmt_s(total) if total else 'no estimate (no earlier run)'} (stages without "
                   f"an estimate not counted; dry run took {time.monotonic() - t0:.1f} s)", file=out)
         except Exception as exc:  # noqa: BLE001  (the storage answered the probe but not this)

@@ -126,6 +126,13 @@ class DistillConfig(_Strict):
     eval_every: int = Field(50, ge=0, description="Per-domain greedy eval of the student every N steps (0 = off).")
     eval_n: int = Field(50, ge=1, description="Eval-split examples per domain for the in-training evals.")
     checkpoint_every: int = ops_field(50, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
+    keep_checkpoints: int | None = ops_field(None, ge=1, description=(
+        "Resumable checkpoints kept under the student's prefix (a new one is committed before the oldest is "
+        "pruned; the newest that verifies is resumed). null: 1 when the student trains on a GPU, where a checkpoint "
+        "holds its fp32 master weights and Adam moments (12 of a bf16 checkpoint's 14 bytes per parameter: GBs a "
+        "round), 2 on the CPU, where the older one is the fallback when the newest fails verification. On a GPU only "
+        "the newest keeps its DeepSpeed state: an older one keeps its HF weights and trainer.json, and a resume that "
+        "would fall back to it is refused, naming it (docs/architecture.md, \"Checkpoints\")."))
     log_every: int = ops_field(25, ge=1, description="Log train and per-teacher metrics every N steps.")
     threads: int = ops_field(1, ge=1, description="Torch threads of the student trainer process.")
     mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: the student trains in the pipeline's "
@@ -253,6 +260,14 @@ class SpecialistsConfig(_Strict):
     patience: int = Field(0, ge=0, description="Stop after this many validations without a new best (0: never).")
     stop_at: float | None = Field(None, gt=0, le=1, description="Stop once a validation score reaches this.")
     checkpoint_every: int = ops_field(20, ge=1, description="Commit a resumable checkpoint every N steps (and at the end).")
+    keep_checkpoints: int | None = ops_field(None, ge=1, description=(
+        "Resumable checkpoints kept under each specialist's prefix (a new one is committed before the oldest is "
+        "pruned; the newest that verifies is resumed). null: 1 when the specialist trains on a GPU, where a "
+        "checkpoint holds the policy's and the critic's fp32 master weights and Adam moments (12 of a bf16 "
+        "checkpoint's 14 bytes per parameter: GBs a round), 2 on the CPU, where the older one is the fallback when "
+        "the newest fails verification. On a GPU only the newest keeps its DeepSpeed states: an older one keeps its "
+        "HF weights and trainer.json, and a resume that would fall back to it is refused, naming it "
+        "(docs/architecture.md, \"Checkpoints\")."))
     log_every: int = ops_field(5, ge=1, description="Log training metrics every N steps.")
     max_parallel: int = ops_field(2, ge=1, description="Specialists trained at once (local mode).")
     mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: concurrent subprocesses; deployment: "

@@ -566,6 +566,13 @@ def prune(prefix_url: str, keep_last: int, pattern: str = "step-*", *, storage_o
     return [c.url for c in doomed]
 
 
+def delete_checkpoint(url: str, *, storage_options: dict | None = None, retry: RetryPolicy = DEFAULT_RETRY) -> None:
+    """Delete the checkpoint at `url` (locally renamed out of sight first; remotely the manifest first, so a delete
+    cut short leaves an incomplete directory, never a complete-looking partial one)."""
+    _delete_checkpoint(url, storage_options, retry)
+    log.info("deleted checkpoint %s", url)
+
+
 def _delete_checkpoint(url: str, storage_options: dict | None, retry: RetryPolicy) -> None:
     if is_local(url):
         final = Path(to_local(url))

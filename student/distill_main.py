@@ -29,6 +29,7 @@ from domains.compaction import compactions_of
 from domains.guard import Guard
 from domains.registry import load_domains
 from engine.client import EngineClient
+from infra.checkpoint_budget import checkpoint_rule
 from training.ranks import Ranks
 from training.session import (commit_final, end_stage, follow_rank_zero, fresh_final, serve_and_run, train_settings,
                               trainable)
@@ -103,8 +104,10 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
                             loop=trainer.run, closers={id(c): c for c in scorer.clients.values()}.values())
     final = fresh_final(work)
     backend.save_hf(final, tokenizer=tok)
+    _, slim = checkpoint_rule(dc.keep_checkpoints, on_gpu=backend.device.type != "cpu")
     summary["student_checkpoint"] = commit_final(final, out_url, trainer.state.step,
-                                                 meta={"stage": "student", "steps": trainer.state.step})
+                                                 meta={"stage": "student", "steps": trainer.state.step},
+                                                 drop_resume=slim)  # on a GPU its step-* go: a rerun reuses final/
     summary["student_dir"] = str(final)
     return end_stage(summary, ranks, (backend,))
 

@@ -35,6 +35,7 @@ import torch
 
 from domains.guard import guarded_reward
 from domains.verifiers import verifier_outcomes
+from infra.checkpoint_budget import checkpoint_rule
 from training.checkpoints import commit_checkpoint, restore_latest
 from training.mfu import mfu, step_perf
 from training.progress_events import report
@@ -48,6 +49,7 @@ from teachers.selection import Selection
 
 log = logging.getLogger("alloy.specialist")
 BEST_DIR = "best-hf"  # the best-validating policy (HF dir), in the work dir and in every checkpoint
+STATE_PARTS = ("policy-state", "critic-state")  # the DeepSpeed states: only the newest checkpoint on a GPU keeps them
 
 
 @dataclass
@@ -113,7 +115,8 @@ class SpecialistTrainer:
         """Restore the newest complete checkpoint; returns its local HF dir (to serve), or None."""
         restored = restore_latest(self.work_dir, self.out_url, self.ranks.world_size,
                                   who=f"specialist {self.domain.name}",
-                                  setting="specialists.policy_train/critic_train.world_size")
+                                  setting="specialists.policy_train/critic_train.world_size",
+                                  state_parts=STATE_PARTS, keep_setting="specialists.keep_checkpoints")
         if restored is None:
             return None
         local, data, url = restored
@@ -131,7 +134,8 @@ class SpecialistTrainer:
 
     def checkpoint(self) -> str:
         """Commit policy (HF + DeepSpeed state), critic, the best policy so far, cursor and APRIL buffer (with its
-        ledger) as one checkpoint (training/checkpoints.py)."""
+        ledger) as one checkpoint (training/checkpoints.py); `specialists.keep_checkpoints` are kept (on a GPU the
+        older ones without their DeepSpeed states)."""
         def write_parts(local: Path) -> None:
             self.policy.save_hf(local / "hf", tokenizer=self.tok)
             self.policy.save_state(local / "policy-state")
@@ -140,9 +144,11 @@ class SpecialistTrainer:
                 shutil.copytree(self.best_dir, local / BEST_DIR)
 
         self.state.cursor = self.cursor.cursor
+        keep, slim = checkpoint_rule(self.sc.keep_checkpoints, on_gpu=self.policy.device.type != "cpu")
         url = commit_checkpoint(self.work_dir, self.out_url, self.state.step, self.ranks.world_size,
                                 dict(self.state.to_json(), april=self.buffer.state_dict()), write_parts,
-                                meta={"stage": "specialist", "domain": self.domain.name})
+                                meta={"stage": "specialist", "domain": self.domain.name}, keep_last=keep,
+                                state_parts=STATE_PARTS, slim=slim)
         self.last_checkpoint = url
         return url
 

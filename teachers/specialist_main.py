@@ -29,6 +29,7 @@ from pathlib import Path
 from domains.compaction import Compaction, summary_allowance
 from domains.registry import load_domains
 from infra.chat import token_budget
+from infra.checkpoint_budget import checkpoint_rule
 from training.deepspeed_backend import DeepSpeedBackend
 from training.ranks import Ranks
 from training.session import (commit_final, end_stage, follow_rank_zero, fresh_final, frozen_copy, serve_and_run,
@@ -129,9 +130,11 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     tracker.log_metrics({"eval/score": summary["score"], "eval/raw_score": summary["raw_score"],
                          **({} if summary["hacks_per_100"] is None else {"eval/hacks_per_100": summary["hacks_per_100"]}),
                          "eval/selected_step": summary["selected_step"]}, step=trainer.state.step)
+    _, slim = checkpoint_rule(sc.keep_checkpoints, on_gpu=policy.device.type != "cpu")
     summary["checkpoint"] = commit_final(final, out_url, trainer.state.step,
                                          meta={"stage": "specialist", "domain": domain.name,
-                                               "score": summary["score"], "step": summary["selected_step"]})
+                                               "score": summary["score"], "step": summary["selected_step"]},
+                                         drop_resume=slim)  # on a GPU its step-* go: a rerun reuses final/
     summary["specialist_dir"] = str(final)
     return end_stage(summary, ranks, (policy, critic))
 

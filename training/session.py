@@ -23,6 +23,7 @@ from engine.launcher import Supervisor
 from infra.devices import resolve_dtype
 from infra.models import load_model, load_tokenizer
 from training.policy_server import PolicyServer
+from training.checkpoints import drop_resume_checkpoints
 from training.ranks import process_world_size
 from infra.storage import join, save_checkpoint
 
@@ -111,6 +112,11 @@ def fresh_final(work: Path) -> Path:
     return final
 
 
-def commit_final(final: Path, out_url: str, step: int, meta: dict) -> str:
-    """Commit the HF dir `final` as `<out_url>/final` (COMPLETE manifest last); returns its URL."""
-    return save_checkpoint(str(final), join(out_url, "final"), step, meta=meta)
+def commit_final(final: Path, out_url: str, step: int, meta: dict, *, drop_resume: bool = False) -> str:
+    """Commit the HF dir `final` as `<out_url>/final` (COMPLETE manifest last); returns its URL. `drop_resume` (a
+    trainer on a GPU: `infra.checkpoint_budget.checkpoint_rule`): then delete its resumable `step-*` checkpoints,
+    which a rerun never reads once final/ is complete."""
+    url = save_checkpoint(str(final), join(out_url, "final"), step, meta=meta)
+    if drop_resume:
+        drop_resume_checkpoints(out_url)
+    return url

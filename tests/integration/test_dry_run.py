@@ -176,3 +176,40 @@ def test_dry_run_loads_the_model_path(tmp_path, tiny_model_dir):
     assert proc.returncode == 2
     assert "error: model.path: nobody/no-such-model: cannot load" in proc.stderr
     assert "Hugging Face cache" in proc.stderr
+
+
+def test_dry_run_and_plan_refuse_checkpoints_bigger_than_the_storage(tmp_path, monkeypatch):
+    """The run's checkpoint bytes (infra/checkpoint_budget.py) against a small storage: ALLOY_STORAGE_FREE_BYTES
+    stands for a 1 MB disk. Smoke on the CPU (tiny preset, P = 105,024 parameters, fp32, 2 checkpoints kept):
+    a specialist checkpoint is hf/ + best-hf/ + two DeepSpeed states = P·(4 + 4 + 12 + 12) = 32P, the student's
+    P·(4 + 12) = 16P, a final/ 4P; what stays is the base's final 4P + 3 specialists × (2 · 32P + 4P) + the student's
+    2 · 16P + 4P = 244P, plus 2 specialists at once committing one more (64P): 308P = 32,347,392 bytes."""
+    monkeypatch.setenv("ALLOY_STORAGE_FREE_BYTES", "1000000")
+    sets = (f"run.root={tmp_path}", "resources.gpus_per_node=0")
+    proc = dry_run(*sets)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    err = proc.stderr
+    assert "error: checkpoints: file://" in err
+    assert "need about 32.3 MB (32347392 bytes), more than the storage has: 1 MB free (1000000 bytes)" in err
+    for field in ("specialists.keep_checkpoints", "distill.keep_checkpoints", "domains (a specialist each)",
+                  "specialists.max_parallel", "model.preset"):
+        assert field in err, err
+    assert "checkpoints (estimate: 0.1M params, trained on the CPU)" in proc.stdout
+    assert "total                 ~32.3 MB (1 MB free by ALLOY_STORAGE_FREE_BYTES)" in proc.stdout
+
+    # one checkpoint kept per trainer: 4P + 3 × (32P + 4P) + (16P + 4P) + 64P = 196P = 20,584,704 bytes
+    monkeypatch.setenv("ALLOY_STORAGE_FREE_BYTES", "20584704")
+    proc = dry_run(*sets, "specialists.keep_checkpoints=1", "distill.keep_checkpoints=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ok    checkpoints: ~20.6 MB on file://" in proc.stdout
+
+    # `alloy plan` (the placement) refuses the same way
+    from alloy.cli import build_parser
+
+    monkeypatch.setenv("ALLOY_STORAGE_FREE_BYTES", "1000000")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        args = build_parser().parse_args(["plan", SMOKE, "--gpus", "0", "--set", f"run.root={tmp_path}"])
+        assert args.fn(args) == 2
+    assert "(32347392 bytes), more than the storage has: 1 MB free (1000000 bytes)" in err.getvalue()
+    assert list(tmp_path.iterdir()) == []  # neither wrote anything

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 LIGHT = ["engine", "engine.client", "engine.launcher", "engine.backends", "engine.protocol", "engine.wire",
-         "infra", "infra.config", "infra.choices", "infra.placement", "alloy.cli", "sandbox.runner"]
+         "infra", "infra.config", "infra.choices", "infra.placement", "infra.checkpoint_budget", "alloy.cli",
+         "sandbox.runner"]
 HEAVY = ("torch", "transformers", "deepspeed")
 
 
