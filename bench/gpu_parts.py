@@ -85,14 +85,17 @@ def _params(model_dir: Path) -> int:
 
 
 def flops_per_token(params: int, layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs of one token: 6·N (forward 2N + backward 4N) plus attention's 12·layers·hidden·seq_len
-    (the PaLM paper's appendix B count: QKᵀ and AV, forward and backward, at sequence length seq_len)."""
-    return 6.0 * params + 12.0 * layers * hidden * seq_len
+    """Training FLOPs of one token at context seq_len: the product's `training.mfu.flops_per_token`
+    (6·N + 12·layers·hidden·seq_len), the count the trainers log their MFU with."""
+    from training.mfu import ModelShape
+    from training.mfu import flops_per_token as f
+
+    return f(ModelShape(params, layers, hidden), seq_len)
 
 
 def peak_tflops(card: str | None) -> float | None:
-    """The card's dense bf16 peak (bench/gpu_pipeline.py's PEAK_TFLOPS; None for a CPU or an unknown card)."""
-    from gpu_pipeline import card_peak
+    """The card's dense bf16 peak (`training.mfu.PEAK_TFLOPS`; None for a CPU or an unknown card)."""
+    from training.mfu import card_peak
 
     return card_peak(card)
 

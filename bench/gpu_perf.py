@@ -24,8 +24,8 @@ lacks records {"skipped": why}; a part that does not fit the time left records {
 - `train`: `--train-preset` (medium) SFT steps (`training.sft.train_sft`) and PPO updates (`teachers.ppo_step.
   ppo_update`, policy + critic, one epoch) on DeepSpeedBackend (bf16 on CUDA) at `--train-rows` × `--train-seq`
   tokens a step (64 × 512 = 32k), one warm-up step, then the median step time; MFU = FLOPs per token (6N + 12 ·
-  layers · hidden · seq, `gpu_parts.flops_per_token`) × tokens/s / the card's dense bf16 peak
-  (bench/gpu_pipeline.py's PEAK_TFLOPS); PPO counts policy and critic (2 models).
+  layers · hidden · seq, `training.mfu.flops_per_token`, the trainers' own count) × tokens/s / the card's dense
+  bf16 peak (`training.mfu.PEAK_TFLOPS`); PPO counts policy and critic (2 models).
 - `trl`: Alloy's OPD student (`student.distill_main.run_distillation`, teacher servers, at max_staleness 1 and 0)
   against TRL's `GKDTrainer` (KV cache on) on the same card, as bench/trl_compare.py runs them (one subprocess per
   system, its `--worker`), at `--trl-preset` (medium), 3 domains, `--trl-batch` prompts × exactly
