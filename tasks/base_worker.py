@@ -105,12 +105,12 @@ def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tr
              len(pairs), len(domains), cfg.base.steps, backend.world_size)
     batch = cfg.base.train.micro_batch_size * backend.world_size
     forwarded = [0.0]  # positions this rank trained on (benchmarks: MFU)
-    work = {"flops": 0.0, "step_s": 0.0}  # this rank's training FLOPs and its steps' time (training/mfu.py)
+    done = {"flops": 0.0, "step_s": 0.0}  # this rank's training FLOPs and its steps' time (training/mfu.py)
 
     def on_step(step: int, m: dict) -> None:
         forwarded[0] += m.get("forward_tokens", 0.0)
-        work["flops"] += m.get("train_flops", 0.0)
-        work["step_s"] += m.get("step_s", 0.0)
+        done["flops"] += m.get("train_flops", 0.0)
+        done["step_s"] += m.get("step_s", 0.0)
         if not backend.is_main:
             return
         report(step, cfg.base.steps, loss=m["loss"], token_acc=m["token_acc"])  # the stage launcher follows these
@@ -140,8 +140,8 @@ def run_base_sft(cfg, domains: dict, init_dir: str, work: Path, out_url: str, tr
     summary = {**last, "world_size": backend.world_size, "device": str(backend.device), "train_s": train_s,
                "train_tokens": forwarded[0] * backend.world_size, "stopped": stopped, "validation": val_history,
                # over the steps' own time (validation left out): positions/s of all ranks, and this rank's card's MFU
-               "train_tokens_per_s": forwarded[0] * backend.world_size / work["step_s"] if work["step_s"] else None,
-               "mfu": mfu(work["flops"], work["step_s"], backend.peak_tflops)}
+               "train_tokens_per_s": forwarded[0] * backend.world_size / done["step_s"] if done["step_s"] else None,
+               "mfu": mfu(done["flops"], done["step_s"], backend.peak_tflops)}
     if backend.is_main:
         summary["checkpoint"] = commit_final(final, out_url, cfg.base.steps,
                                              meta={"stage": "base", "config_fingerprint": cfg.fingerprint(),
