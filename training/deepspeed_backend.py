@@ -253,6 +253,19 @@ def _set_rng_state(state: dict, source: Path) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Activation checkpointing on an HF model, or on the HF backbone of a wrapper (the critic's `ValueModel`):
+    each decoder layer's activations are recomputed in the backward pass (non-reentrant torch.utils.checkpoint,
+    active in train mode only). A model with neither raises, naming its class."""
+    target = model if hasattr(model, "gradient_checkpointing_enable") else getattr(model, "backbone", None)
+    if target is None or not hasattr(target, "gradient_checkpointing_enable"):
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} has no gradient_checkpointing_enable "
+                         "(an HF model, or a wrapper with an HF `backbone`, has)")
+    # the config's use_cache stays as it is (the module also generates, and is saved for serving): HF turns the
+    # cache off for a training forward under checkpointing itself
+    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: decay on ≥2-D weights (matrices, embeddings), none on 1-D (norm gains, biases)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -280,6 +293,8 @@ class DeepSpeedBackend:
             raise ValueError(f"TrainSettings.dtype={settings.dtype!r} is not supported on the "
                              f"{accel.device_name()!r} accelerator (DS_ACCELERATOR); use 'fp32' or another dtype")
         self.settings = settings
+        if settings.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         seed_everything(settings.seed)
         self.ds_config = build_ds_config(settings, dist.get_world_size())
         s = settings

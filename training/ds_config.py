@@ -36,6 +36,9 @@ class TrainSettings:
     micro_batch_size: rows per rank per forward; grad_accum: micro-batches per optimizer step.
     warmup_steps: linear warm-up from lr/warmup_steps to lr; lr_schedule: "constant" or "cosine" (to 0 at
     total_steps, which cosine requires). Steps count optimizer updates, not micro-batches.
+    gradient_checkpointing: activation checkpointing (HF `gradient_checkpointing_enable`, non-reentrant): the
+    layers' activations are recomputed in the backward instead of kept, for models whose activations do not fit
+    (the same loss and gradients, about a third more compute).
     seed: seeds python/numpy/torch RNGs on every rank (same value on all ranks, so a global batch sampled with
     these RNGs is identical everywhere). ds_config_overrides: deep-merged last into the generated DeepSpeed
     config (offload, bucket sizes, ... at scale).
@@ -53,6 +56,7 @@ class TrainSettings:
     warmup_steps: int = 0
     lr_schedule: str = "constant"
     total_steps: int | None = None
+    gradient_checkpointing: bool = False
     seed: int = 0
     ds_config_overrides: dict = field(default_factory=dict)
 

@@ -380,3 +380,20 @@ def test_loss_normalizer_and_shards():
         shard_for_rank(items, 0, 4)
     with pytest.raises(ValueError, match="rank=2"):
         shard_for_rank(items, 2, 2)
+
+
+def test_gradient_checkpointing_trains_the_same_step(backends):
+    """TrainSettings.gradient_checkpointing recomputes activations in the backward: the same loss, gradient norm
+    and updated weights as without (to float rounding), on the policy model and on the critic's backbone."""
+    from teachers.critic import ValueModel
+
+    plain = backends(worker.build_model(), TrainSettings(lr=1e-2, micro_batch_size=4))
+    ckpt = backends(worker.build_model(), TrainSettings(lr=1e-2, micro_batch_size=4, gradient_checkpointing=True))
+    assert ckpt.module.is_gradient_checkpointing and not plain.module.is_gradient_checkpointing and ckpt.module.training
+    (loss_a, m_a), (loss_b, m_b) = _train_step(plain), _train_step(ckpt)
+    assert loss_a == pytest.approx(loss_b, abs=1e-6) and m_a["grad_norm"] == pytest.approx(m_b["grad_norm"], rel=1e-5)
+    assert max_diff(state(plain.module), state(ckpt.module)) < TOL
+    assert _train_step(plain)[0] == pytest.approx(_train_step(ckpt)[0], abs=1e-6)  # the next loss too
+    critic = ValueModel(worker.build_model().model)
+    backends(critic, TrainSettings(gradient_checkpointing=True))
+    assert critic.backbone.is_gradient_checkpointing

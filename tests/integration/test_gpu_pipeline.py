@@ -49,6 +49,10 @@ def test_gpu_pipeline_bench_runs_the_flow_in_bf16_on_the_cpu(tmp_path):
     # the base trainer's summary as the bench read it: trained in bf16 on the CPU
     base = json.loads(next((tmp_path / "run").rglob("base-result.json")).read_text())
     assert base["device"] == "cpu" and base["train_tokens"] > 0
+    # each trainer's own speed figures (training/mfu.py): tokens/s always, no MFU without a GPU peak
+    assert base["train_tokens_per_s"] > 0 and base["mfu"] is None
+    assert set(r["mfu_trainers"]) == {"base", "student", "specialist reverse", "specialist max_list"}
+    assert all(v is None for v in r["mfu_trainers"].values()), r["mfu_trainers"]
     # the same run judged against CUDA (what a GPU run must show) fails every stage that has a device
     spec = importlib.util.spec_from_file_location("gpu_pipeline", ROOT / "bench" / "gpu_pipeline.py")
     bench = importlib.util.module_from_spec(spec)

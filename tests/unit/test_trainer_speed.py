@@ -43,3 +43,17 @@ def test_base_sft_step_perf_from_train_sft_metrics():
     gpu = SimpleNamespace(world_size=2, peak_tflops=1.0)  # 4e12 FLOPs in 2 s on a 1 TFLOP/s card: twice its peak
     assert perf_metrics(m, gpu) == {"perf/train_tokens_per_s": 100.0, "perf/mfu": 2.0}
     assert perf_metrics({}, gpu) == {}
+
+
+def test_trained_models_attend_with_sdpa(tmp_path):
+    """The policy, the critic's backbone and the student load with torch's scaled_dot_product_attention (flash /
+    memory-efficient kernels on a GPU, in bf16): transformers' default wherever the architecture supports it, which
+    every `infra.models` architecture does. A default that changed would show here."""
+    from infra.models import ARCHS, init_model_dir, load_model
+    from teachers.critic import ValueModel
+
+    for arch in ARCHS:
+        d = init_model_dir("tiny", tmp_path / arch, arch=arch,
+                           **({} if arch == "llama" else {"tokenizer": "bpe", "train_text": [__file__]}))
+        assert load_model(d).config._attn_implementation == "sdpa", arch
+        assert ValueModel.from_pretrained(d).backbone.config._attn_implementation == "sdpa", arch
