@@ -19,7 +19,8 @@ from harness import REPO
 
 # the engine's own counters (engine/scheduler.py); read with getattr, so a renamed one reads as None
 ENGINE_COUNTERS = ("steps", "decode_rows", "decode_seconds", "prefill_seconds", "prefill_forwards", "prefill_tokens",
-                   "engine_cpu_seconds", "idle_seconds", "decode_segments", "decode_holes", "bucketed_steps")
+                   "engine_cpu_seconds", "decode_cpu_seconds", "idle_seconds", "decode_segments", "decode_holes",
+                   "bucketed_steps")
 FIRST_ID = 5  # prompts draw ids >= 5: no pad/bos/eos/unk/newline of the char tokenizer (infra/tokenizer.py)
 
 
@@ -155,7 +156,14 @@ def engine_options(eng) -> dict:
     """What the engine ran with, for the JSON's meta (options the engine may not have read as None)."""
     return {"device": str(eng.device), "dtype": str(eng.dtype).replace("torch.", ""),
             "max_running_requests": eng.max_running_requests, "cuda_graph": getattr(eng, "cuda_graph", None),
+            **graph_info(eng),
             "init_kwargs": sorted(engine_kwargs_supported() - {"self"})}
+
+
+def graph_info(eng) -> dict:
+    """The decode path and its CUDA graph counters (graphs captured, replays, capture seconds, a capture error)."""
+    info = eng.graph_info() if hasattr(eng, "graph_info") else {}
+    return {"decode_path": "static" if getattr(eng, "_static", False) else "segments", **info}
 
 
 def counters(eng) -> dict:

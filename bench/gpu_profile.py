@@ -122,7 +122,9 @@ def summarize(prof, wall_s: float, steps: int | None, cuda: bool, top: int = 15)
 
 def profile_decode(eng, rows: int, steps: int, cuda: bool, top: int) -> dict:
     warm = gp.prompts(rows, 16, seed=100 + rows)
-    gp.run_engine(eng, warm, [8] * rows, rows, ignore_eos=True, tag=f"warm{rows}")
+    # the warm-up decodes as far as the profiled run: the static path captures its CUDA graphs per (rows, columns)
+    # there, not inside the profile
+    gp.run_engine(eng, warm, [steps] * rows, rows, ignore_eos=True, tag=f"warm{rows}")
     prs = gp.prompts(rows, 16, seed=rows)
     prof, all_threads = profiler(cuda)
     before = gp.counters(eng)
@@ -133,7 +135,8 @@ def profile_decode(eng, rows: int, steps: int, cuda: bool, top: int) -> dict:
         wall = time.perf_counter() - t0
     engine = gp.counter_delta(before, gp.counters(eng))
     return {"rows": rows, "new_tokens": steps, "profile_all_threads": all_threads, "tokens_per_s": res["tokens_per_s"],
-            "engine_counters": engine, **summarize(prof, wall, engine["delta"].get("steps"), cuda, top)}
+            "engine_counters": engine, "graphs": gp.graph_info(eng),
+            **summarize(prof, wall, engine["delta"].get("steps"), cuda, top)}
 
 
 def profile_train(kind: str, model_dir: Path, device, rows: int, seq: int, cuda: bool, top: int) -> dict:
