@@ -129,18 +129,8 @@ class FusedDecoder:
         `buckets` (with a mask; `engine.batching.attention_buckets`): rows `s:e` of the part attend only over
         columns `first_column:` — every column before it is padding for those rows, so the softmax is the same
         (masked columns weigh exactly 0) while short rows stop paying for the part's longest row."""
-        lin = torch.nn.functional.linear
-        b = ids.shape[0]
-        h = torch.nn.functional.embedding(ids[:, None], self.embed)  # (B, 1, H)
-        cos, sin = self._cos_sin(pos[:, None], h.dtype)  # (B, 1, 1, D): broadcast over heads of (B, heads, 1, D)
-        for i, p in enumerate(self.layers):
+        def attend(i: int, p: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             d, g = p["head_dim"], p["groups"]
-            n = self._rms(h, p["in_norm"])
-            q, k, v = lin(n, *p["qkv"]).split(p["split"], dim=-1)
-            q = q.view(b, 1, -1, d).transpose(1, 2)  # (B, Hq, 1, D)
-            k = k.view(b, 1, -1, d).transpose(1, 2)  # (B, Hkv, 1, D)
-            v = v.view(b, 1, -1, d).transpose(1, 2)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             outs = []
             for start, end, cache, mask, buckets in parts:
                 qs = q[start:end]
@@ -151,13 +141,9 @@ class FusedDecoder:
                     outs += [self._attend(qs[s:e], keys[s:e, :, c:], values[s:e, :, c:], mask[s:e, :, :, c:],
                                           p["scaling"], g) for s, e, c in buckets]
             # (rows, Hq, 1, D) or, with a mask, (rows, Hkv, g, D): the same memory order of the query heads
-            o = outs[0] if len(outs) == 1 else torch.cat([x.reshape(x.shape[0], -1, 1, d) for x in outs])
-            o = o.reshape(b, -1, 1, d).transpose(1, 2).reshape(b, 1, -1)
-            h = h + lin(o, *p["o"])
-            m = self._rms(h, p["post_norm"])
-            gate, up = lin(m, *p["gate_up"]).split(p["inter"], dim=-1)
-            h = h + lin(torch.nn.functional.silu(gate) * up, *p["down"])
-        return lin(self._rms(h, self.final_norm)[:, -1], *self.lm_head)
+            return outs[0] if len(outs) == 1 else torch.cat([x.reshape(x.shape[0], -1, 1, d) for x in outs])
+
+        return self._decode(ids, pos, attend)
 
     def step_static(self, ids: torch.Tensor, pos: torch.Tensor, pool, columns: int) -> torch.Tensor:
         """One decode step of rows `0 … B-1` of a `static_batch.KVPool`: ids (B,) long, pos (B,) long (each row's
@@ -166,24 +152,35 @@ class FusedDecoder:
         is read in place, so the step can be captured in a CUDA graph (`engine.cuda_graphs`) and replayed after
         the pool's `last`/`pos` buffers change. The arithmetic is `step`'s, per row the same as over a
         left-padded cache (masked columns weigh exactly 0)."""
-        lin = torch.nn.functional.linear
         b = ids.shape[0]
         rows = pool.row_index[:b]
         mask = (pool.col_index[None, :columns] <= pos[:, None])[:, None, None, :]  # (B, 1, 1, columns)
+
+        def attend(i: int, p: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kb, vb = pool.k[i], pool.v[i]
+            kb[rows, :, pos] = k[:, :, 0]  # (B, Hkv, D) into column pos[r] of row r
+            vb[rows, :, pos] = v[:, :, 0]
+            return self._attend(q, kb[:b, :, :columns], vb[:b, :, :columns], mask, p["scaling"], p["groups"])
+
+        return self._decode(ids, pos, attend)
+
+    def _decode(self, ids: torch.Tensor, pos: torch.Tensor, attend) -> torch.Tensor:
+        """The decode step's layers around a path's attention: `attend(layer, p, q, k, v)` gets this layer's
+        RoPE'd q (B, Hq, 1, D), k and v (B, Hkv, 1, D), stores k/v in its cache and returns the attention output
+        in (rows, Hq, 1, D) or (rows, Hkv, g, D) memory order of the query heads."""
+        lin = torch.nn.functional.linear
+        b = ids.shape[0]
         h = torch.nn.functional.embedding(ids[:, None], self.embed)  # (B, 1, H)
-        cos, sin = self._cos_sin(pos[:, None], h.dtype)
+        cos, sin = self._cos_sin(pos[:, None], h.dtype)  # (B, 1, 1, D): broadcast over heads of (B, heads, 1, D)
         for i, p in enumerate(self.layers):
-            d, g = p["head_dim"], p["groups"]
+            d = p["head_dim"]
             n = self._rms(h, p["in_norm"])
             q, k, v = lin(n, *p["qkv"]).split(p["split"], dim=-1)
             q = q.view(b, 1, -1, d).transpose(1, 2)  # (B, Hq, 1, D)
             k = k.view(b, 1, -1, d).transpose(1, 2)  # (B, Hkv, 1, D)
             v = v.view(b, 1, -1, d).transpose(1, 2)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            kb, vb = pool.k[i], pool.v[i]
-            kb[rows, :, pos] = k[:, :, 0]  # (B, Hkv, D) into column pos[r] of row r
-            vb[rows, :, pos] = v[:, :, 0]
-            o = self._attend(q, kb[:b, :, :columns], vb[:b, :, :columns], mask, p["scaling"], g)
+            o = attend(i, p, q, k, v)
             o = o.reshape(b, -1, 1, d).transpose(1, 2).reshape(b, 1, -1)
             h = h + lin(o, *p["o"])
             m = self._rms(h, p["post_norm"])
