@@ -40,6 +40,25 @@ Secret = Annotated[str | None, PlainSerializer(_mask, return_type=str | None, wh
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _partial_sections_keep_their_defaults(cls, data: Any) -> Any:
+        """A sub-section given in part (a YAML mapping with some of its keys, a `--set a.b.c=…`) fills the keys it
+        leaves out from the default instance the parent's `default_factory` builds, not from the section class's
+        own defaults: `specialists.policy_train.lr=…` keeps the stage's micro_batch_size 64 (TrainConfig's is 32).
+        Only the fields where that instance differs from the class defaults are added, so a section whose default
+        is its class (`default_factory=GuardConfig`) validates exactly as given."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, field in cls.model_fields.items():
+            given = data.get(name)
+            if isinstance(given, Mapping) and field.default_factory is not None:
+                default = field.default_factory()
+                if isinstance(default, BaseModel):
+                    out[name] = {**default.model_dump(exclude_defaults=True), **given}
+        return out
+
 
 def ops_field(default: Any = ..., **kw) -> Any:
     """A `Field` for a setting that changes how a stage runs (scheduling, logging, serving, credentials, fault

@@ -185,3 +185,23 @@ def test_teacher_scoring_calls_over_the_engine_answer_cap_are_refused_when_the_c
     assert load_config(smoke, ["distill.top_k=256", "engine.backend=sglang"]).distill.top_k == 256  # not ours
     assert load_config(smoke, ["distill.max_new_tokens=512", "distill.top_k=256",
                                "engine.max_logprob_entries=8388608"]).engine.max_logprob_entries == 2**23
+
+
+@pytest.mark.parametrize("section, full", [("specialists.policy_train", 64), ("specialists.critic_train", 64),
+                                           ("distill.train", 128), ("base.train", 32)])
+def test_a_section_set_in_part_keeps_the_other_defaults_of_its_full_default(tmp_path, section, full):
+    """A --set of one field of a train section (or a YAML that sets it in part) leaves its other fields at the
+    defaults the stage gives the whole section (specialists: micro_batch_size 64, distill: 128), not at
+    TrainConfig's own (32)."""
+    stage, name = section.split(".")
+
+    def got(cfg):
+        return getattr(getattr(cfg, stage), name)
+
+    assert got(config_from_dict(MINIMAL)).micro_batch_size == full
+    by_set = got(load_config(write(tmp_path, MINIMAL), [f"{section}.lr=0.01"]))
+    assert (by_set.lr, by_set.micro_batch_size) == (0.01, full)
+    by_yaml = got(config_from_dict({**MINIMAL, stage: {name: {"dtype": "bf16"}}}))
+    assert (by_yaml.dtype, by_yaml.micro_batch_size) == ("bf16", full)
+    given = got(config_from_dict({**MINIMAL, stage: {name: {"micro_batch_size": 5}}}))
+    assert given.micro_batch_size == 5  # a value given wins

@@ -137,3 +137,13 @@ def test_base_validation_settings_move_the_base_only_when_it_stops_by_its_score(
     on = ["base.stop_at_score=0.5"]
     assert prefixes(on + ["base.val_every=7"])["base"] != prefixes(on)["base"]
     assert prefixes(on + ["base.val_n=9"])["base"] != prefixes(on)["base"]
+
+
+def test_setting_a_train_section_in_part_to_its_defaults_moves_no_prefix():
+    """A --set of one field of `specialists.policy_train` / `critic_train` / `distill.train` keeps the section's
+    other stage defaults (micro_batch_size 64 / 128, not TrainConfig's 32): setting a field to the value it already
+    has is no change at all. (Before the fix it reset micro_batch_size, so such a config keyed other checkpoints.)"""
+    before = prefixes([])
+    for section in ("specialists.policy_train", "specialists.critic_train", "distill.train"):
+        lr = load_config(SMOKE).model_dump()[section.split(".")[0]][section.split(".")[1]]["lr"]
+        assert prefixes([f"{section}.lr={lr}"]) == before, section
