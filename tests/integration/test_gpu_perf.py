@@ -1,7 +1,8 @@
 """The prepared GPU session of issue 51 on this CPU machine, on tiny models: bench/gpu_profile.py writes every part's
 profile summary; bench/gpu_perf.py writes every part (engine, HF, trainers, pipeline; TRL in its own test), judges
 its targets (on the CPU every goal is scaled to 0: the figures must exist) and exits 0 with --check; a planted miss
-exits 1 and stays in the JSON as missed; bench/gpu_session.sh runs both in one go with no wheels to install."""
+exits 1 and stays in the JSON as missed; bench/gpu_session.sh runs the engine check and both in one go with no
+wheels to install."""
 import json
 import os
 import subprocess
@@ -115,12 +116,14 @@ def test_gpu_session_script_runs_both_benches_in_one_go(tmp_path):
     (shim / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
     (shim / "python3").chmod(0o755)
     env = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), WHEELS=str(tmp_path / "no"),
-               PROFILE_S="120", PERF_BUDGET_S="60",
+               CHECK_S="120", PROFILE_S="120", PERF_BUDGET_S="60",
                PERF_ARGS="--device cpu --parts engine --levels 1,4 --hf-levels 4 --new-tokens 8")
     proc = subprocess.run(["bash", "bench/gpu_session.sh"], capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert names == ["gpu_perf.log", "gpu_perf_cpu.json", "gpu_profile.log", "gpu_profile_cpu.json", "nvidia_smi.txt"]
+    assert names == ["engine_cuda_check.log", "engine_cuda_check_cpu.json", "gpu_perf.log", "gpu_perf_cpu.json",
+                     "gpu_profile.log", "gpu_profile_cpu.json", "nvidia_smi.txt"]
+    assert json.loads((tmp_path / "out" / "engine_cuda_check_cpu.json").read_text())["ok"]
     assert json.loads((tmp_path / "out" / "gpu_profile_cpu.json").read_text())["ok"]
     assert json.loads((tmp_path / "out" / "gpu_perf_cpu.json").read_text())["met"] is True
