@@ -1,6 +1,7 @@
-"""Rows a `code` dataset cannot be scored on safely (issue 34): tests that are not plain `assert <expr> == <literal>`
-data (helper statements, a `check` function, `<`, a bytes literal) or no tests at all are refused when the domain
-loads, all at once, each named by its row and line, before anything trains; the good rows are kept as they are.
+"""Rows a `code` dataset cannot be scored on safely (issues 34, 52): tests the verifier cannot decide by itself
+(helper statements, a `check` function, an always-true tuple, a bytes literal) or no tests at all are refused when
+the domain loads, all at once, each named by its row and line, before anything trains; the good rows are kept
+as they are.
 The forged solutions themselves are in tests/unit/test_code_verifier_forgery.py."""
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def test_untranslatable_code_rows_are_refused_naming_each(tmp_path):
             {"prompt": "helper", "answer": "-", "tests": "x = 1\nassert add(x, 2) == 3"},
             {"prompt": "bytes", "answer": "-", "tests": ["assert f() == b'x'"]},
             {"prompt": "none", "answer": "-", "tests": None},
-            {"prompt": "less", "answer": "-", "tests": ["assert f(1) < 3"]},
+            {"prompt": "tuple", "answer": "-", "tests": ["assert (f(1) == 3, f(2) == 4)"]},
             {"prompt": "check", "answer": "-", "tests": "def check(f):\n    assert f(1) == 2\ncheck(g)"},
             {"prompt": "pair", "answer": "-", "tests": ["assert pair(1) == (1, 2)", "assert not odd(2)"]}]
     path = tmp_path / "code.jsonl"
@@ -30,7 +31,7 @@ def test_untranslatable_code_rows_are_refused_naming_each(tmp_path):
     for row, says in [(1, "field 'tests' line 1: a statement of type Assign"),
                       (2, "the expected value \"b'x'\" is a bytes, not plain data"),
                       (3, "field 'tests' is missing"),
-                      (4, "`f(1) < 3` is not one of the supported forms"),
+                      (4, "`(f(1) == 3, f(2) == 4)` asserts a tuple, which Python finds always true"),
                       (5, "field 'tests' line 1: a statement of type FunctionDef")]:
         assert f"row {row} (line {row + 1}): " in msg and says in msg.split(f"row {row} (line {row + 1}): ")[1], \
             (row, msg)

@@ -327,7 +327,7 @@ def test_specs_jsonl_replaces_the_dsl(tmp_path):
     ({**ROWS[1], "name": "add_one"}, "row 2 field 'name': 'add_one' repeats"),
     ({**ROWS[1], "spec": ""}, "row 2 field 'spec'"),
     ({**ROWS[1], "hidden_tests": "print(rev('a'))"}, "row 2 field 'hidden_tests': .*only asserts"),
-    ({**ROWS[1], "visible_tests": "assert rev('a') != 'b'"}, "row 2 field 'visible_tests'"),
+    ({**ROWS[1], "visible_tests": "assert (rev('a') == 'a', rev('b') == 'b')"}, "row 2 field 'visible_tests'"),
     ({**ROWS[1], "hidden_tests": 3}, "row 2 field 'hidden_tests'"),
     ({**ROWS[1], "solution": ""}, "row 2 field 'solution'"),
 ])
