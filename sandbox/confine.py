@@ -11,13 +11,24 @@ forked child just before exec (`apply`), with two system calls that allocate not
   bind/connect, with ABI ≥ 6 signals to processes outside the sandbox and abstract unix sockets outside it.
   Landlock needs no privilege; `landlock_restrict_self` needs no_new_privs, which the child sets first.
 - `seccomp_program()`: a classic BPF filter built once with libseccomp (`seccomp_export_bpf`), default allow, with a
-  deny list answered EPERM (so a tool sees an ordinary error, never a kill): `socket()` of any family, AF_UNIX
-  included (so no connect to a unix socket with a path, which neither a network namespace nor Landlock ≤ 7 covers,
-  nor to an abstract one), `socketpair()` but AF_UNIX (a connected pair reaches only itself),
-  ptrace and process_vm_readv/writev, mount and the new mount API, unshare/setns and clone with namespace flags,
-  keyctl, bpf, perf_event_open, kexec, module loading, reboot, swapon/off, io_uring (which bypasses seccomp),
-  userfaultfd, open_by_handle_at, chroot/pivot_root, clock/time setting. clone3 answers ENOSYS (its flags live in
-  memory a filter cannot read), which makes glibc fall back to clone. Syscalls of another ABI (i386, x32) kill.
+  deny list answered EPERM (so a tool sees an ordinary error, never a kill):
+  - sockets: `socket()` of any family, AF_UNIX included, and `socketpair()` but AF_UNIX. A pair of its own is all
+    a call has, so everything that would address another socket is denied too (`ADDRESSING_SYSCALLS`: connect,
+    bind, listen, accept, sendmsg/sendmmsg, whose address sits in memory a filter cannot read) and `sendto` with a
+    destination address (argument 4 non-NULL; `send()` passes NULL): a pair's datagram end could otherwise be
+    pointed at any path-bound or abstract unix socket on the host, which neither a network namespace (paths) nor
+    Landlock ≤ 7 (paths) covers;
+  - System V and POSIX IPC (`IPC_SYSCALLS`: shm*, msg*, sem*, mq_*): objects that outlive the call and are shared
+    across calls and uids in the host's IPC namespace (the namespaces give each call its own as well);
+  - file watches (`WATCH_SYSCALLS`: inotify, fanotify): the names other episodes create in a directory the call
+    can name (/tmp);
+  - ptrace and process_vm_readv/writev, mount and the new mount API, unshare/setns and clone with namespace
+    flags, keyctl/add_key/request_key (keys outlive the call in the uid's keyring), bpf, perf_event_open, kexec,
+    module loading, reboot, swapon/off, io_uring (which bypasses seccomp), userfaultfd, open_by_handle_at,
+    chroot/pivot_root, clock/time setting.
+  clone3 answers ENOSYS (its flags live in memory a filter cannot read), which makes glibc fall back to clone.
+  Syscalls of another ABI (i386, x32) kill. The threat model and the tests that check each entry:
+  docs/security.md.
 """
 from __future__ import annotations
 
@@ -125,6 +136,11 @@ DENIED_SYSCALLS = (
     "finit_module", "delete_module", "reboot", "swapon", "swapoff", "io_uring_setup", "io_uring_enter",
     "io_uring_register", "userfaultfd", "open_by_handle_at", "name_to_handle_at", "acct", "syslog", "iopl", "ioperm",
     "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "lookup_dcookie", "uselib", "vhangup")
+IPC_SYSCALLS = ("shmget", "shmat", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop",
+                "semctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr")
+WATCH_SYSCALLS = ("inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init", "fanotify_mark")
+ADDRESSING_SYSCALLS = ("connect", "bind", "listen", "accept", "accept4", "sendmsg", "sendmmsg")
+DENIED_SYSCALLS += IPC_SYSCALLS + WATCH_SYSCALLS + ADDRESSING_SYSCALLS  # all answered EPERM, whatever the arguments
 
 
 def scmp_act_errno(e: int) -> int:
@@ -193,6 +209,7 @@ def seccomp_program() -> SeccompProgram:
             rule(eperm, sc)
         rule(eperm, "socket")  # every family, AF_UNIX included: a path socket cannot be reached (no fd to connect)
         rule(eperm, "socketpair", _ArgCmp(0, SCMP_CMP_NE, AF_UNIX, 0))  # a connected pair reaches only itself
+        rule(eperm, "sendto", _ArgCmp(4, SCMP_CMP_NE, 0, 0))  # ... unless told another address: only NULL passes
         for flag in NAMESPACE_FLAGS:
             rule(eperm, "clone", _ArgCmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
         rule(scmp_act_errno(errno.ENOSYS), "clone3")

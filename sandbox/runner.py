@@ -4,8 +4,11 @@ Layers, outermost first (each one alone stops a different escape):
 
 1. Parsing: `shlex.split`, never a shell (`shell=False` always), so `;`, `|`, `$(...)`, globs and redirects are
    plain characters. The program must be in `allowed` and in `PROGRAMS`.
-2. Path confinement for file programs (`ls`, `cat`): every path argument must stay inside the work dir after
-   resolving symlinks; `..` components are refused outright, absolute paths only if they resolve inside.
+2. Path confinement for file programs (`ls`, `cat`, `grep`): every argument that names a file must stay inside the
+   work dir after resolving symlinks; `..` components are refused outright, absolute paths only if they resolve
+   inside. Which arguments name files is decided by `sandbox.flags`: each program has an allow-list of flags,
+   each known to take no value, a value or a path, so `--file=PATH`, `-fPATH`, `-f PATH` and a response file
+   `@PATH` are checked like operands, and any other flag is refused.
 3. Process confinement, in a `preexec_fn` of the forked child (before exec; `sandbox.supervisor`):
    - new network namespace (`unshare(CLONE_NEWNET)` via ctypes: Python 3.11 has no `os.unshare`): only a
      loopback interface that is down, so no connection anywhere, 127.0.0.1 included;
@@ -14,6 +17,10 @@ Layers, outermost first (each one alone stops a different escape):
      that does not reap). The waiting parent (the supervisor) is a child subreaper in every mode, so in mode
      "none" too every descendant, detached or daemonized, is reparented to it, and it kills and reaps them all
      before it exits (as root with `kill(-1)` from the call's own uid);
+   - new IPC namespace: System V shared memory, queues and semaphores (and POSIX queues) the call makes are its
+     own and die with it; new mount namespace for the program only, with every mount private and a fresh /proc
+     that lists the call's own processes (`sandbox.supervisor._private_proc`; required in mode "root", where the
+     kernel allows in mode "userns");
    - accounting per call (`sandbox.accounting`): as root a uid of its own (so RLIMIT_NPROC is per call and one
      call's fork bomb cannot starve another), and a cgroup of its own wherever a hierarchy is writable (pids.max,
      the whole call's memory, cgroup.kill);
@@ -33,8 +40,10 @@ Layers, outermost first (each one alone stops a different escape):
      beneath its own work dir (never another episode's), and /dev/null, /dev/zero, /dev/urandom. It also refuses
      TCP bind/connect and signals or abstract unix sockets beyond the sandbox. Metadata (`stat`) is not covered,
      and `ls -l` shows numeric owners (no /etc/passwd);
-   - seccomp (last, just before exec): EPERM for `socket()` of every family (AF_UNIX included, so no unix
-     socket with a path is reachable: a network namespace and Landlock do not cover those), ptrace,
+   - seccomp (last, just before exec): EPERM for `socket()` of every family (AF_UNIX included), and for
+     everything that addresses another socket from the AF_UNIX pair a call may make (connect, bind, sendmsg,
+     `sendto` with an address), so no unix socket with a path is reachable (a network namespace and Landlock do
+     not cover those); System V and POSIX IPC, inotify/fanotify, ptrace,
      process_vm_readv/writev, mount, unshare/setns/namespace clones, keyctl, bpf, perf_event_open, kexec, module
      loading, reboot, swapon, io_uring and a few more (`sandbox.confine.DENIED_SYSCALLS`); other ABIs (i386, x32)
      are killed.
@@ -77,9 +86,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from sandbox import confine
+from sandbox import confine, flags
 from sandbox.accounting import CallCgroup, CallUid, cgroup_layout
 from sandbox.calc import _CALC_MAIN
+from sandbox.flags import FlagSpec
 from sandbox.supervisor import _preexec, _wait_polling
 
 log = logging.getLogger(__name__)
@@ -88,7 +98,6 @@ MODES = ("root", "userns", "none")
 DEFAULT_ALLOWED = frozenset({"calc", "ls", "cat", "echo"})
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 _URL_RE = re.compile(r"[a-z][a-z0-9+.-]*://|(?:^|[@/])[\w.-]+:\d{1,5}(?:/|$)", re.I)
-_FLAG_RE = re.compile(r"^-[A-Za-z1]+$")
 UNCONFINED_ENV = "ALLOY_SANDBOX_ALLOW_UNCONFINED"  # "1": run without Landlock/seccomp where they are missing
 UNCONFINED_CODE_ENV = "ALLOY_SANDBOX_ALLOW_UNCONFINED_CODE"  # "1" as well: ... even arbitrary code (`python`)
 SYSTEM_READ_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache")
@@ -123,8 +132,7 @@ class ToolResult:
 @dataclass(frozen=True)
 class Program:
     argv0: tuple[str, ...]  # the command line prefix; the user's arguments are appended
-    file_args: bool = False  # arguments are paths: confine them to the work dir
-    flags_ok: bool = False  # short flags like `-la` are accepted (not path-checked)
+    flags: FlagSpec | None = None  # a file program: its allowed flags; its file arguments are confined to the work dir
     network_capable: bool = False  # could open sockets: refused when there is no network namespace
     needs_python: bool = False
     runs_code: bool = False  # runs arbitrary code: refused without Landlock+seccomp unless UNCONFINED_CODE_ENV
@@ -222,9 +230,9 @@ def _which(name: str) -> str:
 
 PROGRAMS: dict[str, Program] = {
     "calc": Program(("{python}", "-I", "-S", "-c", _CALC_MAIN), needs_python=True),
-    "ls": Program((_which("ls"),), file_args=True, flags_ok=True),
-    "cat": Program((_which("cat"),), file_args=True, flags_ok=True),
-    "grep": Program((_which("grep"),), file_args=True, flags_ok=True),  # the pattern is path-checked too
+    "ls": Program((_which("ls"),), flags=flags.LS),
+    "cat": Program((_which("cat"),), flags=flags.CAT),
+    "grep": Program((_which("grep"),), flags=flags.GREP),  # the pattern is an operand: path-checked too
     "echo": Program((_which("echo"),)),
     "python": Program(("{python}", "-I", "-S"), network_capable=True, needs_python=True, runs_code=True),
     "true": Program((_which("true"),)),
@@ -296,10 +304,12 @@ def check_command(command: str, workdir: Path, allowed: set[str] | frozenset[str
         if any(_URL_RE.search(a) for a in args):
             return tokens, None, ("network address in arguments and no network namespace (nor seccomp filter) is "
                                   "available")
-    if prog.file_args:
-        for a in args:
-            if prog.flags_ok and _FLAG_RE.match(a):
-                continue
+    if prog.flags is not None:
+        try:
+            named = flags.file_operands(prog.flags, args)
+        except flags.FlagRefused as e:
+            return tokens, None, f"{name}: {e}"
+        for a in named:
             why = _confine(a, workdir)
             if why:
                 return tokens, None, why

@@ -18,7 +18,9 @@ import time
 from sandbox import confine
 from sandbox.accounting import UID_BASE, CallCgroup
 
-CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x40000000, 0x20000000, 0x10000000
+CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER, CLONE_NEWIPC, CLONE_NEWNS = (0x40000000, 0x20000000, 0x10000000,
+                                                                        0x08000000, 0x00020000)
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 4, 38, 36
 NOBODY = 65534  # the gid of every sandbox uid (the uid itself is per call: `sandbox.accounting.CallUid`)
 _libc = ctypes.CDLL(None, use_errno=True)  # loaded here, never in the forked child
@@ -154,6 +156,23 @@ def _oom_first() -> None:
         pass
 
 
+def _private_proc(required: bool) -> None:
+    """In the program, PID 1 of the call's PID namespace, before the uid drop: a mount namespace of its own (the
+    supervisor stays in the caller's, so its /proc walk still sees the caller's pids) with every mount made private
+    (nothing propagates back to the host) and a fresh /proc over the host's, which lists the call's PID namespace
+    only: not even `stat` of /proc/<host pid> answers. Both namespaces die with the call's last process. Raises
+    OSError when `required` (mode "root") and the kernel refuses; otherwise (a user namespace, where the kernel
+    refuses proc over a partly hidden /proc) the call keeps the host's /proc, which Landlock still keeps it from
+    listing or reading."""
+    flags = ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if (_libc.unshare(CLONE_NEWNS) == 0
+            and _libc.mount(b"none", b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None) == 0
+            and _libc.mount(b"proc", b"/proc", b"proc", flags, None) == 0):
+        return
+    if required:
+        raise OSError(ctypes.get_errno(), "sandbox: mounting a private /proc failed")
+
+
 def _drop(uid: int) -> None:
     os.setgroups([])
     os.setgid(NOBODY)
@@ -169,7 +188,8 @@ def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_ou
 
     In order: as root in modes "userns" and "none", drop to `uid` now (the
     user namespace is then owned by the sandbox uid, and the supervisor runs as it); unshare the namespaces (not in
-    "none"); become a child subreaper and fork once more: the grandchild (PID 1 of the new PID namespace, if any)
+    "none": network, PID and IPC, so System V objects die with the call; the grandchild adds a mount namespace
+    with a /proc of its own, `_private_proc`); become a child subreaper and fork once more: the grandchild (PID 1 of the new PID namespace, if any)
     continues to exec; the child stays as a tiny supervisor: it closes every inherited descriptor (so `Popen`
     learns exec success from the grandchild alone), kills the grandchild at the wall-clock timeout (which, with a
     PID namespace, makes the kernel kill and reap the whole namespace), then kills and reaps every descendant still
@@ -184,7 +204,7 @@ def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_ou
         if uid is not None and mode != "root":
             _drop(uid)
         if mode != "none":
-            flags = CLONE_NEWNET | CLONE_NEWPID | (CLONE_NEWUSER if mode == "userns" else 0)
+            flags = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | (CLONE_NEWUSER if mode == "userns" else 0)
             if _libc.unshare(flags) != 0:
                 raise OSError(ctypes.get_errno(), "sandbox: unshare failed")
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
@@ -192,6 +212,8 @@ def _preexec(mode: str, timeout_s: float, memory_mb: int, max_procs: int, max_ou
         pid = os.fork()
         if pid > 0:
             _supervise(pid, timeout_s, uid if mode == "none" else None)  # never returns
+        if mode != "none":
+            _private_proc(required=mode == "root")
         CallCgroup.join(cgroup_fds or [])  # the program only: the supervisor is no candidate of the call's OOM
         _oom_first()
         _set_limits(timeout_s, memory_mb, max_procs, max_output_bytes)
