@@ -163,6 +163,9 @@ def _parse(n: ast.AST) -> tuple:
     if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "math" \
             and n.attr in MATH_CONSTANTS:
         return ("const", MATH_CONSTANTS[n.attr])
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.UAdd)) and isinstance(n.operand, ast.Constant) \
+            and type(n.operand.value) in (int, float):
+        return ("const", ast.literal_eval(n))  # -1 is a literal, as in `assert f(1) == -1`
     if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.Not, ast.USub, ast.UAdd)):
         return ({ast.Not: "not", ast.USub: "neg", ast.UAdd: "pos"}[type(n.op)], _parse(n.operand))
     if isinstance(n, ast.BinOp) and type(n.op) in _BIN:
