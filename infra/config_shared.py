@@ -269,6 +269,25 @@ class TrainConfig(_Strict):
                                                          "cosine decay to 0 at the stage's last step.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
     world_size: int = Field(1, ge=1, description="Ranks per trainer; > 1 launches the trainer under torchrun.")
+    micro_batch_tokens: int | None = ops_field(None, ge=1, description=(
+        "Token-budget micro-batches: each optimizer step's rows (one rank's share) are sorted by length and cut "
+        "into micro-batches of at most this many padded positions (rows × the micro-batch's longest row; a longer "
+        "row alone), one forward and backward each, so a step holds the activations of one such micro-batch and "
+        "computes little padding (training/batching.token_budget_groups). The loss stays the token sum over the "
+        "whole step / its token count: the same update as one pass over all rows, up to float rounding, hence "
+        "not in the fingerprints. Needs grad_accum 1 (the budget decides the micro-batches). null: today's split "
+        "(base SFT one pass, specialists one pass in length buckets, the student grad_accum parts)."))
+    gradient_checkpointing: bool = ops_field(False, description=(
+        "Activation checkpointing (HF gradient_checkpointing_enable, non-reentrant): layer activations are "
+        "recomputed in the backward instead of kept, for models whose activations do not fit. The same loss and "
+        "gradients (about a third more compute), hence not in the fingerprints."))
+
+    @model_validator(mode="after")
+    def _budget_decides_the_micro_batches(self) -> "TrainConfig":
+        if self.micro_batch_tokens is not None and self.grad_accum != 1:
+            raise ValueError(f"grad_accum={self.grad_accum}: with micro_batch_tokens the token budget decides the "
+                             "micro-batches of a step; leave grad_accum at 1")
+        return self
 
 
 class EvalConfig(_Strict):

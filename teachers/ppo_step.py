@@ -19,8 +19,10 @@ The update (`ppo_update`) is the textbook recipe:
     A, G = GAE(r, old_values; γ, λ);  A ← whiten(A)                           ppo_math.compute_gae / masked_whiten
     per epoch: policy  ℓ = clipped surrogate · TIS(old_logp vs rollout) − entropy_coef·H   → policy.step
                critic  ℓ = ½·max((clip(v) − G)², (v − G)²)                                 → critic.step
-Each epoch is one optimizer step on the whole local batch. Losses are summed over tokens and divided by
-`backend.loss_normalizer(N)`, N = valid tokens over all ranks, so every token weighs the same on any world size.
+Each epoch is one optimizer step on the whole local batch (in token-budget micro-batches when a backend's
+settings have `micro_batch_tokens`: one forward and backward each, π_old / V_old then forwarded without grad).
+Losses are summed over tokens and divided by `backend.loss_normalizer(N)`, N = valid tokens over all ranks, so
+every token weighs the same on any world size and in any micro-batches.
 Advantages are whitened with the statistics of the whole global batch (all ranks' shards), so W ranks on their
 shards apply the update one rank applies to the global batch (`reduce_metrics` then gives the global metrics).
 """
@@ -31,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from training.batching import MAX_BUCKETS, length_buckets
+from training.batching import MAX_BUCKETS, length_buckets, step_micro_batches
 from training.logprobs import gather_log_softmax
 from training.step_metrics import host_floats
 from teachers import ppo_math
@@ -102,21 +104,27 @@ def _device(model) -> torch.device:
 
 
 
-def _bucketed(batch: PPOBatch, fn) -> tuple:
+def _rows(batch: PPOBatch, g: Sequence[int]) -> tuple[PPOBatch, torch.Tensor, int]:
+    """(the rows `g` of `batch` cut to their longest row L, the row index tensor, L): a micro-batch or a bucket."""
+    lengths = batch.attention_mask.sum(dim=1)
+    rows = torch.tensor(list(g), dtype=torch.long)
+    L = int(lengths[rows].max())
+    return (PPOBatch(batch.input_ids[rows, :L], batch.attention_mask[rows, :L], batch.mask[rows, :L],
+                     batch.rollout_logprobs[rows, :L], None, [batch.sample_ids[i] for i in g]), rows, L)
+
+
+def _bucketed(batch: PPOBatch, fn, groups: list[list[int]] | None = None) -> tuple:
     """`fn(sub_batch)` → a tuple of (b, L) tensors (or None) on each length bucket of `batch`'s rows (cut to that
     bucket's longest row L), put back together as (B, T) tensors in row order, 0 past each bucket's L (padding only:
     every row ends within its bucket). One bucket: `fn(batch)`. Causal models see the same prefixes either way, so
-    the values on real positions differ only by float rounding."""
-    lengths = batch.attention_mask.sum(dim=1).tolist()
-    groups = length_buckets(lengths, MAX_BUCKETS)
+    the values on real positions differ only by float rounding. `groups`: these row groups instead of
+    `length_buckets` (token-budget micro-batches, forwarded without grad)."""
+    if groups is None:
+        groups = length_buckets(batch.attention_mask.sum(dim=1).tolist(), MAX_BUCKETS)
     if len(groups) <= 1:
         return fn(batch)
     B, T = batch.input_ids.shape
-    parts = []
-    for g in groups:
-        rows, L = torch.tensor(g), max(lengths[i] for i in g)
-        parts.append(fn(PPOBatch(batch.input_ids[rows, :L], batch.attention_mask[rows, :L], batch.mask[rows, :L],
-                                 batch.rollout_logprobs[rows, :L], None, [batch.sample_ids[i] for i in g])))
+    parts = [fn(_rows(batch, g)[0]) for g in groups]
     order = torch.tensor([i for g in groups for i in g])
     inverse = torch.empty(B, dtype=torch.long)
     inverse[order] = torch.arange(B)
@@ -129,12 +137,12 @@ def _bucketed(batch: PPOBatch, fn) -> tuple:
     return tuple(merge(k) for k in range(len(parts[0])))
 
 
-def _logp_and_entropy(model, batch: PPOBatch, with_entropy: bool,
-                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _logp_and_entropy(model, batch: PPOBatch, with_entropy: bool, temperature: float = 1.0,
+                      groups: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) log-probs of input_ids[:, t+1] from logits[:, t] / temperature (last column 0), and optionally the
     entropy (B, T). The temperature is the sampling one: the engine reports log-probs of the tempered policy.
-    Forwarded in length buckets (`_bucketed`): 0 past the end of a row's bucket."""
-    return _bucketed(batch, lambda sub: _logp_and_entropy_one(model, sub, with_entropy, temperature))
+    Forwarded in length buckets, or in `groups` (`_bucketed`): 0 past the end of a row's bucket."""
+    return _bucketed(batch, lambda sub: _logp_and_entropy_one(model, sub, with_entropy, temperature), groups)
 
 
 def _logp_and_entropy_one(model, batch: PPOBatch, with_entropy: bool,
@@ -170,11 +178,31 @@ def is_deterministic(backend_or_model) -> bool:
     return not any(isinstance(getattr(cfg, f, None), (int, float)) and getattr(cfg, f) > 0 for f in DROPOUT_FIELDS)
 
 
-def _values(critic, batch: PPOBatch) -> torch.Tensor:
-    """(B, T) values, forwarded in length buckets (`_bucketed`: 0 past the end of a row's bucket)."""
+def _values(critic, batch: PPOBatch, groups: list[list[int]] | None = None) -> torch.Tensor:
+    """(B, T) values, forwarded in length buckets or `groups` (`_bucketed`: 0 past the end of a row's bucket)."""
     dev = _device(critic)
     return _bucketed(batch, lambda sub: (critic(input_ids=sub.input_ids.to(dev),
-                                                attention_mask=sub.attention_mask.to(dev)).float(),))[0]
+                                                attention_mask=sub.attention_mask.to(dev)).float(),), groups)[0]
+
+
+def _budget_epoch(backend, batch: PPOBatch, groups: list[list[int]], loss_fn, summed: tuple[str, ...]) -> dict:
+    """One optimizer step of `backend` over `batch` in token-budget micro-batches (`step_micro_batches`): per group,
+    `loss_fn(sub_batch, rows, L)` → (loss normalised by the step's global token count, metrics), then
+    `backend.accumulate`; the gradients add up to those of one pass over all rows. An empty group (rank padding)
+    is a zero-loss pass over row 0. Metrics (device tensors, no read-back): the `summed` keys (losses, already
+    shares of the global mean) summed over the groups, the others token-weighted means over this rank's tokens."""
+    parts: list[tuple[dict, float]] = []  # (metrics, tokens) of each non-empty group
+    for k, g in enumerate(groups):
+        sub, rows, L = _rows(batch, g or [0])
+        loss, m = loss_fn(sub, rows, L)
+        backend.accumulate(loss if g else loss * 0.0, last=k == len(groups) - 1)
+        if g:
+            parts.append((m, float(sub.mask.sum())))
+    n_all = sum(n for _, n in parts)
+    if n_all == 0:  # no trained token on this rank (a fully masked shard): the means of its one pass, as before
+        return parts[0][0]
+    return {key: sum(m[key] if key in summed else m[key] * (n / n_all) for m, n in parts if n)
+            for key in parts[0][0]}
 
 
 def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence[float] | None = None, *,
@@ -209,11 +237,17 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
         raise ValueError("ppo_update: the batch has no trained token on any rank (all masks are 0)")
     norm_pi, norm_v = policy.loss_normalizer(global_tokens), critic.loss_normalizer(global_tokens)
 
+    # token-budget micro-batches (`micro_batch_tokens`) of each model, or None: one pass in length buckets
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    pi_groups = None if critic_only else step_micro_batches(policy, lengths)
+    v_groups = step_micro_batches(critic, lengths)
+
     # ---- rollout-time quantities, frozen for all epochs ----------------------------------------------------------
     # Without dropout a train-mode forward equals the eval-mode one, so epoch 1's forwards (with grad) double as the
-    # frozen π_old / V_old forwards: two forwards fewer per update (the update is the same to the last bit).
-    reuse_pi = not critic_only and is_deterministic(policy)
-    reuse_v = is_deterministic(critic)
+    # frozen π_old / V_old forwards: two forwards fewer per update (the update is the same to the last bit). Not
+    # with token-budget micro-batches: each one's graph is freed by its own backward, after π_old is needed.
+    reuse_pi = not critic_only and is_deterministic(policy) and pi_groups is None
+    reuse_v = is_deterministic(critic) and v_groups is None
     first_pi = first_v = None
     policy.train_mode() if reuse_pi else policy.eval_mode()
     critic.train_mode() if reuse_v else critic.eval_mode()
@@ -221,9 +255,11 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
         first_pi = _logp_and_entropy(policy, batch, with_entropy=True, temperature=temperature)
     if reuse_v:
         first_v = _values(critic, batch)
-    with torch.no_grad():
-        old_logp = (first_pi[0].detach() if reuse_pi else token_logprobs(policy, batch, temperature)).cpu()
-        old_values = (first_v.detach() if reuse_v else _values(critic, batch)).cpu()
+    with torch.no_grad():  # without grad, in the micro-batches when there is a budget (the logits' memory)
+        old_logp = (first_pi[0].detach() if reuse_pi else _logp_and_entropy(
+            policy, batch, False, temperature, pi_groups and [g for g in pi_groups if g])[0]).cpu()
+        old_values = (first_v.detach() if reuse_v else _values(
+            critic, batch, v_groups and [g for g in v_groups if g])).cpu()
         kl = None if ref_logprobs is None else ppo_math.kl_estimator(old_logp, ref_logprobs.float().cpu(), "k1")
         # a fully masked batch: a rank without rows of the global batch (teachers/specialist.ppo_shard); it adds 0
         r = ppo_math.token_rewards(rewards, mask, kl, kl_coef) if mask.any() else torch.zeros_like(mask)
@@ -238,12 +274,32 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
         "explained_variance": explained_var,
         "tis_weight_mean": ppo_math.masked_mean(tis, mask).item() if tis is not None else 1.0,
     }
+    # the losses of one token-budget micro-batch (`_budget_epoch`): `sub` = rows `rows` of the batch, cut to L
+    def pi_loss(sub: PPOBatch, rows: torch.Tensor, L: int) -> tuple[torch.Tensor, dict]:
+        lp, ent_t = _logp_and_entropy_one(policy, sub, True, temperature)  # (b, L) each
+
+        def cut(t: torch.Tensor) -> torch.Tensor:  # the micro-batch's part of a (B, T) tensor: (b, L)
+            return t[rows, :L].to(lp.device)
+        pg_g, pg_m = ppo_math.policy_loss(lp, cut(old_logp), cut(advantages), cut(mask), eps_clip, eps_clip_high,
+                                          eps_clip_c, None if tis is None else cut(tis), global_token_count=norm_pi)
+        ent_g = ppo_math.agg_loss(ent_t, cut(mask), global_token_count=norm_pi)
+        return pg_g - entropy_coef * ent_g, {**{k: pg_m[k] for k in ("pg_loss", "clip_frac", "approx_kl",
+                                                                     "ratio_mean")},
+                                             "entropy": ppo_math.masked_mean(ent_t.detach(), cut(mask))}
+
+    def v_loss(sub: PPOBatch, rows: torch.Tensor, L: int) -> tuple[torch.Tensor, dict]:
+        v = _values(critic, sub, [list(range(len(sub.sample_ids)))])  # (b, L): one group, one forward of `sub`
+        return ppo_math.value_loss(v, *(t[rows, :L].to(v.device) for t in (old_values, returns, mask)), value_clip,
+                                   global_token_count=norm_v)
+
     per_epoch: list[dict] = []  # each epoch's metrics as device tensors: read back once, after the last step
     policy.train_mode()
     critic.train_mode()
     for epoch in range(ppo_epochs):
         em: dict = {}
-        if not critic_only:
+        if pi_groups is not None:
+            em = _budget_epoch(policy, batch, pi_groups, pi_loss, summed=("pg_loss",))
+        elif not critic_only:
             if epoch == 0 and first_pi is not None:
                 logp, entropy = first_pi
             else:
@@ -256,11 +312,14 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
             policy.step(pg - entropy_coef * ent)
             em = {k: pg_m[k] for k in ("pg_loss", "clip_frac", "approx_kl", "ratio_mean")}
             em["entropy"] = ppo_math.masked_mean(entropy.detach(), mask.to(dev))
-        values = first_v if epoch == 0 and first_v is not None else _values(critic, batch)
-        dev = values.device
-        vf, vf_m = ppo_math.value_loss(values, old_values.to(dev), returns.to(dev), mask.to(dev), value_clip,
-                                       global_token_count=norm_v)
-        critic.step(vf)
+        if v_groups is not None:
+            vf_m = _budget_epoch(critic, batch, v_groups, v_loss, summed=("vf_loss",))
+        else:
+            values = first_v if epoch == 0 and first_v is not None else _values(critic, batch)
+            dev = values.device
+            vf, vf_m = ppo_math.value_loss(values, old_values.to(dev), returns.to(dev), mask.to(dev), value_clip,
+                                           global_token_count=norm_v)
+            critic.step(vf)
         per_epoch.append({**em, "vf_loss": vf_m["vf_loss"]})
     sums: dict[str, float] = {}
     for epoch, em in enumerate(host_floats(*per_epoch)):  # the same floats, summed in the same order as before

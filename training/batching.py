@@ -3,6 +3,8 @@
 A padded micro-batch costs rows × its longest row; grouping rows of similar length (sorting by length before splitting
 into micro-batches, or forwarding a batch in a few length buckets) removes most of the padding. Both trainers use
 these: the student's `opd_update` (micro-batches) and the specialists' PPO step (length buckets of one batch).
+With a token budget (`micro_batch_tokens`) every trainer cuts a step's rows into micro-batches of bounded padded size
+instead (`token_budget_groups`), base SFT included.
 """
 from __future__ import annotations
 
@@ -35,6 +37,32 @@ def length_sorted_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
         out.append(order[start:start + size])
         start += size
     return out
+
+
+def token_budget_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices sorted by length (stable) and cut, greedily in that order, into consecutive groups whose padded
+    size len(group) × its longest row stays ≤ `max_tokens`; a row longer than `max_tokens` is a group of its own.
+    Token-budget micro-batches: each group is one forward and backward, so a step's peak activation memory follows
+    the budget, not the batch, and rows of similar length share a group (little padding).
+
+    Greedy gives the fewest groups of any cut of the sorted order: a group's padded size is (its rows) × (its last
+    row), so dropping a group's first rows keeps it within the budget, and by induction the k-th greedy group ends
+    no earlier than the k-th group of any other cut.
+    Example: lengths [5, 2, 9, 3], max_tokens 8 → sorted 2, 3, 5, 9 → [[1, 3], [0], [2]] (2·3 = 6 ≤ 8, then
+    3·5 = 15 > 8; 2·9 > 8; 9 > 8 alone)."""
+    if max_tokens < 1:
+        raise ValueError(f"token_budget_groups: max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:  # ascending: the row added is the group's longest
+        if cur and (len(cur) + 1) * lengths[i] > max_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def length_buckets(lengths: Sequence[int], max_buckets: int = 4, min_saving: float = 0.05) -> list[list[int]]:
@@ -88,3 +116,16 @@ def length_buckets(lengths: Sequence[int], max_buckets: int = 4, min_saving: flo
         bounds.append((i, j))
         j = i
     return [order[i:j] for i, j in reversed(bounds)]
+
+
+def step_micro_batches(backend, lengths: Sequence[int]) -> list[list[int]] | None:
+    """This rank's token-budget micro-batches of one optimizer step: `token_budget_groups(lengths,
+    backend.settings.micro_batch_tokens)`, led by empty groups so that every rank backwards the same number of
+    micro-batches (the most any rank has: a collective under W > 1, where ZeRO-2/3 reduce in every backward; an
+    empty group is a zero-loss pass). None when the backend has no budget (the trainer's fixed split)."""
+    budget = backend.settings.micro_batch_tokens
+    if budget is None:
+        return None
+    groups = token_budget_groups(lengths, budget)
+    count = len(groups) if backend.world_size == 1 else int(backend.all_reduce_max(len(groups)))
+    return [[] for _ in range(count - len(groups))] + groups

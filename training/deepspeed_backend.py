@@ -395,6 +395,27 @@ class DeepSpeedBackend:
         norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
         return {"lr": lr, "stepped": 1.0, "grad_norm": float(norm) if norm is not None else float("nan")}
 
+    def accumulate(self, loss: torch.Tensor, *, last: bool) -> dict:
+        """`step` for a step of any number of micro-batches (token-budget micro-batches, `micro_batch_tokens`):
+        backward `loss` (normalised with `loss_normalizer`, as for `step`); `last`: the step's final micro-batch,
+        whose backward reduces the gradients and after which the optimizer updates. Returns what `step` returns.
+
+        DeepSpeed counts grad_accum micro-steps to find the boundary; here the caller names it instead
+        (`set_gradient_accumulation_boundary`, DeepSpeed's documented way), so it needs grad_accum 1 (every
+        `engine.step()` is then a boundary in DeepSpeed's own count as well). Each backward is scaled by
+        1/grad_accum = 1, so the gradients are the sum of the micro-batches' and the update is exact. A collective
+        under W > 1 (ZeRO-2/3 reduce in every backward): every rank calls it the same number of times."""
+        if self.settings.grad_accum != 1:
+            raise ValueError(f"accumulate: TrainSettings.grad_accum={self.settings.grad_accum}; a step of "
+                             "token-budget micro-batches needs grad_accum 1")
+        engine = self.engine
+        engine.set_gradient_accumulation_boundary(last)
+        if not last:
+            lr = float(engine.get_lr()[0])
+            engine.backward(loss)
+            return {"lr": lr, "stepped": 0.0}
+        return self.step(loss)  # boundary: backward, reduce, update (left set: grad_accum 1 makes every step one)
+
     def _module_grad_norm(self) -> float:
         # stage 0: the engine all-reduced (averaged) the module grads in backward, so every rank holds the global grad
         norms = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
@@ -413,6 +434,12 @@ class DeepSpeedBackend:
     def all_reduce_sum(self, value: float) -> float:
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item())
+
+    def all_reduce_max(self, value: float) -> float:
+        """Largest value of a scalar over ranks (how many micro-batches every rank must backward)."""
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
     def all_reduce_mean(self, value: float) -> float:

@@ -39,6 +39,10 @@ class TrainSettings:
     gradient_checkpointing: activation checkpointing (HF `gradient_checkpointing_enable`, non-reentrant): the
     layers' activations are recomputed in the backward instead of kept, for models whose activations do not fit
     (the same loss and gradients, about a third more compute).
+    micro_batch_tokens: None (a trainer splits a step its fixed way), or the most padded positions (rows × longest
+    row) of one micro-batch: the trainers cut each step's rows with `training.batching.token_budget_groups` and
+    backward each group through `DeepSpeedBackend.accumulate` (a step of any number of micro-batches; needs
+    grad_accum 1).
     seed: seeds python/numpy/torch RNGs on every rank (same value on all ranks, so a global batch sampled with
     these RNGs is identical everywhere). ds_config_overrides: deep-merged last into the generated DeepSpeed
     config (offload, bucket sizes, ... at scale).
@@ -57,6 +61,7 @@ class TrainSettings:
     lr_schedule: str = "constant"
     total_steps: int | None = None
     gradient_checkpointing: bool = False
+    micro_batch_tokens: int | None = None
     seed: int = 0
     ds_config_overrides: dict = field(default_factory=dict)
 
@@ -85,6 +90,10 @@ class TrainSettings:
             raise bad("grad_accum", "must be >= 1")
         if self.warmup_steps < 0:
             raise bad("warmup_steps", "must be >= 0")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise bad("micro_batch_tokens", "must be >= 1 (or None)")
+        if self.micro_batch_tokens is not None and self.grad_accum != 1:
+            raise bad("grad_accum", "must be 1 with micro_batch_tokens (the token budget decides the micro-batches)")
         if self.lr_schedule not in _SCHEDULES:
             raise bad("lr_schedule", f"must be one of {list(_SCHEDULES)}")
         if self.lr_schedule == "cosine" and (self.total_steps is None or self.total_steps <= self.warmup_steps):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from infra.chat import completion_ids, end_of_turn_ids, render_prompt_ids
+from training.batching import step_micro_batches
 from training.mfu import train_flops
 from training.step_metrics import host_floats
 
@@ -112,6 +113,29 @@ def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Ten
     return loss, {"loss": loss.detach(), "token_acc": acc, "tokens": m.sum()}
 
 
+def _budget_step(backend, rows: Sequence[Encoded], groups: list[list[int]], pad_id: int,
+                 norm: float) -> tuple[dict, dict]:
+    """One optimizer step over `rows` in token-budget micro-batches (`training.batching.step_micro_batches`): one
+    forward and backward per group, each group's summed token loss divided by the step's `norm`, so the gradients
+    add up to those of one pass over all rows. An empty group is a zero-loss pass (over the first row). Returns
+    (the last `backend.accumulate` result, the step's metrics: `loss` summed over the groups, `token_acc`
+    token-weighted, `tokens`), read back once after the update."""
+    parts: list[dict] = []
+    stepped: dict = {}
+    for k, g in enumerate(groups):
+        mb = collate([rows[j] for j in g] or rows[:1], pad_id)
+        ids = mb.input_ids.to(backend.device)
+        out = backend(input_ids=ids, attention_mask=mb.attention_mask.to(backend.device))
+        loss, m = sft_loss(out.logits, ids, mb.loss_mask.to(backend.device), token_normalizer=norm)
+        if g:
+            parts.append(m)
+        stepped = backend.accumulate(loss if g else loss * 0.0, last=k == len(groups) - 1)
+    got = host_floats(*parts)
+    tokens = sum(m["tokens"] for m in got)
+    return stepped, {"loss": sum(m["loss"] for m in got), "tokens": tokens,
+                     "token_acc": sum(m["token_acc"] * m["tokens"] for m in got) / max(tokens, 1.0)}
+
+
 def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size: int, seed: int = 0,
               on_step: Callable[[int, dict], None] | None = None, chat_template: str = "auto",
               should_stop: Callable[[int], bool] | None = None) -> dict:
@@ -124,7 +148,8 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size
 
     `backend` is an `training.deepspeed_backend.DeepSpeedBackend`; each rank draws its shard of the same global batch.
     Each step's metrics carry this rank's `forward_tokens`, `train_flops` and the step's `step_s`. Returns the last
-    step's metrics.
+    step's metrics. With `micro_batch_tokens` in the backend's settings a step's rows go in token-budget
+    micro-batches (`_budget_step`), the same update up to float rounding.
     """
     if not pairs:
         raise ValueError("train_sft: no training pairs")
@@ -144,11 +169,18 @@ def train_sft(backend, tokenizer, pairs: Sequence[tuple], steps: int, batch_size
         batch = collate([encoded[i] for i in local_idx], tokenizer.pad_token_id)
         # normalise by the global token count (N / W per rank) so N ranks and 1 rank give the same update
         global_tokens = float(sum(trained_tokens(encoded[i]) for i in global_idx))
-        out = backend(input_ids=batch.input_ids.to(backend.device), attention_mask=batch.attention_mask.to(backend.device))
-        loss, metrics = sft_loss(out.logits, batch.input_ids.to(backend.device), batch.loss_mask.to(backend.device),
-                                 token_normalizer=backend.loss_normalizer(global_tokens))
-        stepped = backend.step(loss)
-        metrics = host_floats(metrics)[0]  # one device→host read per step, after the update was queued
+        norm = backend.loss_normalizer(global_tokens)
+        groups = step_micro_batches(backend, [len(encoded[i][0]) for i in local_idx])
+        if groups is None:  # one pass over this rank's rows
+            out = backend(input_ids=batch.input_ids.to(backend.device),
+                          attention_mask=batch.attention_mask.to(backend.device))
+            loss, metrics = sft_loss(out.logits, batch.input_ids.to(backend.device),
+                                     batch.loss_mask.to(backend.device), token_normalizer=norm)
+            stepped = backend.step(loss)
+            metrics = host_floats(metrics)[0]  # one device→host read per step, after the update was queued
+        else:
+            stepped, metrics = _budget_step(backend, [encoded[i] for i in local_idx], groups, tokenizer.pad_token_id,
+                                            norm)
         metrics.update(stepped, forward_tokens=float(batch.attention_mask.sum()))  # this rank's positions (host)
         # this rank's training FLOPs (training/mfu.py, rows at their own length) and the step's time, the update's
         # read-back above included: a trainer reports MFU and tokens/s from these

@@ -120,9 +120,10 @@ def run(out: Path | None = None) -> dict:
     return result
 
 
-def opd_grouped(grad_accum: int) -> dict[str, torch.Tensor]:
+def opd_grouped(grad_accum: int, micro_batch_tokens: int | None = None) -> dict[str, torch.Tensor]:
     """One OPD step (world of one) on the 5 rows of LENGTHS in `grad_accum` micro-batches (opd_update sorts rows by
-    length before splitting them) → the student's weights after it."""
+    length before splitting them), or in token-budget micro-batches of ≤ `micro_batch_tokens` padded positions →
+    the student's weights after it."""
     from dataclasses import replace
 
     from infra.config import DistillConfig, TrainConfig
@@ -135,7 +136,7 @@ def opd_grouped(grad_accum: int) -> dict[str, torch.Tensor]:
     dc = DistillConfig(loss="topk_kl", reward_coef=0.5, train=TrainConfig(lr=0.05, micro_batch_size=2,
                                                                           grad_accum=grad_accum))
     student = DeepSpeedBackend(build_model("nano", VOCAB, PAD, 1, 2, seed=2),
-                               replace(settings(), grad_accum=grad_accum))
+                               replace(settings(), grad_accum=grad_accum, micro_batch_tokens=micro_batch_tokens))
     try:
         m = opd_update(student, opd_samples(LENGTHS, seed=20), 0, dc, get_loss(dc.loss), PAD)
         assert m["train/tokens"] == sum(o for _, o in LENGTHS)

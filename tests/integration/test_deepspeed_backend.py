@@ -397,3 +397,27 @@ def test_gradient_checkpointing_trains_the_same_step(backends):
     critic = ValueModel(worker.build_model().model)
     backends(critic, TrainSettings(gradient_checkpointing=True))
     assert critic.backbone.is_gradient_checkpointing
+
+
+def test_sft_in_token_budget_micro_batches_is_the_one_pass_step(backends, tiny_model_dir):
+    """train_sft with `micro_batch_tokens`: each step's 6 rows (prompts and completions of different lengths) go in
+    micro-batches of ≤ 40 padded positions, one `accumulate` backward each, one optimizer step: the loss is the
+    token sum over the step's count, so the steps equal the one-pass steps (Adam with eps 1 updates ≈ lr·g: the
+    weights compare the gradients), and so do the loss, the token accuracy and the token count."""
+    from training.batching import token_budget_groups
+    from training.sft import encode_pair, train_sft
+
+    tok = load_tokenizer(tiny_model_dir)
+    pairs = [("ab" * k, "c" * (7 - k)) for k in range(1, 7)]
+    lengths = [len(encode_pair(tok, p, c)[0]) for p, c in pairs]
+    assert len(token_budget_groups(lengths, 40)) >= 3  # several micro-batches
+    s = dict(lr=1e-2, eps=1.0, grad_clip=0.0, micro_batch_size=6)
+    plain = backends(load_model(tiny_model_dir), TrainSettings(**s))
+    budget = backends(load_model(tiny_model_dir), TrainSettings(micro_batch_tokens=40, **s))
+    init = state(plain.module)
+    m_plain = train_sft(plain, tok, pairs, steps=2, batch_size=6, seed=1)
+    m_budget = train_sft(budget, tok, pairs, steps=2, batch_size=6, seed=1)
+    assert max_diff(init, state(plain.module)) > 1e-3  # the step moved the weights
+    assert max_diff(state(plain.module), state(budget.module)) < 1e-6
+    for k in ("loss", "token_acc", "tokens", "forward_tokens", "train_flops", "stepped", "lr"):
+        assert m_plain[k] == pytest.approx(m_budget[k], abs=1e-6), k

@@ -78,6 +78,18 @@ def test_opd_update_is_the_same_in_any_number_of_length_sorted_micro_batches():
     assert diff < TOL, f"3 length-sorted micro-batches differ from 1 by {diff}"
 
 
+def test_opd_update_in_token_budget_micro_batches_is_the_one_pass_step():
+    """`micro_batch_tokens` 16: the rows of 12, 5, 15, 5, 7 tokens go as [5, 5], [7], [12], [15] (4 backwards of
+    ≤ 16 padded positions, or a row alone; `DeepSpeedBackend.accumulate`, one optimizer step): the same step as
+    one micro-batch (Adam with eps 1 updates ≈ lr·g, so the weights compare the gradients)."""
+    from training.batching import token_budget_groups
+
+    assert token_budget_groups([p + o for p, o in worker.LENGTHS], 16) == [[1, 3], [4], [0], [2]]
+    w1, wb = worker.opd_grouped(1), worker.opd_grouped(1, micro_batch_tokens=16)
+    diff = max((w1[k] - wb[k]).abs().max().item() for k in w1)
+    assert diff < 1e-6, f"token-budget micro-batches differ from one by {diff}"
+
+
 def _init(name: str):
     """The initial module of `name`, as the worker builds it."""
     from infra.models import build_model

@@ -137,3 +137,43 @@ def test_length_buckets_scale():
     t0 = time.perf_counter()
     groups = length_buckets(lengths, 4)
     assert time.perf_counter() - t0 < 1.0 and sorted(i for g in groups for i in g) == list(range(2048))
+
+
+def test_token_budget_groups_by_hand():
+    from training.batching import token_budget_groups
+
+    # sorted 2 (row 1), 3 (row 3), 5 (row 0), 9 (row 2): 2·3 = 6 ≤ 8; adding 5 → 3·5 = 15 > 8; 5 alone; 9 > 8 alone
+    assert token_budget_groups([5, 2, 9, 3], 8) == [[1, 3], [0], [2]]
+    # a budget that fits everything: one group, sorted
+    assert token_budget_groups([5, 2, 9, 3], 36) == [[1, 3, 0, 2]]  # 4 · 9 = 36
+    assert token_budget_groups([5, 2, 9, 3], 35) == [[1, 3, 0], [2]]  # 4 · 9 = 36 > 35; 3 · 5 = 15
+    # equal lengths: floor(budget / length) rows a group, ties keep their order
+    assert token_budget_groups([4] * 5, 8) == [[0, 1], [2, 3], [4]]
+    # every row longer than the budget: one row each
+    assert token_budget_groups([10, 11], 3) == [[0], [1]]
+    assert token_budget_groups([], 8) == []
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        token_budget_groups([1], 0)
+
+
+def test_token_budget_groups_keep_the_budget_and_every_row_once():
+    from training.batching import token_budget_groups
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 30))]
+        budget = rng.randint(1, 200)
+        groups = token_budget_groups(lengths, budget)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        flat = [lengths[i] for g in groups for i in g]
+        assert flat == sorted(lengths)  # consecutive runs of the sorted order
+        for g in groups:
+            assert len(g) * max(lengths[i] for i in g) <= budget or len(g) == 1
+        # fewest groups of any cut of the sorted order (a plain DP over cuts)
+        s, n = sorted(lengths), len(lengths)
+        best = [0] + [n + 1] * n
+        for j in range(1, n + 1):
+            for i in range(j):
+                if (j - i) * s[j - 1] <= budget or j - i == 1:
+                    best[j] = min(best[j], best[i] + 1)
+        assert len(groups) == best[n]

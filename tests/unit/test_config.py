@@ -205,3 +205,20 @@ def test_a_section_set_in_part_keeps_the_other_defaults_of_its_full_default(tmp_
     assert (by_yaml.dtype, by_yaml.micro_batch_size) == ("bf16", full)
     given = got(config_from_dict({**MINIMAL, stage: {name: {"micro_batch_size": 5}}}))
     assert given.micro_batch_size == 5  # a value given wins
+
+
+def test_trainer_memory_settings_reach_the_trainers(tmp_path):
+    """`gradient_checkpointing` and `micro_batch_tokens` of every train section reach its `TrainSettings`; a token
+    budget with grad_accum > 1 is refused (the budget decides a step's micro-batches), naming the section."""
+    from training.session import train_settings
+
+    cfg = load_config(write(tmp_path, MINIMAL), ["distill.train.gradient_checkpointing=true",
+                                                "distill.train.micro_batch_tokens=8192"])
+    s = train_settings(cfg.distill.train, 10, 0)
+    assert (s.gradient_checkpointing, s.micro_batch_tokens, s.micro_batch_size) == (True, 8192, 128)
+    plain = train_settings(cfg.base.train, 10, 0)
+    assert (plain.gradient_checkpointing, plain.micro_batch_tokens) == (False, None)
+    with pytest.raises(ConfigError, match=r"base\.train: grad_accum=2: with micro_batch_tokens"):
+        load_config(write(tmp_path, MINIMAL), ["base.train.micro_batch_tokens=512", "base.train.grad_accum=2"])
+    with pytest.raises(ConfigError, match=r"distill\.train\.micro_batch_tokens"):
+        load_config(write(tmp_path, MINIMAL), ["distill.train.micro_batch_tokens=0"])

@@ -32,6 +32,9 @@ OPS_CHANGES = {
     "resources.gpus_per_node": 8, "resources.gpu_memory_gb": 40.0, "resources.model_gb": 3.0,
     "resources.kv_cache_gb": 2.0, "resources.trainer_overhead_gb": 1.0, "resources.colocate_rollout": True,
     "resources.share_gpus": True,
+    # memory and speed of a trainer, the same update up to float rounding
+    **{f"{t}.{f}": v for t in ("base.train", "specialists.policy_train", "specialists.critic_train", "distill.train")
+       for f, v in (("gradient_checkpointing", True), ("micro_batch_tokens", 4096))},
 }
 
 STAGES = ("base", "specialist", "student")
