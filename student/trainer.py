@@ -28,6 +28,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ from domains.compaction import compaction_for, episode_of, summary_allowance
 from domains.evaluate import episode_budget, evaluate_model, tool_metrics
 from infra.chat import stop_token_ids, token_budget
 from infra.checkpoint_budget import checkpoint_rule
-from training.batching import MAX_BUCKETS, length_buckets, length_sorted_split
+from training.batching import MAX_BUCKETS, length_buckets, length_sorted_split, step_micro_batches
 from engine.client import seed_for
 from training.ledger import Ledger
 from training.checkpoints import commit_checkpoint, restore_latest
@@ -434,7 +435,9 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
     exactly G = grad_accum micro-batches (DeepSpeed's boundary count) of rows sorted by length, each forwarded in a
     few length buckets (less padding). The loss is normalised by the token count of the whole global batch
     (`loss_normalizer`), so the W ranks together apply the update one rank applies to all of `samples`, however the
-    rows are grouped. Returns the global batch's metrics."""
+    rows are grouped. With `micro_batch_tokens` in the backend's settings (grad_accum 1) the shard goes in
+    token-budget micro-batches instead (`training.batching.step_micro_batches`), one forward and backward each.
+    Returns the global batch's metrics."""
     G = dc.train.grad_accum
     norm = backend.loss_normalizer(sum(s.model_tokens for s in samples))  # tool output is never a target
     mine = samples[rank::world]
@@ -446,7 +449,10 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
     # MAX_BUCKETS length buckets: every bucket is padded to its own longest row, so little padding is computed; the
     # loss is a sum over tokens / the global count, so the grouping changes nothing but float rounding. Fewer samples
     # than micro-batches: zero-loss micro-steps (first) keep DeepSpeed's boundary count
-    chunks = sorted(length_sorted_split([len(s.prompt_ids) + len(s.output_ids) for s in mine], G), key=len)
+    lengths = [len(s.prompt_ids) + len(s.output_ids) for s in mine]
+    # or token-budget micro-batches (`micro_batch_tokens`, G = 1): one forward each, however many a step has
+    budget = step_micro_batches(backend, lengths)
+    chunks = budget if budget is not None else sorted(length_sorted_split(lengths, G), key=len)
     # every bucket's loss metrics (device tensors) and every micro-step's backend.step result, with their token
     # counts, in the order they are summed: read back to the host once, after the optimizer step (no sync per
     # micro-batch, training/step_metrics.py), then summed as floats exactly as they always were
@@ -454,17 +460,21 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
     m: dict[str, float] = {}
     tokens = 0
     backend.train_mode()
-    for idx in chunks:
+    for k, idx in enumerate(chunks):
+        # a budget's step ends at its last micro-batch (`accumulate`); else DeepSpeed counts G micro-steps
+        step = backend.step if budget is None else partial(backend.accumulate, last=k == len(chunks) - 1)
         if len(idx) == 0:
             one = collate(samples[:1], pad, version, with_topk=False)
             out = backend(input_ids=one.input_ids.to(backend.device),
                           attention_mask=one.attention_mask.to(backend.device))
-            backend.step(out.logits.sum() * 0.0)
+            step(out.logits.sum() * 0.0)
             continue
-        # one micro-batch, forwarded in a few length buckets (each padded to its own longest row), one backward
+        # one micro-batch, forwarded in a few length buckets (each padded to its own longest row; a token-budget
+        # micro-batch in one), one backward
         total, n_mb = None, 0
-        for bucket in length_buckets([len(mine[i].prompt_ids) + len(mine[i].output_ids) for i in idx],
-                                     backend.forward_buckets(MAX_BUCKETS)):
+        buckets = [list(range(len(idx)))] if budget is not None else \
+            length_buckets([lengths[i] for i in idx], backend.forward_buckets(MAX_BUCKETS))
+        for bucket in buckets:
             rows = [idx[j] for j in bucket]
             mb = collate([mine[i] for i in rows], pad, version, with_topk=loss.needs_teacher_topk,
                          reward_adv=[adv[i] for i in rows])
@@ -476,7 +486,7 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
             n = mb.num_tokens  # the host mask's count: no device read
             n_mb += n
             parts.append((bm, n, True))
-        m = backend.step(total)
+        m = step(total)
         tokens += n_mb
         parts.append((m, n_mb, False))
     sums: dict[str, float] = {}
