@@ -5,9 +5,10 @@ at load, `REFUSED`) and the correct solution 1.0. The classes: a comparison or t
 (and/or, `is True`, `== True`, all/any, `not !=`, a method of the returned object, the solution's own `math`),
 objects that lie (`__eq__`, `__bool__`, int/str subclasses, NaN), attacks on the worker (patched builtins and json,
 exits, `__del__`, fake records on stdout, stderr and fds 3-9), attacks on the reporter (its /proc fds, killing or
-stopping it), and reading the expected values from argv, the environment, files, frames, `gc` or the parent. From
-the host side: the work dir of each call is gone afterwards and a correct episode cannot leave its answers for a
-later one (files in /tmp, /dev/shm, the work dir). The first round is tests/unit/test_code_verifier_forgery.py."""
+stopping it), and reading the expected values from argv, the environment, files, frames, `gc` or the parent, in
+the machine's sandbox mode and in each weaker one it has. From the host side: the work dir of each call is gone
+afterwards and a correct episode cannot leave its answers for a later one (files in /tmp, /dev/shm, the work dir).
+The first round is tests/unit/test_code_verifier_forgery.py."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import os
 import pytest
 
 from domains.code_verifier import code_report, parse_code_tests
-from sandbox.runner import isolation_support
+from sandbox.runner import available_modes, isolation_support
 
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(isolation_support() == "none",
                                                    reason="no namespaces: the sandbox refuses python")]
@@ -137,6 +138,20 @@ def test_a_forgery_scores_zero_and_a_correct_solution_one(name):
     assert report.score == 0.0 and report.reason != "pass", (name, report)
     good = code_report(CORRECT.get(name, ADD), "", row, 2)
     assert good.score == 1.0, (name, good)
+
+
+@pytest.mark.parametrize("mode", [m for m in available_modes() if m != isolation_support()])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_forgery_scores_zero_in_every_other_sandbox_mode(monkeypatch, mode, name):
+    """The same cases with the sandbox forced into each weaker mode the machine has ("userns", "none": no PID
+    namespace, so the worker can signal the reporter: killing or stopping it still scores 0)."""
+    import sandbox.pool as pool
+    from sandbox.runner import run_tool
+    monkeypatch.setattr(pool, "run_tool_pooled", lambda command, workdir, **kw: run_tool(command, workdir,
+                                                                                         isolation=mode, **kw))
+    tests, forged = CASES[name]
+    assert code_report(forged, "", {"tests": tests}, 2).score == 0.0, (mode, name)
+    assert code_report(CORRECT.get(name, ADD), "", {"tests": tests}, 2).score == 1.0, (mode, name)
 
 
 REFUSED = {  # rows whose asserts Python itself would let a liar (or anything) pass: refused at load, never run
