@@ -133,6 +133,7 @@ def cmd_model_init(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from domains.compaction import compactions_of
     from domains.evaluate import evaluate
     from domains.registry import load_domains
     from infra.config import ConfigError, load_config
@@ -148,7 +149,8 @@ def cmd_eval(args) -> int:
         return EXIT_USAGE
     df = evaluate(args.model, domains, cfg.eval.n_eval, cfg.run.seed, args.stage,
                   max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
-                  chat_template=cfg.model.chat_template, device=cfg.eval.device, dtype=cfg.eval.dtype)
+                  chat_template=cfg.model.chat_template, device=cfg.eval.device, dtype=cfg.eval.dtype,
+                  compaction=compactions_of(cfg.specialists, domains))
     print(df[["domain", "stage", "score", "n_eval"]].to_string(index=False))
     print(f"mean score {df['score'].mean():.4f}")
     if args.out:

@@ -117,13 +117,13 @@ def measure(model_dir, domain, *, n_sample: int, n_eval: int, temperature: float
     call the guard's rules flag scores 0)."""
     import torch
 
-    from domains.evaluate import evaluate_model, model_turns, run_tool_episodes
+    from domains.evaluate import evaluate_model, model_episodes, run_tool_episodes
     from infra.models import load_model, load_tokenizer
 
     model, tok = load_model(model_dir).eval(), load_tokenizer(model_dir)
     exs = domain.split("train", n_sample, seed + 1)  # another draw of train prompts than the ones trained on first
     torch.manual_seed(seed)
-    eps = run_tool_episodes(domain, exs, model_turns(model, tok, greedy=False, temperature=temperature),
+    eps = run_tool_episodes(domain, exs, model_episodes(model, tok, greedy=False, temperature=temperature),
                             domain.episode_chars, clean=False, env_kwargs={"guard": None})
     rewards = [domain.verify(ex, ep.response) for ex, ep in zip(exs, eps)]
     hacks = [ep.reads_answer_file for ep in eps]

@@ -1,5 +1,6 @@
-"""Tool-use episodes on token ids: the one turn loop of the specialists' rollouts (teachers/rollout.py `Roller`) and
-the OPD student's sampling (student/sampler.py), so both stages run the same episodes.
+"""Episodes on token ids: the one turn loop of the specialists' rollouts (teachers/rollout.py `Roller`), the OPD
+student's sampling (student/sampler.py) and evaluation (domains/evaluate.py, on the in-process model), so every
+stage runs, and is measured on, the same episodes: one budget unit (tokens), the same compaction, the same turn end.
 
     while budget > 0:
         context, room = run.request()         prompt + tokens so far, or the compacted context (domains.compaction)
@@ -10,8 +11,9 @@ the OPD student's sampling (student/sampler.py), so both stages run the same epi
 An `EpisodeRun` is one episode as a state machine (what to generate next, what a generated turn does), so the two
 drivers below share every rule: `run_token_episode` runs one episode turn after turn (the specialists: each episode
 its own task, as APRIL needs), `run_episodes` runs many in rounds, the next turn of every unfinished episode in ONE
-generate call per round (the student: a plain prompt is an episode of one turn, so a batch of plain prompts is one
-call). An episode without an env (a plain domain) is one turn. A turn that comes back `"abort"` ends the episode as
+generate call per round (the student and evaluation: a plain prompt is an episode of one turn, so a batch of plain
+prompts is one call). The generator is an engine server (`engine.client`) or the in-process model
+(`domains.evaluate.model_episodes`). An episode without an env (a plain domain) is one turn. A turn that comes back `"abort"` ends the episode as
 a partial (finish_reason "abort", APRIL resumes it). Tool output counts against the budget, like APRIL's
 `remaining_budget`: the budget bounds the sequence, not only what the model wrote.
 
@@ -34,7 +36,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
-from domains.compaction import Compaction, Planner, Summarize
+from domains.compaction import Compaction, Planner, Summarize, summary_allowance
 from domains.tools import TURN_END
 
 # generate(context ids, max new tokens, turn index) → (output ids, their log-probs, finish reason)
@@ -66,6 +68,15 @@ class Episode:
         """Env insertions in this episode (runs of loss-mask-0 tokens)."""
         m = self.loss_mask
         return sum(1 for i, x in enumerate(m) if x == 0 and (i == 0 or m[i - 1] == 1))
+
+
+def episode_budget(domain: object, max_new_tokens: int, compaction: Compaction | None = None) -> int:
+    """Tokens one eval episode may add, as its specialist's rollouts get them (`teachers.specialist_main.response_budget`
+    without a configured budget), the OPD student's samples and evaluation: the domain's `episode_chars` (one tool call, its output and the
+    answer) plus, with a policy-written compaction summary, `summary_allowance` for its requests and summaries;
+    never less than `max_new_tokens`."""
+    episode = int(getattr(domain, "episode_chars", 0) or 0)
+    return max(max_new_tokens, episode + summary_allowance(episode, compaction) if episode else 0)
 
 
 def env_token_ids(tokenizer, line: str, budget: int) -> list[int]:

@@ -28,8 +28,8 @@ naming the domain and the param.
 Generation protocol for a rollout loop: generate with the stop ids of `infra.chat.stop_token_ids` and the stop string
 `TURN_END` (a newline: with a BPE tokenizer it may be merged into a longer token, so turns end on text, not on one
 token id); when the output's text ends with a newline and `parse_tool_call(response)` returns a command, append `await env.execute(command)` (loss mask 0) and
-continue with the remaining budget; otherwise the trajectory is finished. `run_episode` implements this loop on
-text for evaluation. A partial rollout (APRIL) rebuilds its env from the example payload:
+continue with the remaining budget; otherwise the trajectory is finished. `domains.episodes.EpisodeRun` is this loop,
+on token ids, for the rollouts, the OPD student and evaluation alike. A partial rollout (APRIL) rebuilds its env from the example payload:
 `ToolEnv(Example(**partial.example), prior_calls=count_tool_calls(response_so_far))`.
 
 Import direction: the env runs commands through `sandbox.pool.run_tool_pooled` (`sandbox.runner.run_tool`, forked
@@ -255,28 +255,6 @@ class ToolEnv:
 
     async def __aexit__(self, *exc) -> None:
         self.close()
-
-
-# policy(prompt, response so far, max new chars) → (continuation, ended): one model turn, generated up to and
-# including a newline, or until EOS (ended=True; the EOS itself not in the text), or until the budget. The prompt
-# comes apart from the response so a model policy can render it (infra.chat) the way every stage does.
-Policy = Callable[[str, str, int], Awaitable[tuple[str, bool]]]
-
-
-async def run_episode(policy: Policy, env: ToolEnv, prompt: str, max_new_chars: int) -> str:
-    """Roll out one trajectory with tools; returns the response (everything after the prompt, tool lines included).
-    Tool output counts against `max_new_chars` (it bounds the sequence length, like APRIL's `remaining_budget`)."""
-    response = ""
-    while len(response) < max_new_chars:
-        cont, ended = await policy(prompt, response, max_new_chars - len(response))
-        response += cont[: max_new_chars - len(response)]
-        if ended or not cont:
-            break
-        tool_line = await env.step(response)
-        if tool_line is None:
-            break  # a newline-terminated final answer
-        response += tool_line[: max_new_chars - len(response)]
-    return response
 
 
 DEMO_KINDS = ("intended", "shortcut", "guess")

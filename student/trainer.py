@@ -33,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from domains.compaction import compaction_for, episode_of, summary_allowance
-from domains.evaluate import episode_budget, evaluate_model, tool_metrics
+from domains.compaction import compaction_for, episode_of
+from domains.episodes import episode_budget
+from domains.evaluate import evaluate_model, tool_metrics
 from infra.chat import stop_token_ids, token_budget
 from infra.checkpoint_budget import checkpoint_rule
 from training.batching import MAX_BUCKETS, length_buckets, length_sorted_split, step_micro_batches
@@ -112,11 +113,10 @@ class DistillTrainer:
         self.stops = stop_token_ids(tokenizer, getattr(getattr(backend, "module", None), "generation_config", None),
                                     chat_template)
         self.budgets = {n: token_budget(d, tokenizer, dc.max_new_tokens) for n, d in domains.items()}
-        # a tool domain's budget is a whole episode's, tool output included (as in evaluation: episode_budget)
-        self.budgets.update({n: episode_budget(d, self.budgets[n]) for n, d in domains.items() if is_tool_domain(d)})
-        # the policy's compaction requests and summaries count against it too (as the specialists' budget)
-        self.budgets.update({n: b + summary_allowance(b, compaction_for(compaction, n))
-                             for n, b in self.budgets.items() if is_tool_domain(domains[n])})
+        # a tool domain's budget is a whole episode's, tool output and the policy's compaction requests and summaries
+        # included (`domains.episodes.episode_budget`, as the specialists' rollouts and evaluation)
+        self.budgets.update({n: episode_budget(d, self.budgets[n], compaction_for(compaction, n))
+                             for n, d in domains.items() if is_tool_domain(d)})
         config = getattr(getattr(backend, "module", None), "config", None)
         self.context_len = getattr(config, "max_position_embeddings", None)
         self.state = TrainerState()
@@ -315,7 +315,7 @@ class DistillTrainer:
             try:
                 df = evaluate_model(self.backend.module, self.tok, self.domains, self.dc.eval_n, self.seed, "student",
                                     max_new_tokens=self.eval_max_new_tokens, batch_size=self.eval_batch_size,
-                                    chat_template=self.chat_template)
+                                    chat_template=self.chat_template, compaction=self.compaction)
             finally:
                 self.backend.train_mode()
             return df

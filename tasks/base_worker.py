@@ -79,7 +79,8 @@ def score_stop(cfg, domains: dict, tok, backend, tracker, history: list) -> Call
         backend.eval_mode()
         try:
             scores = score_examples(backend.module, tok, domains, examples, cfg.eval.max_new_tokens,
-                                    cfg.eval.batch_size, chat_template=cfg.model.chat_template)
+                                    cfg.eval.batch_size, chat_template=cfg.model.chat_template,
+                                    compaction=compactions_of(cfg.specialists, domains))
         finally:
             backend.train_mode()
         per = {name: sum(v) / max(len(v), 1) for name, v in scores.items()}

@@ -6,6 +6,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from domains.compaction import compactions_of
 from domains.evaluate import evaluate, tool_metrics
 from infra.progress import progress
 from tasks.context import RunContext, stage_timer
@@ -19,7 +20,8 @@ def evaluate_stage(ctx: RunContext, checkpoint_dir: str, stage: str, domains: li
         df = evaluate(checkpoint_dir, doms, cfg.eval.n_eval, cfg.run.seed, stage,
                       max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
                       progress=lambda done, total: bar(done), chat_template=cfg.model.chat_template,
-                      device=cfg.eval.device, dtype=cfg.eval.dtype)
+                      device=cfg.eval.device, dtype=cfg.eval.dtype,
+                      compaction=compactions_of(cfg.specialists, doms))  # tool episodes compacted as trained
     ctx.tracker.log_metrics({f"eval/{stage}/{r.domain}": float(r.score) for r in df.itertuples()})
     ctx.tracker.log_metrics(tool_metrics(df, f"eval/{stage}/"))  # tool domains: raw score, hack attempts
     ctx.tracker.log_metrics({f"eval/{stage}/mean": float(df["score"].mean())})

@@ -26,7 +26,8 @@ import sys
 import zlib
 from pathlib import Path
 
-from domains.compaction import Compaction, summary_allowance
+from domains.compaction import Compaction
+from domains.episodes import episode_budget
 from domains.registry import load_domains
 from infra.chat import token_budget
 from infra.checkpoint_budget import checkpoint_rule
@@ -70,9 +71,8 @@ def response_budget(cfg, domain, tokenizer) -> int:
     sc = cfg.specialists.for_domain(domain.name)
     if sc.max_new_tokens:
         return sc.max_new_tokens
-    episode = int(getattr(domain, "episode_chars", 0))
-    if episode:  # the policy's compaction requests and summaries count against it too
-        return episode + summary_allowance(episode, Compaction.of(sc))
+    if getattr(domain, "episode_chars", 0):  # the policy's compaction requests and summaries count against it too
+        return episode_budget(domain, 0, Compaction.of(sc))
     return token_budget(domain, tokenizer, cfg.eval.max_new_tokens)
 
 
@@ -121,7 +121,7 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     summary["selected_step"] = best if use_best else trainer.state.step
     df = evaluate_model(model, tok, {domain.name: domain}, sc.eval_n or cfg.eval.n_eval, seed, "specialist",
                         max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
-                        chat_template=cfg.model.chat_template)
+                        chat_template=cfg.model.chat_template, compaction=Compaction.of(sc))
     row = df.iloc[0]
     summary["score"] = float(row.score)
     summary["raw_score"] = float(row.raw_score)

@@ -20,7 +20,6 @@ from distill_fixtures import sft_plain
 from domains.base import Example
 from domains.guard import Guard
 from domains.registry import load_domain, load_domains
-from domains.tools import run_episode
 from engine.client import EngineClient
 from engine_proc import EngineProc
 from infra.chat import PromptRenderer
@@ -32,7 +31,7 @@ from student.trainer import guard_counts
 from teachers.april import AprilBuffer
 from teachers.rollout import PromptCursor, Roller, rollout_step
 from teachers.specialist import sample_rewards
-from tool_scripts import replay
+from tool_scripts import replay, run_episode
 
 pytestmark = pytest.mark.integration
 BUDGET = 64  # the hack script (~45 tokens) outgrows tool_add's own episode budget

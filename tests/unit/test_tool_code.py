@@ -11,12 +11,11 @@ from dataclasses import asdict
 
 import pytest
 
-from tool_scripts import replay
+from tool_scripts import replay, run_episode, scripted_model
 from domains.base import Example
 from domains.hack_rules import rule_check
 from domains.registry import BUILTIN, list_domains, load_domain
 from domains.tool_code import (DONE, SHORTCUT_FILE, ToolCode, decode_code, encode_code, last_solution)
-from domains.tools import run_episode
 from sandbox.runner import isolation_support
 from teachers.guard import Guard
 
@@ -356,7 +355,7 @@ def test_evaluation_runs_clean_episodes(tiny_model_dir):
             out.append((rest, True) if end < 0 else (rest[: end + 1], False))
         return out
 
-    eps = run_tool_episodes(dom, exs, turns, dom.episode_chars)
+    eps = run_tool_episodes(dom, exs, scripted_model(turns, exs), dom.episode_chars)
     assert [dom.verify(ex, ep.response) for ex, ep in zip(exs, eps)] == [1.0] * 3
     assert not any(ep.reads_answer_file for ep in eps)
     model, tok = load_model(tiny_model_dir).eval(), load_tokenizer(tiny_model_dir)

@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 
-from tool_scripts import replay
+from tool_scripts import replay, run_episode
 from domains.base import is_eval_prompt
 from domains.registry import BUILTIN, load_domain
 from domains.tool_domains import MAX_CALLS, ToolChain, ToolFiles, TreeEnv
-from domains.tools import final_answer, run_episode
+from domains.tools import final_answer
 from teachers.guard import Guard, rule_check
 
 pytestmark = pytest.mark.unit
@@ -223,10 +223,10 @@ def test_clean_episodes_of_a_tiny_model(tiny_model_dir):
     on the tiny untrained model: every episode stays within its budget and call limit, and scores 0. (The tiny model
     SFT-ed on 2,000 `tool_chain` demonstrations, 600 steps of 32, follows the chain on held-out prompts but still
     miscopies the answer: too slow a check for the suite on 2 cores, ~13 minutes.)"""
-    from domains.evaluate import model_turns, run_tool_episodes
+    from domains.evaluate import model_episodes, run_tool_episodes
     from infra.models import load_model, load_tokenizer
 
-    turns = model_turns(load_model(tiny_model_dir).eval(), load_tokenizer(tiny_model_dir))
+    turns = model_episodes(load_model(tiny_model_dir).eval(), load_tokenizer(tiny_model_dir))
     for name in NAMES:
         dom = load_domain(name)
         exs = dom.split("eval", 4, 0)
