@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import REPO
+from harness import REPO, safetensors_params
 
 # the engine's own counters (engine/scheduler.py); read with getattr, so a renamed one reads as None
 ENGINE_COUNTERS = ("steps", "decode_rows", "decode_seconds", "prefill_seconds", "prefill_forwards", "prefill_tokens",
@@ -70,19 +70,7 @@ def model_shape(model_dir: Path) -> dict:
 
 
 def _params(model_dir: Path) -> int:
-    import json
-
-    total = 0
-    for st in model_dir.glob("*.safetensors"):
-        with open(st, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for k, v in header.items():
-            if k != "__metadata__":
-                n = 1
-                for d in v["shape"]:
-                    n *= d
-                total += n
-    return total
+    return sum(safetensors_params(st) for st in model_dir.glob("*.safetensors"))
 
 
 def flops_per_token(params: int, layers: int, hidden: int, seq_len: int) -> float:

@@ -51,7 +51,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, add_check, start_meta, write_json  # noqa: E402  (puts the repository on sys.path)
+from harness import REPO, add_check, safetensors_params, start_meta, write_json  # noqa: E402  (puts the repository on sys.path)
 from training.mfu import PEAK_TFLOPS, ModelShape, card_peak, flops_per_token  # noqa: E402,F401
 from training.mfu import mfu as _mfu  # noqa: E402
 
@@ -317,17 +317,7 @@ def trainer_results(root: Path) -> dict[str, dict]:
 def model_params(root: Path) -> int | None:
     """Parameters of the run's model (the base checkpoint's safetensors, counted from their headers)."""
     for st in root.rglob("base/model.safetensors"):
-        with open(st, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        total = 0
-        for k, v in header.items():
-            if k != "__metadata__":
-                size = 1
-                for d in v["shape"]:
-                    size *= d
-                total += size
-        return total
+        return safetensors_params(st)
     return None
 
 

@@ -265,3 +265,18 @@ def write_outputs(out: Path, result: dict, table_md: str) -> None:
     write_json(out, result)
     out.with_suffix(".md").write_text(table_md + "\n")
     print(table_md)
+
+
+def safetensors_params(path: Path) -> int:
+    """Parameters in a safetensors file, counted from its header (no tensor is read)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    total = 0
+    for k, v in header.items():
+        if k != "__metadata__":
+            n = 1
+            for d in v["shape"]:
+                n *= d
+            total += n
+    return total
+

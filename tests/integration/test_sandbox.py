@@ -21,6 +21,7 @@ import pytest
 from sandbox.accounting import UID_BASE, UID_RANGE
 from sandbox.calc import safe_calc
 from sandbox.runner import PROGRAMS, check_command, isolation_support, run_tool
+from proc_scan import alive_with
 from sandbox.supervisor import NOBODY
 
 pytestmark = pytest.mark.integration
@@ -423,17 +424,7 @@ MEMORY = ("import os\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if
           "print(sum(os.waitpid(p, 0)[1] == 0 for p in kids))")
 
 
-def _alive_with(token: str) -> list[int]:
-    """Processes whose command line holds `token` (the sandboxed program and everything it forked)."""
-    out = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                if token.encode() in f.read():
-                    out.append(int(p))
-        except OSError:
-            pass
-    return out
+_alive_with = alive_with  # tests/proc_scan.py
 
 
 def _gone(token: str, within: float = 1.0) -> bool:

@@ -29,6 +29,7 @@ import pytest
 
 from sandbox import confine
 from sandbox.runner import available_modes, run_tool, sandbox_python
+from proc_scan import alive_with
 from sandbox.supervisor import NOBODY
 
 pytestmark = pytest.mark.integration
@@ -454,16 +455,7 @@ print(json.dumps(res))
 '''
 
 
-def _alive_with(token: str) -> list[int]:
-    out = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                if token.encode() in f.read():
-                    out.append(int(p))
-        except OSError:
-            pass
-    return out
+_alive_with = alive_with  # tests/proc_scan.py
 
 
 def test_nothing_outlives_the_call(sbx, workdir):
