@@ -13,8 +13,9 @@ declares what it needs (``needs_teacher_topk``) and looked up once by name (``ge
 Conventions: padded ``(B, T)`` tensors with ``mask (B, T)`` (1 = response token that counts); losses return
 ``(loss, metrics)`` with metrics as detached 0-d tensors (as torchtune's losses do: the trainer reads them back once
 per optimizer step, training/step_metrics.py, not once per micro-batch); aggregation is token-mean (Σ over valid
-tokens / their number, or / ``global_token_count`` so that data-parallel ranks sum to the one-rank loss). The few
-masked-mean lines are repeated here on purpose: ``student`` does not import ``teachers``' internals (docs/architecture.md, "Layering").
+tokens / their number, or / ``global_token_count`` so that data-parallel ranks sum to the one-rank loss). The token
+mean, the truncated importance ratio and the shape checks are the ones the PPO losses use (``training/rl_math.py``):
+``student`` does not import ``teachers``' internals (docs/architecture.md, "Layering").
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from typing import Callable
 import torch
 
 from infra.config import OPD_LOSSES
-from training.logprobs import MAX_LOG_RATIO, gather_log_softmax
+from training.logprobs import gather_log_softmax
+from training.rl_math import check_shapes, token_mean, truncated_ratio
 
 DIRECTIONS = ("forward", "reverse", "jsd")
 Metrics = dict[str, torch.Tensor]  # metric name → detached 0-d tensor
@@ -35,14 +37,7 @@ TAIL_MIN = 1e-12
 LOG_FLOOR = -1e4
 
 
-def _token_mean(x: torch.Tensor, valid: torch.Tensor, global_token_count: float | torch.Tensor | None) -> torch.Tensor:
-    """Σ_{valid} x / N with N = number of valid tokens (or global_token_count). x, valid (B, T)."""
-    total = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
-    if global_token_count is None:
-        return total / valid.sum().clamp_min(1)  # a 0-d int tensor: the same float division, no host read
-    if float(global_token_count) <= 0:
-        raise ValueError(f"global_token_count must be > 0, got {float(global_token_count)}")
-    return total / global_token_count
+_token_mean = token_mean  # training/rl_math.py (shared with the PPO losses)
 
 
 def _mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -52,9 +47,7 @@ def _mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def _check_bt(fn: str, mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
-    for name, t in tensors.items():
-        if t is not None and tuple(t.shape) != tuple(mask.shape):
-            raise ValueError(f"{fn}: {name} has shape {tuple(t.shape)} but mask has {tuple(mask.shape)}")
+    check_shapes(fn, "mask", mask, **tensors)
 
 
 def importance_ratio(logp_current: torch.Tensor, logp_behaviour: torch.Tensor, mask: torch.Tensor,
@@ -69,10 +62,7 @@ def importance_ratio(logp_current: torch.Tensor, logp_behaviour: torch.Tensor, m
     _check_bt("importance_ratio", mask, logp_current=logp_current, logp_behaviour=logp_behaviour)
     if clip is not None and clip <= 0:
         raise ValueError(f"importance_ratio: clip must be > 0 or None, got {clip}")
-    log_w = (logp_current.detach() - logp_behaviour.detach()).clamp(max=MAX_LOG_RATIO)
-    if clip is not None:
-        log_w = log_w.clamp(max=math.log(clip))
-    w = torch.exp(log_w)
+    w = truncated_ratio(logp_current, logp_behaviour, clip)
     return torch.where(mask != 0, w, torch.zeros((), dtype=w.dtype, device=w.device))
 
 

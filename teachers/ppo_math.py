@@ -14,22 +14,15 @@ You Off-Policy RL").
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 
 from training.logprobs import MAX_LOG_RATIO
+from training.rl_math import check_shapes, truncated_ratio
 
 AGG_MODES = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 KL_KINDS = ("k1", "k2", "k3")
-
-
-def _check_shapes(fn: str, ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
-    """Raise ValueError naming the first tensor whose shape differs from ``ref``."""
-    for name, t in others.items():
-        if t is not None and tuple(t.shape) != tuple(ref.shape):
-            raise ValueError(f"{fn}: {name} has shape {tuple(t.shape)} but {ref_name} has {tuple(ref.shape)}")
 
 
 def _valid(mask: torch.Tensor) -> torch.Tensor:
@@ -119,7 +112,7 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
 
     Shapes: rewards, values, mask (B, T) → advantages (B, T), returns (B, T); no gradient flows.
     """
-    _check_shapes("compute_gae", "rewards", rewards, values=values, mask=mask)
+    check_shapes("compute_gae", "rewards", rewards, values=values, mask=mask)
     with torch.no_grad():
         rewards, values = rewards.detach(), values.detach()
         valid = _valid(mask)
@@ -172,7 +165,7 @@ def token_rewards(terminal_reward: torch.Tensor, mask: torch.Tensor, kl: torch.T
                          f"expected ({mask.shape[0]},) to match mask {tuple(mask.shape)}")
     if kl is None and kl_coef != 0.0:
         raise ValueError(f"token_rewards: kl_coef={kl_coef} but kl is None")
-    _check_shapes("token_rewards", "mask", mask, kl=kl)
+    check_shapes("token_rewards", "mask", mask, kl=kl)
     valid = _valid(mask)
     empty = (~valid.any(dim=1)).nonzero().flatten().tolist()
     if empty:
@@ -197,7 +190,7 @@ def kl_estimator(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -
 
     Shapes: logp, ref_logp (B, T) → (B, T). For k3, x is clamped to ±20 so exp cannot overflow.
     """
-    _check_shapes("kl_estimator", "logp", logp, ref_logp=ref_logp)
+    check_shapes("kl_estimator", "logp", logp, ref_logp=ref_logp)
     x = ref_logp - logp
     if kind == "k1":
         return -x
@@ -221,7 +214,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean
     - ``seq_mean_token_sum``: mean over rows of Σ_t mask·ℓ (rows without tokens count as 0).
     - ``seq_mean_token_mean``: mean over non-empty rows of (Σ_t mask·ℓ / Σ_t mask).
     """
-    _check_shapes("agg_loss", "loss_mat", loss_mat, mask=mask)
+    check_shapes("agg_loss", "loss_mat", loss_mat, mask=mask)
     if global_token_count is not None and mode != "token_mean":
         raise ValueError(f"agg_loss: global_token_count only applies to mode='token_mean', got mode={mode!r}")
     if mode == "token_mean":
@@ -254,7 +247,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     (tokens where the clipped term is the active one), ``approx_kl`` (k1 mean of KL(π_old‖π) = mean(old_logp − logp)
     on tokens sampled from π_old), ``dual_clip_frac``, ``ratio_mean``.
     """
-    _check_shapes("policy_loss", "logp", logp, old_logp=old_logp, advantages=advantages, mask=mask,
+    check_shapes("policy_loss", "logp", logp, old_logp=old_logp, advantages=advantages, mask=mask,
                   tis_weights=tis_weights)
     if eps_clip <= 0:
         raise ValueError(f"policy_loss: eps_clip must be > 0, got {eps_clip}")
@@ -301,7 +294,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     Metrics (detached 0-d tensors): ``vf_loss``, ``vf_clip_frac`` (tokens where the clipped branch is the larger
     one), ``explained_variance`` (of returns by values; nan if the returns are constant), ``value_mean``.
     """
-    _check_shapes("value_loss", "values", values, old_values=old_values, returns=returns, mask=mask)
+    check_shapes("value_loss", "values", values, old_values=old_values, returns=returns, mask=mask)
     values, old_values, returns = _zero_pad(mask, values, old_values.detach(), returns.detach())
     unclipped = (values - returns) ** 2
     if value_clip is None:
@@ -331,11 +324,10 @@ def tis_weights(train_old_logp: torch.Tensor, rollout_logp: torch.Tensor, clip: 
     towards the trainer's π_old. Computed as exp(min(Δ, log clip)) so it never overflows.
     Shapes: train_old_logp, rollout_logp (B, T) → w (B, T), no grad. Multiply into the per-token loss (``policy_loss``).
     """
-    _check_shapes("tis_weights", "train_old_logp", train_old_logp, rollout_logp=rollout_logp)
+    check_shapes("tis_weights", "train_old_logp", train_old_logp, rollout_logp=rollout_logp)
     if clip <= 0:
         raise ValueError(f"tis_weights: clip must be > 0, got {clip}")
-    log_w = (train_old_logp.detach() - rollout_logp.detach()).clamp(max=math.log(clip))
-    return torch.exp(log_w)
+    return truncated_ratio(train_old_logp, rollout_logp, clip)
 
 
 def mask_offpolicy(mask: torch.Tensor, token_version: torch.Tensor, current_version: int, max_lag: int) -> torch.Tensor:
@@ -346,7 +338,7 @@ def mask_offpolicy(mask: torch.Tensor, token_version: torch.Tensor, current_vers
     Shapes: mask (B, T) bool/float, token_version (B, T) int (policy version that sampled each token) → (B, T),
     same dtype as mask. A valid token newer than ``current_version`` is a bookkeeping bug and raises.
     """
-    _check_shapes("mask_offpolicy", "mask", mask, token_version=token_version)
+    check_shapes("mask_offpolicy", "mask", mask, token_version=token_version)
     if max_lag < 0:
         raise ValueError(f"mask_offpolicy: max_lag must be >= 0, got {max_lag}")
     valid = _valid(mask)
