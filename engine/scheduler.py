@@ -549,33 +549,44 @@ class Engine(WeightUpdates, StaticDecode):
             chosen = logp.gather(1, ids_t[idx][:, None]).squeeze(1).tolist()
             tops = self._step_top_logprobs(seqs, lp_rows, logp)
         alive = []
-        check_stop, eos = self._check_stop, self.eos_ids
+        eos, record = self.eos_ids, self._record_token
         for i, s in enumerate(seqs):
             if i in skip:
                 alive.append(False)
                 continue
-            tok, res, sp = ids[i], s.result, s.spec.sampling
-            out = res.output_ids
-            out.append(tok)
-            if logp is not None and s.spec.return_logprob:
+            tok, sp, spec = ids[i], s.spec.sampling, s.spec
+            stop_token = not sp.ignore_eos and (tok in eos or tok in sp.stop_token_ids)
+            if logp is not None and spec.return_logprob:
                 r = lp_row_of[i]
-                res.out_logprobs.append(chosen[r])
-                if s.spec.top_logprobs_num > 0:
-                    res.out_top.append(tops[r])
-                if s.spec.token_ids_logprob is not None:
-                    res.out_ids_logprobs.append(logp[r, list(s.spec.token_ids_logprob)].tolist())
-            # fast path: most steps of most sequences hit no stop condition at all
-            if len(out) < sp.max_new_tokens and (sp.ignore_eos or tok not in eos and tok not in sp.stop_token_ids) \
-                    and not sp.stop_strs:
-                fr = None
+                alive.append(record(s, tok, stop_token, chosen[r], tops[r] if spec.top_logprobs_num > 0 else None,
+                                    None if spec.token_ids_logprob is None
+                                    else logp[r, list(spec.token_ids_logprob)].tolist()))
             else:
-                fr = check_stop(s, tok)
-            if s.on_token is not None:
-                s.on_token(s, len(out))
-            if fr is not None:
-                self._finish(s, fr)
-            alive.append(fr is None)
+                alive.append(record(s, tok, stop_token))
         return alive, ids_t
+
+    def _record_token(self, s: Seq, tok: int, stop_token: bool, logprob: float | None = None,
+                      top: tuple | None = None, ids_logprobs: list | None = None) -> bool:
+        """Append one sampled token (and its log-probs, when the row asked for them) to `s`'s result and finish `s`
+        if it stops; returns whether it goes on. Both decode paths record their steps here. `stop_token`: the token
+        is one of the row's stop tokens (EOS unless ignore_eos); only then, at the length limit or with stop
+        strings are the stop conditions checked in full (`_check_stop`, SGLang's order): most steps of most rows
+        check nothing."""
+        res, sp = s.result, s.spec.sampling
+        out = res.output_ids
+        out.append(tok)
+        if logprob is not None:
+            res.out_logprobs.append(logprob)
+            if top is not None:
+                res.out_top.append(top)
+            if ids_logprobs is not None:
+                res.out_ids_logprobs.append(ids_logprobs)
+        fr = self._check_stop(s, tok) if stop_token or len(out) >= sp.max_new_tokens or sp.stop_strs else None
+        if s.on_token is not None:
+            s.on_token(s, len(out))
+        if fr is not None:
+            self._finish(s, fr)
+        return fr is None
 
     @staticmethod
     def _step_top_logprobs(seqs: list[Seq], lp_rows: list[int], logp: torch.Tensor) -> dict[int, tuple]:

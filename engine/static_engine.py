@@ -94,25 +94,18 @@ class StaticDecode:
     def _record_static(self, seqs: list, read: StepRead) -> set[int]:
         """Append one step's `StepRead` to each row's result and finish the rows that stop (SGLang's order, as in
         `_sample_and_check`); returns the finished rows."""
-        dead, check_stop = set(), self._check_stop
+        dead, record = set(), self._record_token
         for i, s in enumerate(seqs):
-            tok, res, sp, spec = read.ids[i], s.result, s.spec.sampling, s.spec
-            out = res.output_ids
-            out.append(tok)
+            spec, k = s.spec, s.spec.top_logprobs_num
             if spec.return_logprob:
-                res.out_logprobs.append(read.logprob[i])
-                if spec.top_logprobs_num > 0:
-                    vals, tix = read.top[i]
-                    res.out_top.append((vals[: spec.top_logprobs_num], tix[: spec.top_logprobs_num]))
-                if spec.token_ids_logprob is not None:
-                    res.out_ids_logprobs.append(read.token_ids_logprobs[i][: len(spec.token_ids_logprob)])
-            fr = None
-            if len(out) >= sp.max_new_tokens or read.stop_hit[i] or sp.stop_strs:
-                fr = check_stop(s, tok)
-            if s.on_token is not None:
-                s.on_token(s, len(out))
-            if fr is not None:
-                self._finish(s, fr)
+                vals, tix = read.top[i] if k > 0 else ((), ())
+                top = (vals[:k], tix[:k]) if k > 0 else None
+                alive = record(s, read.ids[i], read.stop_hit[i], read.logprob[i], top,
+                               None if spec.token_ids_logprob is None
+                               else read.token_ids_logprobs[i][: len(spec.token_ids_logprob)])
+            else:
+                alive = record(s, read.ids[i], read.stop_hit[i])
+            if not alive:
                 dead.add(i)
         return dead
 

@@ -113,16 +113,18 @@ def test_static_engine_returns_what_the_segment_engine_returns(tiny_model_dir):
     assert static_eng._batch.pool.columns >= 128
     for rid, s in seg.items():
         t = static[rid]
-        assert t.result.finish_reason["type"] == s.result.finish_reason["type"], rid
-        if s.result.finish_reason["type"] == "abort":
-            continue  # where an abort lands depends on the thread's timing
+        types = {t.result.finish_reason["type"], s.result.finish_reason["type"]}
+        if "abort" in types:  # where an abort lands depends on the threads' timing (under load a6 may finish first)
+            assert rid == "a6", (rid, types)
+            continue
+        assert len(types) == 1, (rid, types)
         # greedy rows in float32: the same tokens. A sampled row's draw near a boundary of its CDF may flip on the
         # last bits of the logits (each path sums in its own order; the segment path's padding depends on arrival
-        # timing), as may a near-tie in bfloat16: those compare up to their first difference (inclusive)
+        # timing), as may a near-tie in bfloat16: those compare up to their first difference
         if REFERENCE_NUMERICS and s.spec.sampling.temperature < 1e-6:
             assert t.result.finish_reason == s.result.finish_reason, rid
             assert t.result.output_ids == s.result.output_ids, rid
-        n = next((i + 1 for i, (x, y) in enumerate(zip(t.result.output_ids, s.result.output_ids)) if x != y),
+        n = next((i for i, (x, y) in enumerate(zip(t.result.output_ids, s.result.output_ids)) if x != y),
                  min(len(t.result.output_ids), len(s.result.output_ids)))
         torch.testing.assert_close(torch.tensor(t.result.out_logprobs[:n]), torch.tensor(s.result.out_logprobs[:n]),
                                    rtol=0, atol=TINY_LP_TOL)
