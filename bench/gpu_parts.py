@@ -11,6 +11,7 @@ import inspect
 import random
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import yaml
@@ -375,3 +376,19 @@ def close(*backends) -> None:
             torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001
         pass
+
+
+def run_part(bench: str, name: str, fn, parts: dict) -> dict:
+    """`fn()` as part `name` of a bench that must not lose its other parts to one failure: its result, or its error
+    and traceback, with `part_s`, stored in `parts[name]` and printed on one line."""
+    t0 = time.monotonic()
+    try:
+        res = fn()
+    except Exception as e:  # noqa: BLE001 - one failed part must not lose the others
+        res = {"error": f"{type(e).__name__}: {str(e)[:2000]}", "traceback": traceback.format_exc()[-3000:]}
+    res["part_s"] = round(time.monotonic() - t0, 2)
+    parts[name] = res
+    status = "FAILED " + res["error"][:300] if "error" in res else res.get("skipped", "ok")
+    print(f"{bench} {name}: {status} ({res['part_s']} s)", flush=True)
+    return res
+

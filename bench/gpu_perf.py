@@ -55,7 +55,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -455,15 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         if left < need:
             out["parts"][name] = {"skipped": f"time budget: {left:.0f} s left < {need} s this part needs"}
             return
-        t0 = time.monotonic()
-        try:
-            res = fn()
-        except Exception as e:  # noqa: BLE001 - one failed part must not lose the others
-            res = {"error": f"{type(e).__name__}: {str(e)[:2000]}", "traceback": traceback.format_exc()[-3000:]}
-        res["part_s"] = round(time.monotonic() - t0, 2)
-        out["parts"][name] = res
-        print(f"gpu_perf {name}: {'FAILED ' + res['error'][:300] if 'error' in res else res.get('skipped', 'ok')}"
-              f" ({res['part_s']} s)", flush=True)
+        gp.run_part("gpu_perf", name, fn, out["parts"])
 
     try:
         run("engine", lambda: part_engine(args, device, root))

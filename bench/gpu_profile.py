@@ -31,7 +31,6 @@ import collections
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -200,15 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                        "parts": parts})
 
     def part(name: str, fn) -> None:
-        t0 = time.perf_counter()
-        try:
-            res = fn()
-        except Exception as e:  # noqa: BLE001 - one failed part must not lose the others
-            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-        res["part_s"] = round(time.perf_counter() - t0, 2)
-        out["parts"][name] = res
-        print(f"gpu_profile {name}: {'FAILED ' + res['error'] if 'error' in res else 'ok'} ({res['part_s']} s)",
-              flush=True)
+        gp.run_part("gpu_profile", name, fn, out["parts"])
 
     with tempfile.TemporaryDirectory(prefix="gpu-profile-") as tmp:
         model_dir = gp.make_model(preset, Path(tmp))

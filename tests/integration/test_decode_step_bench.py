@@ -30,3 +30,14 @@ def test_decode_step_bench_runs_both_paths_and_checks(tmp_path):
     assert res["runs"]["segments/16"]["sync_ops"] == {"is_nonzero": 1}
     assert res["target"]["met"] is True and res["meta"]["cpu_model"]
     assert out.with_suffix(".md").read_text().startswith("| path |")
+
+
+def test_decode_step_check_exits_1_on_a_miss(tmp_path):
+    """Judged on the segment path (its step reads back whether any row samples), the target is missed: exit 1,
+    and the JSON says so."""
+    out = tmp_path / "miss.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "decode_step.py"), "--preset", "tiny", "--rows", "1,4",
+                        "--new-tokens", "4", "--paths", "segments", "--judge-path", "segments", "--out", str(out),
+                        "--check"], cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert json.loads(out.read_text())["target"]["met"] is False
