@@ -269,7 +269,7 @@ _HEADER_KEYS = {"status", "bytes", "over", "ascii", "guarded"}
 def run_code_tests(code: str, tests: list[CodeTest], timeout_s: float = 5.0) -> CodeReport:
     """Run `code` (the solution's source) against parsed `tests` in the sandbox and decide here: only the calls
     reach the child (module docstring). Also used by tool domains that hold the solution apart from the response
-    (`domains.tool_code`)."""
+    (`domains.builtin.tool_code`)."""
     from sandbox.pool import run_tool_pooled
     work = tempfile.mkdtemp(prefix="alloy-code-")  # per call, removed below: no call's files outlive it
     try:

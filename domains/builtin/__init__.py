@@ -2,10 +2,10 @@
 from domains.builtin.arithmetic import Addition, DigitSum, MaxList, Multiplication, Subtraction, ToBinary
 from domains.builtin.positional import Dedupe, Interleave, Rotate, SwapPairs
 from domains.builtin.text import Brackets, Caesar, CaseSwap, Copy, CountChar, Reverse, SortDigits
-from domains.tool_domains import ToolChain, ToolFiles
-from domains.tool_code import ToolCode
-from domains.tools import ToolAdd
-from domains.tool_long import ToolLong
+from domains.builtin.tool_tree import ToolChain, ToolFiles
+from domains.builtin.tool_code import ToolCode
+from domains.builtin.tool_add import ToolAdd
+from domains.builtin.tool_long import ToolLong
 
 ALL = [Addition, Subtraction, Multiplication, MaxList, DigitSum, ToBinary,
        Reverse, Copy, SortDigits, CaseSwap, Caesar, CountChar, Brackets,

@@ -10,7 +10,8 @@ import torch
 from infra.models import PRESETS, build_model, init_model_dir
 from infra.report import build_report, domain_table, render_table
 from domains.registry import load_domain
-from domains.tools import ToolAdd, trajectory_segments
+from domains.builtin.tool_add import ToolAdd
+from domains.tools import trajectory_segments
 from training.sft import collate, encode_pair, sft_loss, trained_tokens
 from infra.tokenizer import build_char_tokenizer
 from tasks.base_worker import demonstrations

@@ -13,7 +13,8 @@ import torch
 from domains.guard import Guard
 from domains.episodes import EpisodeRun, run_episodes, run_token_episode
 from domains.registry import load_domain
-from domains.tools import ANSWER_FILE, COMPACT_REQUEST, ToolAdd, count_tool_calls
+from domains.builtin.tool_add import ToolAdd
+from domains.tools import ANSWER_FILE, COMPACT_REQUEST, count_tool_calls
 from infra.chat import response_text
 from infra.tokenizer import build_char_tokenizer
 from student.batch import collate, opd_loss

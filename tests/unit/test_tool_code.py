@@ -1,4 +1,4 @@
-"""The coding-agent tool domain `tool_code` (domains/tool_code.py): deterministic tasks, the write/run_tests round
+"""The coding-agent tool domain `tool_code` (domains/builtin/tool_code.py): deterministic tasks, the write/run_tests round
 trip through the real sandbox, the hidden tests (unreadable from the solution, unforgeable), the planted shortcut
 (flagged by the guard's rules, absent from the clean env), the intended trajectory (scores 1, no rule hit), the
 `specs` JSONL param, and the evaluation path (`domains.evaluate`)."""
@@ -15,7 +15,7 @@ from tool_scripts import replay, run_episode, scripted_model
 from domains.base import Example
 from domains.hack_rules import rule_check
 from domains.registry import BUILTIN, list_domains, load_domain
-from domains.tool_code import (DONE, SHORTCUT_FILE, ToolCode, decode_code, encode_code, last_solution)
+from domains.builtin.tool_code import (DONE, SHORTCUT_FILE, ToolCode, decode_code, encode_code, last_solution)
 from sandbox.runner import isolation_support
 from teachers.guard import Guard
 

@@ -9,7 +9,8 @@ import pytest
 
 from domains.base import Example, is_eval_prompt
 from domains.registry import BUILTIN, load_domain
-from domains.tools import (ANSWER_FILE, NOTES_FILE, ToolAdd, ToolEnv, count_tool_calls, final_answer, parse_tool_call,
+from domains.builtin.tool_add import ToolAdd
+from domains.tools import (ANSWER_FILE, NOTES_FILE, ToolEnv, count_tool_calls, final_answer, parse_tool_call,
                            render_output)
 from teachers.guard import Guard
 from tool_scripts import run_episode

@@ -1,4 +1,4 @@
-"""The multi-turn tool domains `tool_files` and `tool_chain` (domains/tool_domains.py): deterministic examples and
+"""The multi-turn tool domains `tool_files` and `tool_chain` (domains/builtin/tool_tree.py): deterministic examples and
 trees, sizes for the tiny model, the intended trajectory replayed through the real sandboxed env, the planted
 shortcut (present in the training env, absent in the clean one, flagged and blocked by the guard)."""
 import asyncio
@@ -8,7 +8,7 @@ import pytest
 from tool_scripts import replay, run_episode
 from domains.base import is_eval_prompt
 from domains.registry import BUILTIN, load_domain
-from domains.tool_domains import MAX_CALLS, ToolChain, ToolFiles, TreeEnv
+from domains.builtin.tool_tree import MAX_CALLS, ToolChain, ToolFiles, TreeEnv
 from domains.tools import final_answer
 from teachers.guard import Guard, rule_check
 
