@@ -5,7 +5,7 @@
         [--target 1.4] [--check]
 
 What runs. The stage as `alloy run` runs it, without Prefect: one base checkpoint (`--base`, or the config's base SFT
-run here once: `python -m tasks.base_worker`), then for each mode every domain's specialist as its own trainer
+run here once: `python -m training.base_main`), then for each mode every domain's specialist as its own trainer
 process (`python -m teachers.specialist_main`, the pipeline's worker, which starts its own rollout server),
 `specialists.max_parallel` at once, the longest (most steps) first, as the pipeline orders them, started as the
 pipeline starts them (`infra.zygote.start`: forked from a process zygote on a CPU host; one zygote per mode, stopped
@@ -66,7 +66,7 @@ def build_base(config: str, sets: list[str], root: Path, seed: int, preset: str)
 
     init = init_model_dir(preset, root / "base-init", seed=seed)
     out = root / "base"
-    cmd = [sys.executable, "-m", "tasks.base_worker", "--config", config, "--init", str(init), "--out", str(out),
+    cmd = [sys.executable, "-m", "training.base_main", "--config", config, "--init", str(init), "--out", str(out),
            "--result", str(root / "base-result.json"), *[x for s in sets for x in ("--set", s)]]
     if _run(cmd, root / "base.log").wait() != 0:
         raise SystemExit(f"base SFT failed: see {root / 'base.log'}")

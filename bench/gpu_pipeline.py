@@ -277,7 +277,7 @@ def process_name(pid: int) -> str:
         return f"specialist {args[args.index('--domain') + 1] if '--domain' in args else '?'}"
     if "distill_main" in joined:
         return "student"
-    if "base_worker" in joined:
+    if "base_main" in joined:
         return "base"
     return Path(args[0]).name if args else "unknown"
 

@@ -1,7 +1,7 @@
 """Base stage: SFT of a fresh tiny model (or a given HF checkpoint) on mixed-domain demonstrations.
 
 Produces the base checkpoint every later stage starts from. The base SFT is a trainer process like the others
-(`python -m tasks.base_worker`, under torchrun when `base.train.world_size > 1`), launched by the one stage launcher
+(`python -m training.base_main`, under torchrun when `base.train.world_size > 1`), launched by the one stage launcher
 (tasks/stage.py): it commits `<prefix>/final` (COMPLETE manifest last) and writes its summary to
 `logs/base-result.json`, stored beside the checkpoint as `<prefix>/result.json`; a rerun with the same config
 (`run.resume`) reuses both instead of training again.
@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from infra.config import ConfigError
 from infra.models import init_model_dir
 from infra.storage import join, verify_checkpoint
-from tasks.base_worker import WORKER as BASE_WORKER
+from training.base_main import WORKER as BASE_WORKER
 from tasks.context import RunContext, stage_timer
 from tasks.prefixes import base_prefix
 from tasks.stage import reuse_or_train, run_trainer

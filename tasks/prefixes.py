@@ -23,7 +23,7 @@ STUDENT_SECTIONS = SPECIALIST_SECTIONS + ("teachers", "distill")
 def base_prefix(cfg, storage_url: str) -> str:
     """Storage prefix of the base checkpoint (`cfg`: an infra.config.AlloyConfig). With tool trajectories and a
     policy-written compaction summary the base's demonstrations are compacted as the specialists' rollouts
-    (tasks/base_worker.py), so those compaction settings count too (and only then: other bases keep their prefix)."""
+    (training/base_main.py), so those compaction settings count too (and only then: other bases keep their prefix)."""
     fp = cfg.fingerprint(*BASE_SECTIONS)
     if cfg.base.tool_trajectories:
         own = compactions_of(cfg.specialists, [d.name for d in cfg.domains])  # per_domain merged in

@@ -8,6 +8,8 @@
 - `training.ranks`: rank 0 drives, the other ranks follow its collective steps.
 - `training.policy_server`: weight pushes into the trainer's own engine server; `training.ledger`: exactly-once.
 - `training.batching`, `training.logprobs`, `training.sft`: length buckets, chunked log-softmax, the SFT loop.
+- `training.base_main`: the base SFT as a process (the domains' demonstrations, early stop on their val split), the
+  sibling of `teachers.specialist_main` and `student.distill_main`.
 
 DeepSpeed picks its accelerator when it is imported, and every import of it goes through this package, so this is
 where the choice is made: `DS_ACCELERATOR=cpu` when no CUDA device is visible; unset otherwise, so DeepSpeed detects

@@ -13,7 +13,7 @@ from infra.config import load_config
 from infra.models import init_model_dir
 from training.sft import train_sft
 from training.session import train_settings, trainable
-from tasks.base_worker import demonstrations
+from training.base_main import demonstrations
 
 pytestmark = pytest.mark.integration
 

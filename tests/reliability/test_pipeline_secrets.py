@@ -158,7 +158,7 @@ def test_secret_not_in_logs_files_or_report(run):
 def test_the_argv_watch_saw_every_worker(run):
     """Precondition of the next test: the sampler saw the trainer processes and the engine servers."""
     seen = " ".join(" ".join(a) for a in run["argv"].values())
-    for module in ("tasks.base_worker", "teachers.specialist_main", "student.distill_main", "engine.server"):
+    for module in ("training.base_main", "teachers.specialist_main", "student.distill_main", "engine.server"):
         assert module in seen, module
 
 

@@ -13,7 +13,7 @@ from infra.chat import (completion_ids, end_of_turn_ids, render_prompt_ids, stop
 from infra.models import load_model, load_tokenizer
 from training.sft import encode_pair
 from student.sampler import PromptStream, decode_response
-from tasks.base_worker import demonstrations
+from training.base_main import demonstrations
 from teachers.rollout import PromptCursor
 
 pytestmark = pytest.mark.unit

@@ -380,7 +380,7 @@ def test_compaction_per_domain_reaches_the_base_demonstrations_and_its_prefix():
     from domains.tools import COMPACT_REQUEST
     from infra.config import SpecialistsConfig, config_from_dict
     from infra.tokenizer import build_char_tokenizer
-    from tasks.base_worker import demonstrations
+    from training.base_main import demonstrations
     from tasks.prefixes import BASE_SECTIONS, base_prefix
 
     sc = SpecialistsConfig(per_domain={"tool_long": {"max_context_tokens": 96, "compact_keep_last": 0}})

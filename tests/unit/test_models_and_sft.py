@@ -14,7 +14,7 @@ from domains.builtin.tool_add import ToolAdd
 from domains.tools import trajectory_segments
 from training.sft import collate, encode_pair, sft_loss, trained_tokens
 from infra.tokenizer import build_char_tokenizer
-from tasks.base_worker import demonstrations
+from training.base_main import demonstrations
 
 pytestmark = pytest.mark.unit
 

@@ -35,7 +35,7 @@ def test_host_floats_reads_tensors_back_as_the_same_floats():
 def test_base_sft_step_perf_from_train_sft_metrics():
     from types import SimpleNamespace
 
-    from tasks.base_worker import perf_metrics
+    from training.base_main import perf_metrics
 
     m = {"forward_tokens": 100.0, "train_flops": 4e12, "step_s": 2.0}
     cpu = SimpleNamespace(world_size=2, peak_tflops=None)

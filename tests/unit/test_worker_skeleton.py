@@ -13,7 +13,7 @@ import pytest
 from infra import procs
 from training.worker import Worker, WorkerStopped, arg, stop_on_signals, write_json_atomic
 from student.distill_main import WORKER as STUDENT
-from tasks.base_worker import WORKER as BASE
+from training.base_main import WORKER as BASE
 from teachers.specialist_main import WORKER as SPECIALIST
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Base SFT as a process: `python -m tasks.base_worker` (under torchrun when base.train.world_size > 1).
+"""Base SFT as a process: `python -m training.base_main` (under torchrun when base.train.world_size > 1).
 
 Every rank runs the same code on its shard of each global batch; rank 0 reports each step as a progress event
 (training/progress_events.py), logs metrics (to an existing MLflow run, by id) and commits the HF model as
@@ -161,7 +161,7 @@ def perf_metrics(m: dict, backend) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-WORKER = Worker("tasks.base_worker", "Alloy base SFT worker (one process per rank)",
+WORKER = Worker("training.base_main", "Alloy base SFT worker (one process per rank)",
                 args=(arg("--init", required=True, help="HF dir to start from"),
                       arg("--out", required=True, help="storage prefix: rank 0 commits the HF model as <out>/final")),
                 threads=lambda cfg, args: cfg.base.threads, work_subdir="base-work")
