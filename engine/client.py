@@ -89,10 +89,19 @@ def loads_json(raw: bytes) -> Any:
         return orjson.loads(raw)
 
 
-def _error_message(body: Any, text: str) -> str:
-    if isinstance(body, dict) and isinstance(body.get("error"), dict) and "message" in body["error"]:
-        return str(body["error"]["message"])
-    return text[:500] or "(empty body)"
+def _error_message(body: Any, raw: bytes) -> str:
+    """The reason a server gave for a failed request: `{"error": {"message": ...}}` (the embedded server, OpenAI's
+    shape), SGLang's `{"message": ...}` (its weight-update endpoints answer `{"success": false, "message": ...}`) or
+    `{"error": "..."}`; else the first 500 characters of the body."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(body.get("message"), str):
+            return body["message"]
+        if isinstance(err, str):
+            return err
+    return raw[:2000].decode("utf-8", errors="replace")[:500] or "(empty body)"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -147,9 +156,12 @@ class EngineClient:
     async def request(self, method: str, path: str, payload: dict | None = None, *, retries: int | None = None,
                        timeout: float | None = None, data: bytes | None = None, accept: str | None = None) -> Any:
         """One raw protocol call with bounded retries (the typed methods all go through it). Returns the parsed JSON
-        body, or the text when the body is not JSON. `data`: a raw application/octet-stream body instead of
-        `payload`'s JSON. `accept` = `wire.ACCEPT` asks for a binary log-prob body, returned as its raw `bytes`
-        (the server may still answer JSON)."""
+        body, or the text when the body is not JSON. `retries`: None → the client's `max_retries` (0: one attempt,
+        for a call that must not run twice). `timeout`: seconds for this call, None → the client's. `data`: a raw
+        application/octet-stream body instead of `payload`'s JSON. `accept` = `wire.ACCEPT` asks for a binary
+        log-prob body, returned as its raw `bytes` (the server may still answer JSON). Raises `EngineRequestError`
+        on a status it does not retry (its `message`: the server's reason), `EngineUnavailable` once the retries
+        are spent."""
         url = f"{self.base_url}{path}"
         retries = self.max_retries if retries is None else retries
         delays: list[float] | None = None  # drawn on the first retry (a fresh RNG per call costs an os.urandom)
@@ -174,13 +186,12 @@ class EngineClient:
                         body = loads_json(raw) if raw.strip() else None
                     except ValueError:
                         body = None
-                    text = raw.decode("utf-8", errors="replace") if body is None else ""
                     if resp.status == 200:
-                        return body if body is not None else text
+                        return body if body is not None else raw.decode("utf-8", errors="replace")
                     if resp.status not in RETRY_STATUSES:
                         self._counts["errors"] += 1
-                        raise EngineRequestError(resp.status, _error_message(body, text), url)
-                    last = f"HTTP {resp.status}: {_error_message(body, text)}"
+                        raise EngineRequestError(resp.status, _error_message(body, raw), url)
+                    last = f"HTTP {resp.status}: {_error_message(body, raw)}"
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
                 last = f"{type(e).__name__}: {e}"
             if attempt < retries:

@@ -23,6 +23,7 @@ disk), where the server runs and whether the trainer has CUDA:
   broadcasts from src 0 and only answers once it has loaded them).
 - **disk** (`DiskSync`): today's path (training/policy_server.py): save HF weights, `POST /update_weights_from_disk`.
 
+The HTTP calls go through `engine.client.EngineClient` (one attempt each: a weight update must not run twice).
 Every fast push checks SGLang's answer (`{"success": bool, "message": str}`, HTTP 200 or 400). On any failure it
 logs a warning saying so and calls the `fallback` it was given (the caller's disk push of the full weights), so a
 server that SGLang reports as partially updated ("Please discard the whole weights") is overwritten entirely from
@@ -52,8 +53,7 @@ import socket
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 from urllib.parse import urlparse
 
-import orjson
-
+from engine.client import EngineClient, EngineError, EngineRequestError, EngineUnavailable
 from infra.choices import Backend, SglangWeightSync, WeightSync, values
 
 log = logging.getLogger("alloy.sglang_sync")
@@ -269,44 +269,39 @@ def leave_update_group(group) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 class _Sync:
-    """What the strategies share: the server, the disk fallback, the HTTP call, the fallback on failure."""
+    """What the strategies share: the server, the disk fallback, the HTTP calls, the fallback on failure.
+
+    Every request goes through an `EngineClient` (engine/client.py: its session, API key header and per-call
+    timeout): `client` when given (the caller's client of the same server), else one made for `base_url` and
+    `api_key`, closed by `aclose`."""
 
     name = "?"
 
-    def __init__(self, base_url: str, fallback: DiskPush, *, api_key: str | None = None, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, fallback: DiskPush, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 client: EngineClient | None = None):
         self.base_url, self.fallback = base_url.rstrip("/"), fallback
-        self.api_key, self.timeout_s = api_key, float(timeout_s)
+        self.timeout_s = float(timeout_s)
+        self._own_client = client is None
+        self.client = client or EngineClient(self.base_url, api_key=api_key, timeout=self.timeout_s, max_retries=0)
         self.disabled: str | None = None  # why the fast path is off (then every push goes to disk)
 
     async def post(self, endpoint: str, body: dict) -> str:
-        """One POST, no retry (a weight update must not run twice); SGLang's message, or `WeightSyncError`."""
-        import aiohttp
-
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        """One POST, no retry (a weight update must not run twice), within `timeout_s`; SGLang's message, or
+        `WeightSyncError` naming the endpoint (`check_response` for an answer, the transport's error otherwise)."""
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
-                async with session.post(self.base_url + endpoint, data=orjson.dumps(body), headers=headers) as r:
-                    raw, status = await r.read(), r.status
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise WeightSyncError(f"SGLang {endpoint} at {self.base_url}: {type(e).__name__}: {e}") from e
-        try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            parsed = raw.decode("utf-8", errors="replace")
-        return check_response(endpoint, status, parsed)
+            answer = await self.client.request("POST", endpoint, body, retries=0, timeout=self.timeout_s)
+        except EngineRequestError as e:  # SGLang refused (400 with its message) or another error status
+            return check_response(endpoint, e.status, e.message)
+        except EngineUnavailable as e:  # unreachable, timed out, or 502/503/504
+            raise WeightSyncError(f"SGLang {endpoint} at {self.base_url}: {e}") from e
+        return check_response(endpoint, 200, answer)
 
     async def get_json(self, endpoint: str) -> dict:
-        """One GET of a JSON object (e.g. /get_server_info); {} when it fails or is not an object."""
-        import aiohttp
-
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        """One GET of a JSON object (e.g. /get_server_info), no retry, within min(timeout_s, 30 s); {} when it fails
+        or is not an object."""
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=min(self.timeout_s, 30.0))) as s:
-                async with s.get(self.base_url + endpoint, headers=headers) as r:
-                    body = orjson.loads(await r.read()) if r.status == 200 else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError):
+            body = await self.client.request("GET", endpoint, retries=0, timeout=min(self.timeout_s, 30.0))
+        except EngineError:
             return {}
         return body if isinstance(body, dict) else {}
 
@@ -332,7 +327,10 @@ class _Sync:
         """Release whatever the failed fast path holds."""
 
     async def aclose(self) -> None:
+        """Release the fast path's state, and close this loop's session of the client made here."""
         await self._abandon()
+        if self._own_client:
+            await self.client.aclose()
 
 
 class DiskSync(_Sync):
@@ -493,13 +491,14 @@ SYNCS: dict[SglangWeightSync, type[_Sync]] = {c.name: c for c in (DiskSync, SGLa
 
 
 def make_sync(strategy: str, base_url: str, fallback: DiskPush, *, tp_size: int = 1, api_key: str | None = None,
-              **kw) -> _Sync:
+              client: EngineClient | None = None, **kw) -> _Sync:
     """The strategy `choose_sync` picked, for the server at `base_url` (`kw`: the strategy's `options`, e.g.
-    timeout_s; the others are left out)."""
+    timeout_s; the others are left out). `client`: the caller's EngineClient of that server, to send the requests
+    through (None: the strategy makes its own from `base_url` and `api_key`)."""
     cls = SYNCS.get(strategy)
     if cls is None:
         raise ValueError(f"weight sync strategy must be one of {sorted(SYNCS)}, got {strategy!r}")
     kw = {k: v for k, v in kw.items() if k in cls.options}
     if cls is DiskSync:
-        return DiskSync(fallback, base_url, api_key=api_key, **kw)
-    return cls(base_url, fallback, tp_size=tp_size, api_key=api_key, **kw)
+        return DiskSync(fallback, base_url, api_key=api_key, client=client, **kw)
+    return cls(base_url, fallback, tp_size=tp_size, api_key=api_key, client=client, **kw)
