@@ -9,8 +9,9 @@ pipeline launches and supervises them (tasks/teachers.py) and checks their token
 model) at the end. A rerun with the same `--out` resumes from the newest complete `step-*`.
 The result (summary, throughput, per-teacher totals, evals, the final checkpoint URL) goes to `--result` as JSON.
 
-The recipe (`run_distillation`): build the DeepSpeed student → resume if a checkpoint exists → serve it on an engine
-server → one EngineClient per teacher endpoint → train (student/trainer.py) → commit `final/`.
+The recipe (`run_distillation`): build the DeepSpeed student and its trainer (student/trainer.py, one EngineClient per
+teacher endpoint), then the stage order every RL trainer shares (`training.session.run_stage`): resume if a
+checkpoint exists → serve it on an engine server → train → commit `final/`.
 Tool domains' episodes run under the specialists' guard, rules only (`student_guards`).
 With `distill.train.world_size` W > 1 the task starts this under torchrun: rank 0 runs the recipe (engine server,
 sampling, teacher scoring, ledger, evals, MLflow, commits) and announces each update, weight save and state
@@ -31,8 +32,7 @@ from domains.registry import load_domains
 from engine.client import EngineClient
 from infra.checkpoint_budget import checkpoint_rule
 from training.ranks import Ranks
-from training.session import (commit_final, end_stage, follow_rank_zero, fresh_final, serve_and_run, train_settings,
-                              trainable)
+from training.session import commit_final, run_stage, train_settings, trainable
 from training.worker import Worker, WorkerRun, arg
 from student.losses import get_loss
 from student.sampler import is_tool_domain
@@ -81,35 +81,31 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
     work.mkdir(parents=True, exist_ok=True)
     tok, backend = trainable(student_init, train_settings(dc.train, max(dc.steps, 1), cfg.run.seed))
     ranks = Ranks()
-    # the specialists' compaction of long tool episodes, per domain (`specialists.per_domain` merged in): the
-    # student's episodes follow it (sampled and trained as sub-traces on the contexts the teachers were trained on)
-    compaction = compactions_of(cfg.specialists, domains)
-    if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
-        return follow_rank_zero(ranks, lambda: DistillTrainer(
-            dc, backend, tok, None, None, domains, out_url=out_url, work_dir=work, tracker=tracker, seed=cfg.run.seed,
-            ranks=ranks, chat_template=cfg.model.chat_template, compaction=compaction), (backend,))
+    main = ranks.is_main  # rank 0 samples and scores; a rank > 0 only trains its shards of rank 0's batches
     scorer = TeacherScorer(teacher_clients(teachers, dc, cfg.engine.api_key),
                            top_k=dc.top_k if get_loss(dc.loss).needs_teacher_topk else 0,
-                           batch_size=dc.score_batch_size, vocab_size=len(tok), attempts=dc.score_attempts)
+                           batch_size=dc.score_batch_size, vocab_size=len(tok), attempts=dc.score_attempts) if main else None
+    # the specialists' compaction of long tool episodes, per domain (`specialists.per_domain` merged in): the
+    # student's episodes follow it (sampled and trained as sub-traces on the contexts the teachers were trained on)
     trainer = DistillTrainer(dc, backend, tok, None, scorer, domains, out_url=out_url, work_dir=work,
                              tracker=tracker, seed=cfg.run.seed, eval_max_new_tokens=cfg.eval.max_new_tokens,
                              eval_batch_size=cfg.eval.batch_size, on_step=on_step, ranks=ranks,
-                             chat_template=cfg.model.chat_template, compaction=compaction,
-                             guards=student_guards(cfg, domains))
-    backend = trainer.backend  # on rank 0 of several: its collective calls are announced to the other ranks
-    serve_dir = trainer.resume() or student_init
-    tracker.log_dict({"teachers": teachers, "resumed_at_step": trainer.state.step}, "distill/teachers.json")
-    summary = serve_and_run(cfg.engine, work, "student", serve_dir, version=trainer.state.step, seed=cfg.run.seed,
-                            server_dir="student-server", attach=lambda server: setattr(trainer, "policy", server),
-                            loop=trainer.run, closers={id(c): c for c in scorer.clients.values()}.values())
-    final = fresh_final(work)
-    backend.save_hf(final, tokenizer=tok)
-    _, slim = checkpoint_rule(dc.keep_checkpoints, on_gpu=backend.device.type != "cpu")
-    summary["student_checkpoint"] = commit_final(final, out_url, trainer.state.step,
-                                                 meta={"stage": "student", "steps": trainer.state.step},
-                                                 drop_resume=slim)  # on a GPU its step-* go: a rerun reuses final/
-    summary["student_dir"] = str(final)
-    return end_stage(summary, ranks, (backend,))
+                             chat_template=cfg.model.chat_template, compaction=compactions_of(cfg.specialists, domains),
+                             guards=student_guards(cfg, domains) if main else None)
+
+    def finish(summary: dict, final: Path) -> dict:
+        trainer.backend.save_hf(final, tokenizer=tok)  # on rank 0 of several: announced to the other ranks
+        _, slim = checkpoint_rule(dc.keep_checkpoints, on_gpu=backend.device.type != "cpu")
+        summary["student_checkpoint"] = commit_final(final, out_url, trainer.state.step,
+                                                     meta={"stage": "student", "steps": trainer.state.step},
+                                                     drop_resume=slim)  # on a GPU its step-* go: a rerun reuses final/
+        summary["student_dir"] = str(final)
+        return summary
+
+    return run_stage(trainer, ranks, engine_cfg=cfg.engine, work=work, init_dir=student_init, server_name="student",
+                     server_dir="student-server", seed=cfg.run.seed, backends=(backend,), finish=finish,
+                     attach=lambda server: setattr(trainer, "policy", server),
+                     closers={id(c): c for c in scorer.clients.values()}.values() if main else ())
 
 
 def parse_teachers(raw: str) -> dict[str, str]:

@@ -101,9 +101,8 @@ class DistillTrainer:
         self.ranks = ranks or Ranks()
         raw, backend = backend, led(backend, self.ranks, "student")
         self.loss = get_loss(dc.loss)  # the OPD loss, looked up once; it says what it needs (teacher top-k)
-        self.ranks.on("opd", lambda samples, version: opd_update(
-            raw, samples, version, dc, self.loss, tokenizer.pad_token_id, rank=self.ranks.rank,
-            world=self.ranks.world_size))
+        self._raw = raw  # the update runs on the backend itself on every rank, never the led one (`update_shard`)
+        self.ranks.on(self.update_shard)
         self.dc, self.backend, self.tok, self.policy, self.scorer = dc, backend, tokenizer, policy, scorer
         self.domains, self.out_url, self.work_dir, self.tracker = domains, out_url, Path(work_dir), tracker
         self.seed, self.eval_max_new_tokens, self.eval_batch_size = seed, eval_max_new_tokens, eval_batch_size
@@ -159,6 +158,8 @@ class DistillTrainer:
     async def run(self) -> dict:
         """Train until `dc.steps`; returns the summary (see `summary`)."""
         self.scorer.require(self.stream.names)
+        self.tracker.log_dict({"teachers": {d: c.base_url for d, c in self.scorer.clients.items()},
+                               "resumed_at_step": self.state.step}, "distill/teachers.json")
         t0 = self._t_start = time.perf_counter()
         self._tokens_at_start = (self.state.sampled_tokens, self.state.scored_tokens)
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.dc.max_staleness + 1)
@@ -303,8 +304,13 @@ class DistillTrainer:
 
     # -- one update (worker thread) ---------------------------------------------------------------------------------
     def _update(self, samples: list[StudentSample], version: int) -> dict:
-        """One optimizer step over `samples` (every rank: its shard, `opd_update`)."""
-        return self.ranks.call("opd", samples, version)
+        """One optimizer step over `samples`: rank 0 announces it and every rank runs its shard (`update_shard`)."""
+        return self.ranks.call(self.update_shard, samples, version)
+
+    def update_shard(self, samples: list[StudentSample], version: int) -> dict:
+        """This rank's shard of one optimizer step over the global batch `samples` (`opd_update`)."""
+        return opd_update(self._raw, samples, version, self.dc, self.loss, self.tok.pad_token_id,
+                          rank=self.ranks.rank, world=self.ranks.world_size)
 
     # -- eval, checkpoint, summary ----------------------------------------------------------------------------------
     async def _evaluate(self) -> dict:

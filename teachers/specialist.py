@@ -95,8 +95,8 @@ class SpecialistTrainer:
         self.ranks = ranks or Ranks()
         # the update runs on every rank inside the announced call: on the backends themselves (bound here, before
         # `led` wraps them), never the led ones, whose collective methods would announce a call of their own
-        self.ranks.on("ppo", partial(ppo_shard, sc, tokenizer.pad_token_id, policy, critic, ref_model,
-                                     rank=self.ranks.rank, world=self.ranks.world_size))
+        self._raw = (policy, critic)
+        self.ranks.on(self.update_shard)
         policy, critic = led(policy, self.ranks, "policy"), led(critic, self.ranks, "critic")
         self.sc, self.domain, self.tok, self.policy, self.critic = sc, domain, tokenizer, policy, critic
         self.server, self.out_url, self.work_dir, self.tracker = server, out_url, Path(work_dir), tracker
@@ -337,7 +337,13 @@ class SpecialistTrainer:
         # critic noise, and following them drifts the policy (seen as collapse to empty answers); train the critic only
         no_signal = max(rewards) - min(rewards) < 1e-9
         critic_only = version < self.sc.critic_warmup_steps or no_signal
-        return self.ranks.call("ppo", samples, rewards, version, critic_only)  # every rank: its shard (ppo_shard)
+        return self.ranks.call(self.update_shard, samples, rewards, version, critic_only)  # every rank: its shard
+
+    def update_shard(self, samples: list[Sample], rewards: list[float], version: int, critic_only: bool) -> dict:
+        """This rank's shard of one PPO update over the global batch `samples` (`ppo_shard`)."""
+        policy, critic = self._raw
+        return ppo_shard(self.sc, self.tok.pad_token_id, policy, critic, self.ref_model, samples, rewards, version,
+                         critic_only, rank=self.ranks.rank, world=self.ranks.world_size)
 
 
 @dataclass

@@ -33,8 +33,7 @@ from infra.chat import token_budget
 from infra.checkpoint_budget import checkpoint_rule
 from training.deepspeed_backend import DeepSpeedBackend
 from training.ranks import Ranks
-from training.session import (commit_final, end_stage, follow_rank_zero, fresh_final, frozen_copy, serve_and_run,
-                              train_device, train_settings, trainable)
+from training.session import commit_final, frozen_copy, run_stage, train_device, train_settings, trainable
 from training.worker import Worker, WorkerRun, arg
 from teachers.critic import ValueModel
 from teachers.guard import Guard, LLMJudge
@@ -78,9 +77,8 @@ def response_budget(cfg, domain, tokenizer) -> int:
 
 def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, on_step=None) -> dict:
     """Train `domain`'s specialist from `init_dir`; returns the summary incl. `checkpoint` (final/ URL),
-    `specialist_dir` (local HF copy) and `score` (greedy eval on the held-out split, clean env for tools)."""
-    from domains.evaluate import evaluate_model
-
+    `specialist_dir` (local HF copy) and `score` (greedy eval on the held-out split, clean env for tools).
+    The stage order is every RL trainer's (`training.session.run_stage`); `select_and_commit` is this stage's end."""
     sc, work = cfg.specialists.for_domain(domain.name), Path(work_dir)  # with specialists.per_domain merged in
     work.mkdir(parents=True, exist_ok=True)
     seed = cfg.run.seed
@@ -90,23 +88,27 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
                               critic_settings)
     ref = frozen_copy(init_dir, policy) if sc.kl_coef else None  # on the policy's device, in its dtype
     ranks = Ranks()
-    if not ranks.is_main:  # rank > 0 of a torchrun launch: train its shards of rank 0's batches, save its parts
-        return follow_rank_zero(ranks, lambda: SpecialistTrainer(
-            sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work, tracker=tracker, seed=seed,
-            max_new_tokens=response_budget(cfg, domain, tok), ref_model=ref, ranks=ranks,
-            chat_template=cfg.model.chat_template), (policy, critic))
-    guard = make_guard(sc.guard) if hasattr(domain, "env") else None
+    # rank 0 runs the rollouts under the guard; a rank > 0 only trains its shards of rank 0's batches
+    guard = make_guard(sc.guard) if ranks.is_main and hasattr(domain, "env") else None
     trainer = SpecialistTrainer(sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work,
                                 tracker=tracker, seed=seed, max_new_tokens=response_budget(cfg, domain, tok),
                                 guard=guard, ref_model=ref, on_step=on_step, ranks=ranks,
                                 chat_template=cfg.model.chat_template)
-    policy = trainer.policy  # on rank 0 of several: its collective calls are announced to the other ranks
-    serve_dir = trainer.resume() or init_dir
-    summary = serve_and_run(cfg.engine, work, f"policy-{domain.name}", serve_dir, version=trainer.state.step,
-                            seed=seed * 1009 + zlib.crc32(domain.name.encode()) % 100_003, server_dir="server",
-                            attach=lambda server: setattr(trainer, "server", server), loop=trainer.run,
-                            closers=[guard] if guard is not None else [])
-    final = fresh_final(work)
+    return run_stage(trainer, ranks, engine_cfg=cfg.engine, work=work, init_dir=init_dir,
+                     server_name=f"policy-{domain.name}", server_dir="server",
+                     seed=seed * 1009 + zlib.crc32(domain.name.encode()) % 100_003, backends=(policy, critic),
+                     finish=lambda summary, final: select_and_commit(cfg, trainer, summary, final),
+                     attach=lambda server: setattr(trainer, "server", server),
+                     closers=[guard] if guard is not None else [])
+
+
+def select_and_commit(cfg, trainer: SpecialistTrainer, summary: dict, final: Path) -> dict:
+    """Rank 0 after the loop: write the specialist to `final` (the best-validating policy, or the last: teachers/
+    selection.py), score it greedily on the held-out split (a clean env for tools), log that, commit `final/`."""
+    from domains.evaluate import evaluate_model
+
+    domain, tok, policy = trainer.domain, trainer.tok, trainer.policy  # on rank 0 of several: the led policy
+    sc = cfg.specialists.for_domain(domain.name)
     best = summary["best_step"]
     use_best = sc.select == "best" and best is not None and best != trainer.state.step
     policy.eval_mode()
@@ -119,7 +121,7 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
         policy.save_hf(final, tokenizer=tok)
         model = policy.module
     summary["selected_step"] = best if use_best else trainer.state.step
-    df = evaluate_model(model, tok, {domain.name: domain}, sc.eval_n or cfg.eval.n_eval, seed, "specialist",
+    df = evaluate_model(model, tok, {domain.name: domain}, sc.eval_n or cfg.eval.n_eval, cfg.run.seed, "specialist",
                         max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
                         chat_template=cfg.model.chat_template, compaction=Compaction.of(sc))
     row = df.iloc[0]
@@ -127,16 +129,17 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     summary["raw_score"] = float(row.raw_score)
     # a tool domain's eval counts hack attempts (domains/evaluate.py); a plain domain has none (NaN → null)
     summary["hacks_per_100"] = None if math.isnan(row.hacks_per_100) else float(row.hacks_per_100)
-    tracker.log_metrics({"eval/score": summary["score"], "eval/raw_score": summary["raw_score"],
-                         **({} if summary["hacks_per_100"] is None else {"eval/hacks_per_100": summary["hacks_per_100"]}),
-                         "eval/selected_step": summary["selected_step"]}, step=trainer.state.step)
+    trainer.tracker.log_metrics({"eval/score": summary["score"], "eval/raw_score": summary["raw_score"],
+                                 **({} if summary["hacks_per_100"] is None
+                                    else {"eval/hacks_per_100": summary["hacks_per_100"]}),
+                                 "eval/selected_step": summary["selected_step"]}, step=trainer.state.step)
     _, slim = checkpoint_rule(sc.keep_checkpoints, on_gpu=policy.device.type != "cpu")
-    summary["checkpoint"] = commit_final(final, out_url, trainer.state.step,
+    summary["checkpoint"] = commit_final(final, trainer.out_url, trainer.state.step,
                                          meta={"stage": "specialist", "domain": domain.name,
                                                "score": summary["score"], "step": summary["selected_step"]},
                                          drop_resume=slim)  # on a GPU its step-* go: a rerun reuses final/
     summary["specialist_dir"] = str(final)
-    return end_stage(summary, ranks, (policy, critic))
+    return summary
 
 
 def _run(w: WorkerRun) -> dict:

@@ -2,9 +2,9 @@
 MLflow, checkpoint commits) and names each collective step before taking part in it; the other ranks follow.
 
     ranks = Ranks()                                  # rank / world size of the current process group
-    ranks.on("update", lambda batch: update(...))    # every rank registers the same handlers
+    ranks.on(trainer.update_shard)                   # every rank registers the same handlers (by their names)
     if ranks.is_main:
-        ...; ranks.call("update", batch); ...        # rank 0: broadcast ("update", (batch,)), then run it itself
+        ...; ranks.call(trainer.update_shard, batch) # rank 0: broadcast ("update_shard", (batch,)), then run it
         ranks.finish()                               # the followers leave `follow`
     else:
         ranks.follow()                               # run each announced handler until rank 0 finishes
@@ -59,12 +59,18 @@ class Ranks:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def on(self, op: str, fn: Callable) -> None:
+    def on(self, op: str | Callable, fn: Callable | None = None) -> None:
+        """Register `fn` as `op`; or a function / bound method `op` under its own name (`op.__name__`)."""
+        if fn is None:
+            op, fn = op.__name__, op
         self.handlers[op] = fn
 
-    def call(self, op: str, *args, local: Callable | None = None) -> Any:
+    def call(self, op: str | Callable, *args, local: Callable | None = None) -> Any:
         """Rank 0: announce `op(*args)` to the followers, then run it here (`local()` instead, when given: the same
-        collective with rank-0-only extras such as a tokenizer to save)."""
+        collective with rank-0-only extras such as a tokenizer to save). `op` is a registered name, or the function
+        / bound method registered with `on(fn)`: `ranks.call(self.update_shard, batch)` reads as the call it is."""
+        if callable(op):
+            op = op.__name__
         if not self.is_main:
             raise RuntimeError(f"Ranks.call({op!r}) on rank {self.rank}: only rank 0 drives")
         if op not in self.handlers:

@@ -1,12 +1,14 @@
-"""What the specialist and the student trainers (teachers/specialist_main.py, student/distill_main.py) both do around
-their loops, in this order:
+"""What the base, specialist and student trainers share, and the one stage order of the two RL trainers
+(teachers/specialist_main.py, student/distill_main.py), `run_stage`:
 
     tok, backend = trainable(init_dir, train_settings(section, steps, seed))    join torch.distributed, build
-    if not ranks.is_main: return follow_rank_zero(ranks, build_trainer, backends)   ranks > 0: follow rank 0
-    serve_dir = trainer.resume() or init_dir                                  training/checkpoints.py
-    summary = serve_and_run(engine_cfg, work, name, serve_dir, loop=trainer.run, ...)
-    final = fresh_final(work); ... save the selected weights there; url = commit_final(final, out_url, step, meta)
-    summary = end_stage(summary, ranks, backends)                              world size, release followers, close
+    trainer = ...Trainer(..., ranks=ranks)                                    once, on every rank (services on rank 0)
+    run_stage(trainer, ranks, ...):
+        ranks > 0: follow rank 0's collective steps until it finishes, close the backends
+        rank 0:    serve_dir = trainer.resume() or init_dir                   training/checkpoints.py
+                   summary = serve_and_run(engine_cfg, work, name, serve_dir, loop=trainer.run, ...)
+                   summary = finish(summary, fresh_final(work))               the stage's own: select, save, eval, commit
+                   end_stage(summary, ranks, backends)                        world size, release followers, close
 """
 from __future__ import annotations
 
@@ -85,15 +87,27 @@ def serve_and_run(engine_cfg, work: Path, name: str, model_dir: str | Path, *, v
         return asyncio.run(go())
 
 
-def follow_rank_zero(ranks, build_trainer: Callable[[], Any], backends: Iterable[Any]) -> dict:
-    """Rank > 0 of a torchrun launch: build the trainer (without a server or scorer: its collective steps register
-    with `ranks`), run every step rank 0 announces (its shard of each batch, its part of each save) until rank 0
-    finishes, close the backends. Returns the rank's result: its `world_size`."""
-    build_trainer()
-    ranks.follow()
-    for b in backends:
-        b.close()
-    return {"world_size": ranks.world_size}
+def run_stage(trainer, ranks, *, engine_cfg, work: Path, init_dir: str | Path, server_name: str, server_dir: str,
+              seed: int, attach: Callable[[PolicyServer], None], backends: Iterable[Any],
+              finish: Callable[[dict, Path], dict], closers: Iterable[Any] = ()) -> dict:
+    """Run one RL trainer's stage, in the order of the module docstring, and return its summary.
+
+    `trainer` has `resume()` (the local HF dir of the newest checkpoint it restored, or None), `run()` (the loop,
+    a coroutine) and `state.step`; it was built with `ranks`, so its collective steps are registered on every rank.
+    Rank 0 serves the restored weights (else `init_dir`) as engine server `server_name` (`serve_and_run`), runs the
+    loop, then `finish(summary, final_dir)` writes and commits `final/` and returns the summary. A rank > 0 (torchrun)
+    follows rank 0's announced steps (its shard of each batch, its part of each save) until rank 0 finishes and
+    returns its `world_size`. `backends` (the trainer's DeepSpeed backends) are closed on every rank."""
+    backends = tuple(backends)
+    if not ranks.is_main:
+        ranks.follow()
+        for b in backends:
+            b.close()
+        return {"world_size": ranks.world_size}
+    serve_dir = trainer.resume() or init_dir
+    summary = serve_and_run(engine_cfg, work, server_name, serve_dir, version=trainer.state.step, seed=seed,
+                            server_dir=server_dir, attach=attach, loop=trainer.run, closers=closers)
+    return end_stage(finish(summary, fresh_final(work)), ranks, backends)
 
 
 def end_stage(summary: dict, ranks, backends: Iterable[Any]) -> dict:
