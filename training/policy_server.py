@@ -119,7 +119,8 @@ class PolicyServer:
             return None
         log.info("%s: weight sync %s (engine.%s=%s)", self.name, strategy, field, mode)
         return make_sync(strategy, self.url, fallback, tp_size=server_tp_size(options), api_key=api_key,
-                         cpu_tensors=backend != Backend.SGLANG, backend="auto" if cuda else "gloo")
+                         cpu_tensors=backend != Backend.SGLANG, backend="auto" if cuda else "gloo",
+                         client=self.client)  # the server's one client: its weight updates go through it too
 
     @classmethod
     def for_engine(cls, engine_cfg, supervisor: Supervisor, name: str, model_dir: str, work_dir: str | Path,
