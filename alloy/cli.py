@@ -239,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)  # plan: the GPU placement of a config (infra/placement.py)
 
+    from alloy.rollouts_cmd import add_parser as add_rollouts_parser
+
+    add_rollouts_parser(sub)  # rollouts list | show | diff: a run's rollout records (training/rollout_records.py)
+
     from alloy.stack import add_parsers as add_stack_parsers
 
     add_stack_parsers(sub)  # up, down, status (the local Prefect + MLflow stack) and teachers up|down|status

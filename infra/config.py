@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 # `from infra.config import X` is how the rest of the tree imports them.
 from infra.choices import Backend
 from infra.config_shared import (ConfigError, DatasetConfig, DomainConfig, EngineConfig, EvalConfig, ModelConfig,
-                                 ResourcesConfig, RunConfig, Secret, TrackingConfig, TrainConfig, _problem, _Strict,
+                                 RecordConfig, ResourcesConfig, RunConfig, Secret, TrackingConfig, TrainConfig, _problem, _Strict,
                                  ops_field)
 from infra.config_stages import (OPD_LOSSES, STAGE_WIDE, BaseConfig, DistillConfig, GuardConfig, SpecialistsConfig,
                                  TeachersConfig)
@@ -42,7 +42,7 @@ __all__ = [
     # sections and their pieces (infra.config_shared, infra.config_stages)
     "ConfigError", "Secret", "ops_field", "OPD_LOSSES", "STAGE_WIDE", "RunConfig", "ModelConfig", "DatasetConfig",
     "DomainConfig", "TrainConfig", "BaseConfig", "EvalConfig", "TrackingConfig", "EngineConfig", "TeachersConfig",
-    "ResourcesConfig", "DistillConfig", "GuardConfig", "SpecialistsConfig",
+    "ResourcesConfig", "RecordConfig", "DistillConfig", "GuardConfig", "SpecialistsConfig",
     # this module: the whole config, fingerprints, loading, secrets
     "AlloyConfig", "result_settings", "apply_overrides", "format_validation_error", "config_from_dict", "load_config",
     "SECRET_ENV", "SECRET_OVERRIDES_ENV", "is_secret_override", "split_secret_overrides", "secret_overrides_env",

@@ -254,6 +254,17 @@ class DomainConfig(_Strict):
         return data
 
 
+class RecordConfig(_Strict):
+    """What a trainer records of its rollouts (`specialists.record`, `distill.record`; training/rollout_records.py):
+    Parquet files under its checkpoint prefix (`rollouts/step-NNNNNN.parquet`) and a table in its MLflow run."""
+    every: int = Field(10, ge=0, description="Record a sample of the trained rollouts every N steps and at the last "
+                                             "step (0: never, unless `full`).")
+    sample: int = Field(4, ge=0, description="Rows in each recorded step's sample (chosen by a hash of the sample "
+                                             "ids), and in the MLflow table.")
+    full: bool = Field(False, description="Record every step's every row (prompt and response ids, behaviour and "
+                                          "teacher log-probs, rewards): the debug record. Off by default.")
+
+
 class TrainConfig(_Strict):
     """DeepSpeed settings shared by every trainer (base SFT, specialists, student)."""
     lr: float = Field(1e-3, gt=0, description="Peak learning rate (torch AdamW).")

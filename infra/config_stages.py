@@ -12,7 +12,7 @@ from typing import Any, Literal, Mapping
 from pydantic import Field, ValidationError, field_validator, model_serializer, model_validator
 
 from infra.choices import StageMode, values
-from infra.config_shared import Secret, TrainConfig, _problem, _Strict, ops_field
+from infra.config_shared import RecordConfig, Secret, TrainConfig, _problem, _Strict, ops_field
 
 # The OPD losses `distill.loss` may name. They are implemented above infra (student/losses.py, which config must not
 # import); that registry is keyed by this tuple and refuses, at import, any name missing here or any name here
@@ -134,6 +134,8 @@ class DistillConfig(_Strict):
         "the newest keeps its DeepSpeed state: an older one keeps its HF weights and trainer.json, and a resume that "
         "would fall back to it is refused, naming it (docs/architecture.md, \"Checkpoints\")."))
     log_every: int = ops_field(25, ge=1, description="Log train and per-teacher metrics every N steps.")
+    record: RecordConfig = ops_field(RecordConfig(), description="Rollout records: a sample every N steps "
+                                     "(always on), or the full record (training/rollout_records.py).")
     threads: int = ops_field(1, ge=1, description="Torch threads of the student trainer process.")
     mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: the student trains in the pipeline's "
                                                  "flow run; deployment: run_deployment of `distill.deployment` with "
@@ -269,6 +271,8 @@ class SpecialistsConfig(_Strict):
         "HF weights and trainer.json, and a resume that would fall back to it is refused, naming it "
         "(docs/architecture.md, \"Checkpoints\")."))
     log_every: int = ops_field(5, ge=1, description="Log training metrics every N steps.")
+    record: RecordConfig = ops_field(RecordConfig(), description="Rollout records: a sample every N steps "
+                                     "(always on), or the full record (training/rollout_records.py).")
     max_parallel: int = ops_field(2, ge=1, description="Specialists trained at once (local mode).")
     mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: concurrent subprocesses; deployment: "
                                                  "run_deployment of alloy-specialist/default per domain (work pool, "

@@ -36,6 +36,7 @@ import numpy as np
 from domains.compaction import compaction_for, episode_of
 from domains.episodes import episode_budget
 from domains.evaluate import evaluate_model, tool_metrics
+from domains.tools import count_tool_calls
 from infra.chat import stop_token_ids, token_budget
 from infra.checkpoint_budget import checkpoint_rule
 from training.batching import MAX_BUCKETS, length_buckets, length_sorted_split, step_micro_batches
@@ -45,6 +46,7 @@ from training.checkpoints import commit_checkpoint, restore_latest
 from training.progress_events import report
 from training.mfu import mfu, step_perf
 from training.ranks import Ranks, led
+from training.rollout_records import Recorder, RolloutRow
 from training.step_metrics import host_floats
 from student.batch import collate, opd_loss, reward_advantage
 from student.losses import get_loss
@@ -107,6 +109,7 @@ class DistillTrainer:
         self.domains, self.out_url, self.work_dir, self.tracker = domains, out_url, Path(work_dir), tracker
         self.seed, self.eval_max_new_tokens, self.eval_batch_size = seed, eval_max_new_tokens, eval_batch_size
         self.on_step = on_step  # called as on_step(trainer, metrics) after every committed step (tests, progress)
+        self.recorder = Recorder(dc.record, out_url, tracker, last_step=dc.steps)  # rollout records (rank 0)
         self.pad, self.chat_template = tokenizer.pad_token_id, chat_template
         # stop ids (infra.chat: EOS, the generation config's, the end of turn) and each domain's budget in tokens
         self.stops = stop_token_ids(tokenizer, getattr(getattr(backend, "module", None), "generation_config", None),
@@ -249,6 +252,7 @@ class DistillTrainer:
         # next batch trains, and the producer's gate (`wait_version`) waits for the load only when staleness needs it
         await self.policy.push(self.backend, self.tok, version + 1, wait=False)
         self.timing["push_s"] += time.perf_counter() - t
+        self.recorder.record(version + 1, fresh, lambda s: self.rollout_row(s, version))
         # commit point of this batch (in memory; durable at the next checkpoint, together with the weights)
         self.ledger.mark_trained(s.episode for s in fresh)
         st.dropped.update(dropped)
@@ -311,6 +315,19 @@ class DistillTrainer:
         """This rank's shard of one optimizer step over the global batch `samples` (`opd_update`)."""
         return opd_update(self._raw, samples, version, self.dc, self.loss, self.tok.pad_token_id,
                           rank=self.ranks.rank, world=self.ranks.world_size)
+
+    def rollout_row(self, s: StudentSample, version: int) -> RolloutRow:
+        """Sample `s` (trained in the update of weights `version`) as a rollout record."""
+        response = self.tok.decode(s.output_ids)
+        return RolloutRow(stage="student", domain=s.domain, step=version + 1, sample_id=s.sample_id,
+                          episode_id=s.episode, weight_version=s.version, staleness=version - s.version,
+                          prompt=self.tok.decode(s.prompt_ids), response=response, prompt_ids=list(s.prompt_ids),
+                          output_ids=list(s.output_ids), behaviour_logprobs=list(s.rollout_logprobs),
+                          teacher_logprobs=None if s.teacher_logprobs is None else list(s.teacher_logprobs),
+                          reward=float(s.reward or 0.0), finish_reason=s.finish_reason,
+                          loss_mask=None if s.loss_mask is None else list(s.loss_mask),
+                          blocked_calls=s.blocked_calls,
+                          tool_calls=count_tool_calls(response) if hasattr(self.domains.get(s.domain), "env") else 0)
 
     # -- eval, checkpoint, summary ----------------------------------------------------------------------------------
     async def _evaluate(self) -> dict:

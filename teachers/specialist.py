@@ -34,12 +34,14 @@ import numpy as np
 import torch
 
 from domains.guard import guarded_reward
+from domains.tools import count_tool_calls
 from domains.verifiers import verifier_outcomes
 from infra.checkpoint_budget import checkpoint_rule
 from training.checkpoints import commit_checkpoint, restore_latest
 from training.mfu import mfu, step_perf
 from training.progress_events import report
 from training.ranks import Ranks, led
+from training.rollout_records import Recorder, RolloutRow
 from teachers import ppo_math
 from teachers.april import AprilBuffer, Sample
 from teachers.compaction import Compaction, counts, expand
@@ -109,6 +111,7 @@ class SpecialistTrainer:
         self.val_examples = domain.split("val", sc.val_n, seed) if sc.val_every else []
         self.work: dict[str, float] = {}  # this process's training FLOPs, update seconds, positions (`_perf`)
         self.last_checkpoint: str | None = None
+        self.recorder = Recorder(sc.record, out_url, tracker, last_step=sc.steps)  # rollout records (rank 0)
 
     # -- resume / checkpoint -----------------------------------------------------------------------------------
     def resume(self) -> str | None:
@@ -284,6 +287,8 @@ class SpecialistTrainer:
         samples, rewards, rows, april, guard = b.samples, b.rewards, b.rows, b.april, b.guard
         self.buffer.mark_trained(s.sample_id for s in samples)
         self.state.step = version + 1
+        self.recorder.record(self.state.step, zip(rows, b.row_rewards), lambda sr: self.rollout_row(*sr, version),
+                             sample_id=lambda sr: sr[0].sample_id)
         self.state.cursor = self.cursor.cursor
         for k, v in guard.items():
             self.state.guard_totals[k] = self.state.guard_totals.get(k, 0) + v
@@ -311,6 +316,18 @@ class SpecialistTrainer:
                      out.get("policy_loss", 0.0), out.get("value_loss", 0.0), april["partials"], b.rollout_s,
                      train_s, out["step_s"])
         return out, nxt
+
+    def rollout_row(self, s: Sample, reward: float, version: int) -> RolloutRow:
+        """Row `s` (trained with `reward` in the update of weights `version`) as a rollout record."""
+        made = min(s.token_versions) if s.token_versions else s.created_version  # a resumed partial: its oldest
+        response = self.tok.decode(s.output_ids)
+        return RolloutRow(stage="specialist", domain=s.domain, step=version + 1, sample_id=s.sample_id,
+                          episode_id=s.sample_id.split("~", 1)[0], weight_version=made, staleness=version - made,
+                          prompt=self.tok.decode(s.prompt_ids), response=response, prompt_ids=list(s.prompt_ids),
+                          output_ids=list(s.output_ids), behaviour_logprobs=list(s.output_logprobs),
+                          reward=float(reward), finish_reason=s.finish_reason, loss_mask=list(s.loss_mask) or None,
+                          blocked_calls=s.blocked_calls,
+                          tool_calls=count_tool_calls(response) if hasattr(self.domain, "env") else 0)
 
     def _perf(self, rows: list[Sample], m: dict, train_s: float) -> dict:
         """This step's `perf/train_tokens_per_s` (positions of the rows over the update's time) and `perf/mfu` (one

@@ -96,6 +96,15 @@ def test_distill_flow_three_teachers_kl_down_scores_up(models, tmp_path, prefect
     mv = client.get_model_version_by_alias("alloy-student", "candidate")
     assert str(mv.version) == "1" and mv.run_id == child and mv.tags["alloy.loss"] == "topk_kl"
     assert mv.tags["alloy.mlflow_flavor"] == "transformers"  # mlflow.transformers.load_model-able (test_tracking.py)
+    # rollout records (the default: a sample of 4 every 10 steps) with the teachers' log-prob of every token
+    from training.rollout_records import read_rollouts
+
+    recs = read_rollouts(out["student_checkpoint"].rsplit("/", 1)[0])
+    assert sorted(set(recs.step)) == list(range(10, 121, 10)) and set(recs.domain) <= set(DOMAINS)
+    assert (recs.stage == "student").all() and recs.staleness.between(0, 1).all()
+    assert all(len(o) == len(t) == len(b) for o, t, b in zip(recs.output_ids, recs.teacher_logprobs,
+                                                             recs.behaviour_logprobs))
+    assert {a.path for a in client.list_artifacts(child, "rollouts")} <= {f"rollouts/{d}.json" for d in DOMAINS}
 
 
 def test_sampled_rkl_on_policy_importance_ratio_is_one(models, tmp_path):

@@ -81,6 +81,14 @@ def test_specialist_beats_base_and_logs_every_metric(base, tmp_path, monkeypatch
     assert sorted(m.step for m in client.get_metric_history(child, "val/score")) == [0, 50, 100, 150]
     assert out["best_val"] == max(v["score"] for v in out["validation"])
     assert out["selected_step"] == out["best_step"]
+    # rollout records (the default: a sample of 4 every 10 steps): Parquet beside the checkpoints, a table in MLflow
+    from training.rollout_records import read_rollouts
+
+    recs = read_rollouts(f"file://{tmp_path}/spec")
+    assert sorted(set(recs.step)) == list(range(10, 151, 10)) and (recs.groupby("step").size() == 4).all()
+    assert (recs.domain == "reverse").all() and (recs.staleness >= 0).all() and recs.reward.between(0, 1).all()
+    assert all(len(o) == len(lp) > 0 for o, lp in zip(recs.output_ids, recs.behaviour_logprobs))
+    assert [a.path for a in client.list_artifacts(child, "rollouts")] == ["rollouts/reverse.json"]
 
 
 def test_early_stop_and_the_best_validating_policy_is_the_specialist_per_domain_settings(base, tmp_path):
