@@ -1,7 +1,9 @@
 """Detached processes for `alloy up | down | status` and `alloy teachers …` (alloy/stack.py, alloy/teachers_stack.py):
 start a process in its own session, record it in a JSON state file, check it by pid *and* start time (a recycled
 pid is never signalled), wait for it to answer, stop its process group and every descendant; plus the environment
-every stack process gets. Shared by both commands, so neither imports the other's internals.
+every stack process gets, and the CLI's one HTTP helper (`http_request`, and `http_get` / `http_json` over it:
+JSON, a timeout, an optional bearer key, errors that name the URL). Shared by both commands, so neither imports
+the other's internals.
 """
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -148,13 +149,30 @@ def write_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)  # atomic: a concurrent `status` never reads half a file
 
 
-def http_get(url: str, timeout: float = 3.0) -> tuple[int, bytes]:
-    """(status, body); status 0 when nothing answers."""
+def http_request(url: str, body: dict | None = None, method: str | None = None, *, timeout: float = 5.0,
+                 api_key: str | None = None) -> tuple[int, bytes]:
+    """One request with a JSON `body` (GET without one, else POST unless `method` says otherwise), `api_key` sent as
+    a bearer token; returns (status, raw answer). An error status raises urllib's HTTPError (its `code`, `headers`,
+    `read()`), no answer (refused, timed out) a ConnectionError; the message of either names the URL."""
+    method = method or ("GET" if body is None else "POST")
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(url, None if body is None else json.dumps(body).encode(), headers, method=method)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    except urllib.error.HTTPError as exc:
+        exc.msg = f"{exc.msg} ({method} {url})"
+        raise
+    except OSError as exc:
+        raise ConnectionError(f"{url}: no answer within {timeout:g} s ({getattr(exc, 'reason', exc)})") from exc
+
+
+def http_get(url: str, timeout: float = 3.0, api_key: str | None = None) -> tuple[int, bytes]:
+    """(status, body) of a GET, an error status included; status 0 when nothing answers."""
+    try:
+        return http_request(url, timeout=timeout, api_key=api_key)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
     except (OSError, ValueError):
         return 0, b""
 
@@ -165,27 +183,19 @@ RETRY_503_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def http_json(url: str, body: dict | None = None, method: str | None = None, timeout: float = 5.0,
-              retry_s: tuple[float, ...] = RETRY_503_S):
-    """A JSON request (GET without a body, else POST unless `method` says otherwise); its JSON answer, None for an
-    empty one (a 204). A 503 is retried after each of `retry_s` seconds (or the answer's Retry-After, when it says
-    more, up to 30 s), then raised as the HTTPError it is; any other error is raised at once."""
-    data = None if body is None else json.dumps(body).encode()
+              retry_s: tuple[float, ...] = RETRY_503_S, api_key: str | None = None):
+    """`http_request`'s answer as JSON (None for an empty one, a 204). A 503 is retried after each of `retry_s`
+    seconds (or the answer's Retry-After, when it says more, up to 30 s), then raised as the HTTPError it is; any
+    other error is raised at once."""
     for wait_s in (*retry_s, None):
-        req = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"),
-                                     headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                raw = r.read()
+            raw = http_request(url, body, method, timeout=timeout, api_key=api_key)[1]
             return json.loads(raw) if raw else None
         except urllib.error.HTTPError as exc:
             if exc.code != 503 or wait_s is None:
                 raise
             after = exc.headers.get("Retry-After", "") if exc.headers else ""
             time.sleep(max(wait_s, min(float(after), 30.0)) if after.replace(".", "", 1).isdigit() else wait_s)
-
-
-def http_post_json(url: str, body: dict, timeout: float = 5.0):
-    return http_json(url, body, "POST", timeout)
 
 
 def wait_until(check, entry: dict, what: str, timeout_s: float) -> None:

@@ -28,12 +28,12 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from alloy.detached import http_request
 from infra.choices import StageMode
 from infra.config import AlloyConfig, ConfigError, load_config
 from infra.storage import RetryPolicy, get_fs, is_local, join, latest_complete, verify_checkpoint
@@ -248,20 +248,17 @@ def check_teachers(cfg: AlloyConfig) -> list[Check]:
     """GET <url>/health of every external teacher (with the engine API key, if any)."""
     if not cfg.teachers.external:
         return [Check("teachers.external", True, "none (every teacher is launched by the run)")]
-    headers = {"Authorization": f"Bearer {cfg.engine.api_key}"} if cfg.engine.api_key else {}
     out = []
     for domain, url in cfg.teachers.external.items():
         if url_problem(url):  # reported by check_urls
             continue
         name, health = f"teachers.external.{domain}", url.rstrip("/") + "/health"
         try:
-            req = urllib.request.Request(health, headers=headers)
-            with urllib.request.urlopen(req, timeout=HEALTH_TIMEOUT_S) as r:
-                status = r.status
+            status = http_request(health, timeout=HEALTH_TIMEOUT_S, api_key=cfg.engine.api_key)[0]
         except urllib.error.HTTPError as exc:
             status = exc.code
-        except (OSError, ValueError) as exc:
-            out.append(Check(name, False, f"{health}: no answer within {HEALTH_TIMEOUT_S:.0f} s: {_short(exc)}"))
+        except (OSError, ValueError) as exc:  # the message names the URL: "<health>: no answer within 5 s (...)"
+            out.append(Check(name, False, str(exc)))
             continue
         out.append(Check(name, status == 200, f"{health}: HTTP {status}" + ("" if status == 200 else " (not healthy)")))
     return out

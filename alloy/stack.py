@@ -23,10 +23,11 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 from pathlib import Path
 
-from alloy.detached import (HOST, REPO_ROOT, StackError, http_get, http_post_json, is_alive, pick_port, read_state,
-                            spawn, stack_env, stop_entries, wait_until, write_state)
+from alloy.detached import (HOST, REPO_ROOT, StackError, http_get, http_json, is_alive, pick_port, read_state, spawn,
+                            stack_env, stop_entries, wait_until, write_state)
 
 POOL = "alloy-local"
 WORKER_NAME = "alloy-local-worker"
@@ -55,34 +56,24 @@ def _prefect_health(url: str) -> bool:
 
 
 def _worker_online(api_url: str) -> bool:
-    workers = http_post_json(f"{api_url}/work_pools/{POOL}/workers/filter", {})
+    workers = http_json(f"{api_url}/work_pools/{POOL}/workers/filter", {})
     return any(w.get("name") == WORKER_NAME and w.get("status") == "ONLINE" for w in workers or [])
 
 
 def ensure_gpu_limit(api_url: str, slots: int) -> str:
     """Create the global concurrency limit `gpu` with `slots` slots, or set an existing one to `slots`
     (idempotent); returns "created", "updated" or "unchanged"."""
-    import urllib.error
-    import urllib.request
-
     url = f"{api_url}/v2/concurrency_limits/"
-
-    def call(method: str, target: str, body: dict | None = None):
-        req = urllib.request.Request(target, data=json.dumps(body).encode() if body is not None else None,
-                                     method=method, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.loads(r.read() or b"null")
-
     try:
-        current = call("GET", url + GPU_LIMIT)
+        current = http_json(url + GPU_LIMIT, timeout=10)
     except urllib.error.HTTPError as exc:
         if exc.code != 404:
             raise
-        call("POST", url, {"name": GPU_LIMIT, "limit": slots, "active": True})
+        http_json(url, {"name": GPU_LIMIT, "limit": slots, "active": True}, timeout=10)
         return "created"
     if current.get("limit") == slots and current.get("active", True):
         return "unchanged"
-    call("PATCH", url + GPU_LIMIT, {"limit": slots, "active": True})
+    http_json(url + GPU_LIMIT, {"limit": slots, "active": True}, "PATCH", timeout=10)
     return "updated"
 
 
@@ -204,7 +195,7 @@ def down(home: Path) -> list[str]:
 
 def latest_flow_runs(api_url: str, limit: int = 5) -> list[dict]:
     """The newest flow runs as {name, flow, deployment, state, start, id} (plain REST: no Prefect import)."""
-    runs = http_post_json(f"{api_url}/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC", "limit": limit})
+    runs = http_json(f"{api_url}/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC", "limit": limit})
     names: dict[str, str] = {}
 
     def name_of(kind: str, ident: str | None) -> str:

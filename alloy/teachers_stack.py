@@ -1,7 +1,7 @@
 """`alloy teachers up | down | status`: teacher engine servers outside the pipeline, detached.
 
 One embedded engine server (SGLang protocol, `engine.server`, the same argv the pipeline's `Supervisor`
-builds) per domain, on consecutive ports from `--port-start`, state in `<home>/teachers.json`, logs in
+builds, and the same health wait: `engine.launcher.wait_healthy`) per domain, on consecutive ports from `--port-start`, state in `<home>/teachers.json`, logs in
 `<home>/logs/teacher-<domain>.log`. A pipeline then uses them instead of launching its own:
 `--set teachers.external.<domain>=http://127.0.0.1:<port>` (printed by `up`).
 
@@ -25,7 +25,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 from alloy.detached import (HOST, REPO_ROOT, StackError, http_get, is_alive, log_tail, pick_port, read_state, spawn,
@@ -95,7 +94,7 @@ def teacher_specs(checkpoints: dict[str, str], cfg=None, gpus: int | None = None
     """{domain: `ServerSpec`} of the teacher servers: embedded CPU servers on loopback without a config; with one,
     launched as its run would launch them (see the module docstring). A checkpoint whose domain has no planned
     teacher is refused, naming it."""
-    from engine.launcher import ServerSpec, launch_settings
+    from engine.launcher import ServerSpec
 
     if cfg is None:
         return {d: ServerSpec(name=f"teacher-{d}", model_path=c, host=HOST) for d, c in checkpoints.items()}
@@ -116,12 +115,8 @@ def teacher_specs(checkpoints: dict[str, str], cfg=None, gpus: int | None = None
             raise CheckpointsError(f"--checkpoints: no planned teacher for domain(s) {missing} in the config's "
                                    f"placement plan (planned: {sorted(placements)}); the config's domains must "
                                    "include every checkpoint's")
-    specs = {}
-    for d, ckpt in checkpoints.items():
-        settings = launch_settings(cfg.engine, placements.get(d))
-        specs[d] = ServerSpec(name=f"teacher-{d}", model_path=ckpt, host=cfg.engine.host, api_key=cfg.engine.api_key,
-                              **settings)
-    return specs
+    return {d: ServerSpec.for_engine(f"teacher-{d}", ckpt, cfg.engine, placements.get(d))
+            for d, ckpt in checkpoints.items()}
 
 
 def teachers_up(home: Path, checkpoints: dict[str, str], port_start: int = 30000, threads: int = 1,
@@ -129,7 +124,7 @@ def teachers_up(home: Path, checkpoints: dict[str, str], port_start: int = 30000
     """Serve each checkpoint on its own port (port_start, +1, …; 0 = free ports) and wait for `/health`; `specs`:
     {domain: ServerSpec} (`teacher_specs`; default: embedded CPU servers). Returns the state; already serving the
     same domains → that state with "already_up"."""
-    from engine.launcher import build_command, server_env
+    from engine.launcher import build_command, server_env, url_for, wait_healthy
 
     specs = specs or teacher_specs(checkpoints)
 
@@ -152,23 +147,20 @@ def teachers_up(home: Path, checkpoints: dict[str, str], port_start: int = 30000
             cmd = build_command(spec, port)
             entry = spawn(f"teacher-{domain}", cmd, local_path(home, "logs", f"teacher-{domain}.log"),
                           server_env(spec, env, threads), REPO_ROOT)
-            host = HOST if spec.host in ("0.0.0.0", "::") else spec.host
-            entry.update(port=port, url=f"http://{host}:{port}", model_path=ckpt, backend=str(spec.backend),
+            entry.update(port=port, url=url_for(spec.host, port), model_path=ckpt, backend=str(spec.backend),
                          gpus=spec.env.get("CUDA_VISIBLE_DEVICES"))
             state["teachers"][domain] = entry
             write_state(state_path, state)
-        deadline = time.monotonic() + timeout_s
-        pending = dict(state["teachers"])
-        while pending:
-            for domain, t in list(pending.items()):
-                if http_get(t["url"] + "/health", timeout=2.0)[0] == 200:
-                    del pending[domain]
-                elif not is_alive(t):
-                    raise StackError(f"teacher {domain} exited before it was healthy; last lines of {t['log']}:\n"
-                                     f"{log_tail(t['log'])}")
-            if pending and time.monotonic() > deadline:
-                raise StackError(f"teachers not healthy after {timeout_s:.0f}s: {', '.join(sorted(pending))}")
-            time.sleep(0.3)
+        teachers = state["teachers"]
+        down = wait_healthy({d: t["url"] for d, t in teachers.items()}, timeout_s,
+                            {d: specs[d].api_key for d in teachers},
+                            failed=lambda d: None if is_alive(teachers[d]) else "exited")
+        exited = sorted(d for d, why in down.items() if why == "exited")
+        if exited:
+            raise StackError("\n".join(f"teacher {d} exited before it was healthy; last lines of {teachers[d]['log']}:"
+                                       f"\n{log_tail(teachers[d]['log'])}" for d in exited))
+        if down:
+            raise StackError(f"teachers not healthy after {timeout_s:.0f}s: {', '.join(sorted(down))}")
     except BaseException:
         stop_entries(list(state["teachers"].values()), grace_s=5.0)
         state_path.unlink(missing_ok=True)

@@ -29,7 +29,7 @@ import queue
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from infra import zygote
 from infra.procs import cancel_on_stop, log_tail, on_stop, pythonpath_first
@@ -58,6 +58,13 @@ class ServerSpec:
     weight_version: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     weights_buffer: str | None = None
+
+    @classmethod
+    def for_engine(cls, name: str, model_path: str | Path, engine_cfg, placement: dict | None = None) -> "ServerSpec":
+        """Server `name` of `model_path` launched as `engine_cfg` (an `infra.config.EngineConfig`) says: bound to its
+        `host`, with its `api_key`, backend and options (`launch_settings`, on the GPUs of `placement` when given)."""
+        return cls(name=name, model_path=str(model_path), host=engine_cfg.host, api_key=engine_cfg.api_key,
+                   **launch_settings(engine_cfg, placement))
 
 
 def launch_settings(engine_cfg, placement: dict | None = None) -> dict[str, Any]:
@@ -170,6 +177,39 @@ def url_for(host: str, port: int) -> str:
     return f"http://{h}:{port}"
 
 
+def wait_healthy(urls: Mapping[str, str], timeout: float, api_key: str | Mapping[str, str | None] | None = None, *,
+                 failed: Callable[[str], str | None] | None = None, interval: float = 0.2) -> dict[str, str]:
+    """Poll `GET <url>/health` of every server of `urls` ({name: url}) at once until it answers 200; `api_key`: one
+    key for all, or {name: key}. Returns {name: why} of those that did not: the text `failed(name)` returned (asked
+    before each poll, e.g. "the process exited"; it may point `urls[name]` at a new address), else "not healthy at
+    <url> after <timeout>s". {} when every server came up."""
+    keys = api_key if isinstance(api_key, Mapping) else dict.fromkeys(urls, api_key)
+
+    async def wait_one(name: str, client: EngineClient) -> str | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            why = failed(name) if failed is not None else None
+            if why:
+                return why
+            client.base_url = urls[name].rstrip("/")
+            if await client.health():
+                return None
+            if loop.time() > deadline:
+                return f"not healthy at {client.base_url} after {timeout:.0f}s"
+            await asyncio.sleep(interval)
+
+    async def wait_all() -> list[str | None]:
+        clients = [EngineClient(urls[n], api_key=keys.get(n), timeout=5.0) for n in urls]
+        try:
+            return await asyncio.gather(*(wait_one(n, c) for n, c in zip(urls, clients)))
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    return {n: why for n, why in zip(list(urls), run_sync(wait_all())) if why}
+
+
 @dataclass
 class _Server:
     spec: ServerSpec
@@ -247,6 +287,15 @@ class Supervisor:
                     self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
         self._stop_token = 0
         self._stop_token = on_stop(self.stop)  # a stop request (Ctrl-C of `alloy run`) stops the servers too
+
+    @classmethod
+    def for_engine(cls, log_dir: str | Path, engine_cfg, limits=None) -> "Supervisor":
+        """A supervisor of servers launched under `engine_cfg` (an `infra.config.EngineConfig`: its `threads` per CPU
+        server), with the restart budget and health timeout of `limits` (a section with `max_restarts` and
+        `health_timeout_s`: `infra.config.TeachersConfig`), or the defaults without one."""
+        budget = {} if limits is None else {"max_restarts": limits.max_restarts,
+                                             "health_timeout": limits.health_timeout_s}
+        return cls(log_dir, threads_per_server=engine_cfg.threads, **budget)
 
     # -- public API ---------------------------------------------------------------------------------------------
     def start(self, specs: list[ServerSpec]) -> dict[str, str]:
@@ -366,41 +415,33 @@ class Supervisor:
         log.info("started %s (pid %d) on %s, log %s", srv.spec.name, srv.proc.pid, srv.url, srv.log_path)
 
     def _wait_healthy(self, servers: list[_Server], allow_new_port: bool) -> list[str]:
-        """Wait for all `servers` concurrently; returns one error text per server that did not come up."""
+        """Wait for all `servers` concurrently (`wait_healthy`); returns one error text per server that did not come
+        up, with its log tail. A server that lost its free port to another process before binding it (it exits with
+        "address already in use") is relaunched on a new one, up to `port_retries` times, when `allow_new_port`."""
+        by_name = {s.spec.name: s for s in servers}
+        urls = {n: s.url for n, s in by_name.items()}
+        port_tries = dict.fromkeys(by_name, 0)
 
-        async def wait_one(srv: _Server, client: EngineClient) -> str | None:
-            loop = asyncio.get_running_loop()
-            deadline, port_tries = loop.time() + self.health_timeout, 0
-            while True:
-                if self._stopping.is_set():
-                    return f"{srv.spec.name}: supervisor stopped"
-                if srv.proc.poll() is not None:
-                    tail = log_tail(srv.log_path)
-                    clash = "address already in use" in tail.lower() or "errno 98" in tail.lower()
-                    if clash and allow_new_port and srv.spec.port is None and port_tries < self.port_retries:
-                        port_tries += 1  # someone took the port between free_port() and bind: pick another
-                        srv.port = free_port(srv.spec.host)
-                        client.base_url = srv.url  # same session, new address
-                        self._launch(srv)
-                        continue
-                    return (f"{srv.spec.name}: process exited with code {srv.proc.returncode} before becoming healthy; "
-                            f"last lines of {srv.log_path}:\n{tail}")
-                if await client.health():
-                    return None
-                if loop.time() > deadline:
-                    return (f"{srv.spec.name}: not healthy at {srv.url} after {self.health_timeout:.0f}s; "
-                            f"last lines of {srv.log_path}:\n{log_tail(srv.log_path)}")
-                await asyncio.sleep(0.2)
+        def failed(name: str) -> str | None:
+            srv = by_name[name]
+            if self._stopping.is_set():
+                return "supervisor stopped"
+            if srv.proc.poll() is None:
+                return None
+            tail = log_tail(srv.log_path).lower()
+            clash = "address already in use" in tail or "errno 98" in tail
+            if clash and allow_new_port and srv.spec.port is None and port_tries[name] < self.port_retries:
+                port_tries[name] += 1  # someone took the port between free_port() and bind: pick another
+                srv.port = free_port(srv.spec.host)
+                urls[name] = srv.url
+                self._launch(srv)
+                return None
+            return f"process exited with code {srv.proc.returncode} before becoming healthy"
 
-        async def wait_all() -> list[str | None]:
-            clients = [EngineClient(s.url, api_key=s.spec.api_key, timeout=5.0) for s in servers]
-            try:
-                return await asyncio.gather(*(wait_one(s, c) for s, c in zip(servers, clients)))
-            finally:
-                for c in clients:
-                    await c.aclose()
-
-        return [e for e in run_sync(wait_all()) if e]
+        keys = {n: s.spec.api_key for n, s in by_name.items()}
+        errors = wait_healthy(urls, self.health_timeout, keys, failed=failed)
+        return [f"{n}: {why}; last lines of {by_name[n].log_path}:\n{log_tail(by_name[n].log_path)}"
+                for n, why in errors.items()]
 
     def _ensure_monitor(self) -> None:
         if self._monitor is None or not self._monitor.is_alive():

@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
-from engine.launcher import ServerSpec, Supervisor, launch_settings
+from engine.launcher import ServerSpec, Supervisor
 from tasks.context import RunContext
 from tasks.gpu_lanes import server_placements
 
@@ -91,12 +91,10 @@ def serve_judge(ctx: RunContext, domains: list[str] | None = None) -> Iterator[R
     gc, ec = ctx.cfg.specialists.guard, ctx.cfg.engine
     path = judge_checkpoint(gc)
     overrides = judge_overrides(gc, "", ec.api_key, str(path))  # checks the context before anything starts
-    sup = Supervisor(ctx.work_dir / "logs" / "judge", max_restarts=ctx.cfg.teachers.max_restarts,
-                     health_timeout=ctx.cfg.teachers.health_timeout_s, threads_per_server=ec.threads)
+    sup = Supervisor.for_engine(ctx.work_dir / "logs" / "judge", ec, ctx.cfg.teachers)  # the teachers' budget
     try:
         placement = server_placements(ctx.cfg, "judge").get("judge")  # its GPU of the plan, if any
-        url = sup.start([ServerSpec("judge", str(path), host=ec.host, api_key=ec.api_key,
-                                    **launch_settings(ec, placement))])["judge"]
+        url = sup.start([ServerSpec.for_engine("judge", path, ec, placement)])["judge"]
         log.info("guard: judge %s served at %s for the specialists", path, url)
         overrides = [f"specialists.guard.judge_url={url}", *overrides[1:]]
         ctx.tracker.set_tags({"alloy.guard.judge": str(path)})

@@ -1,10 +1,11 @@
 """Teacher servers for distillation: one engine server per specialist checkpoint, or `teachers.external` URLs.
 
 `start_teachers` launches (through a `Supervisor`, which restarts a dead server on the same port with the same
-weights) one server per `{domain: checkpoint_dir}`, adds the external `{domain: url}` teachers, waits until every
-teacher answers, and checks that every teacher's tokenizer matches the student's: OPD compares log-probs token id by
-token id, so a teacher with another vocabulary would train the student on nonsense. Any failure stops whatever was
-launched and raises with a message naming the domain(s). The servers live until `TeacherFleet.stop()`.
+weights) one server per `{domain: checkpoint_dir}` as the `engine` section says (`ServerSpec.for_engine`), adds the
+external `{domain: url}` teachers, waits until every teacher answers (`engine.launcher.wait_healthy`), and checks
+that every teacher's tokenizer matches the student's: OPD compares log-probs token id by token id, so a teacher with
+another vocabulary would train the student on nonsense. Any failure stops whatever was launched and raises with a
+message naming the domain(s). The servers live until `TeacherFleet.stop()`.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import Mapping
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from engine.launcher import Supervisor, launch_settings
+from engine.client import EngineUnavailable
+from engine.launcher import ServerSpec, Supervisor, wait_healthy
 from tasks.context import RunContext, stage_timer
 from tasks.gpu_lanes import server_placements
 from teachers.registry import TeacherRegistry
@@ -65,21 +67,19 @@ def start_teachers(domains: list[str], checkpoints: Mapping[str, str], student_d
     launch, external = teacher_sources(domains, checkpoints, teachers_cfg.external)
     for d in sorted(set(external) & set(checkpoints)):
         log.info("teachers: %s uses the external teacher %s, not its specialist checkpoint", d, external[d])
-    sup = None
-    if launch:
-        sup = Supervisor(log_dir, max_restarts=teachers_cfg.max_restarts, health_timeout=teachers_cfg.health_timeout_s,
-                         threads_per_server=engine_cfg.threads)
+    sup = Supervisor.for_engine(log_dir, engine_cfg, teachers_cfg) if launch else None
     try:
-        client_kwargs = {"timeout": 30.0, "max_retries": 3}
+        urls = dict(external)
         if sup is not None:
-            placed = {d: launch_settings(engine_cfg, p) for d, p in (placements or {}).items() if d in launch}
-            registry = TeacherRegistry.launch(sup, launch, **launch_settings(engine_cfg), api_key=engine_cfg.api_key,
-                                              host=engine_cfg.host, external=external, client_kwargs=client_kwargs,
-                                              per_server=placed)
-        else:
-            registry = TeacherRegistry(external, api_key=engine_cfg.api_key, client_kwargs=client_kwargs)
-        if external:
-            registry.check_all_healthy(timeout=teachers_cfg.health_timeout_s)
+            specs = [ServerSpec.for_engine(f"teacher-{d}", p, engine_cfg, (placements or {}).get(d))
+                     for d, p in launch.items()]
+            started = sup.start(specs)
+            urls.update({d: started[f"teacher-{d}"] for d in launch})
+        registry = TeacherRegistry(urls, api_key=engine_cfg.api_key, client_kwargs={"timeout": 30.0, "max_retries": 3})
+        down = wait_healthy(external, teachers_cfg.health_timeout_s, engine_cfg.api_key)  # the launched ones are up
+        if down:
+            raise EngineUnavailable("teachers not healthy: "
+                                    + ", ".join(f"{d} ({registry.endpoint(d)})" for d in sorted(down)))
         checked = registry.check_tokenizers(student_dir) if teachers_cfg.check_tokenizers else {}
     except BaseException:
         if sup is not None:
