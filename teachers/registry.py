@@ -1,7 +1,8 @@
 """Teacher registry: domain → teacher endpoint, and the one `EngineClient` per teacher.
 
-Teachers are either checkpoints this run launches through the `Supervisor` (embedded servers on CPU, or SGLang on
-GPUs) or servers that already run elsewhere (`{domain: url}`), or a mix. The OPD student routes each prompt to
+Teachers are either checkpoints this run launches (`tasks/teachers.py`, through `engine.launcher`: embedded servers
+on CPU, or SGLang on GPUs) or servers that already run elsewhere (`{domain: url}`), or a mix; the registry holds
+their URLs once they are up. The OPD student routes each prompt to
 `registry.client(domain)`; before distillation starts, `check_tokenizers` makes sure every teacher speaks the
 student's vocabulary, since OPD compares log-probs token id by token id.
 """
@@ -13,10 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from engine.client import EngineClient, EngineUnavailable
-from infra.choices import Backend
+from engine.client import EngineClient
 from infra.http import run_sync
-from engine.launcher import ServerSpec, Supervisor
 
 
 class TokenizerMismatch(ValueError):
@@ -84,29 +83,6 @@ class TeacherRegistry:
         for domain, url in (endpoints or {}).items():
             self.add(domain, url, api_key=api_key)
 
-    @classmethod
-    def launch(cls, supervisor: Supervisor, checkpoints: Mapping[str, str | Path], *, backend: str = Backend.EMBEDDED,
-               api_key: str | None = None, host: str = "127.0.0.1", external: Mapping[str, str] | None = None,
-               options: Mapping[str, Any] | None = None, extra_args: list[str] | None = None,
-               client_kwargs: Mapping[str, Any] | None = None,
-               per_server: Mapping[str, Mapping[str, Any]] | None = None) -> "TeacherRegistry":
-        """Launch one server per `{domain: checkpoint_dir}` (server name = `teacher-<domain>`, bound to `host`),
-        wait until all are healthy, and register them, plus any `external` `{domain: url}` servers. `per_server`:
-        {domain: {"options": ..., "env": ...}} added to that domain's server (its GPU placement)."""
-        overlap = set(checkpoints) & set(external or {})
-        if overlap:
-            raise ValueError(f"domains given both a checkpoint and an external URL: {sorted(overlap)}")
-        own = per_server or {}
-        specs = [ServerSpec(name=f"teacher-{d}", model_path=str(p), backend=backend, host=host, api_key=api_key,
-                            options={**(options or {}), **own.get(d, {}).get("options", {})},
-                            extra_args=list(extra_args or []), env=dict(own.get(d, {}).get("env", {})))
-                 for d, p in checkpoints.items()]
-        urls = supervisor.start(specs) if specs else {}
-        reg = cls(external, api_key=api_key, client_kwargs=client_kwargs)
-        for d in checkpoints:
-            reg.add(d, urls[f"teacher-{d}"], api_key=api_key)
-        return reg
-
     def add(self, domain: str, url: str, api_key: str | None = None) -> None:
         if domain in self._endpoints:
             raise ValueError(f"teacher for domain {domain!r} already registered at {self._endpoints[domain]}")
@@ -141,23 +117,6 @@ class TeacherRegistry:
         return run_sync(coro, cleanup=self.aclose)
 
     # -- checks (sync: run once at the flow boundary, before distillation) ----------------------------------------
-    def check_all_healthy(self, timeout: float = 0.0) -> None:
-        """Raise `EngineUnavailable` naming every teacher that is not healthy within `timeout` seconds."""
-
-        async def one(d: str) -> str | None:
-            try:
-                await self.client(d).wait_healthy(timeout=timeout)
-                return None
-            except EngineUnavailable:
-                return f"{d} ({self.endpoint(d)})"
-
-        async def all_() -> list[str | None]:
-            return await asyncio.gather(*(one(d) for d in self.domains()))
-
-        bad = [b for b in self._run(all_()) if b]
-        if bad:
-            raise EngineUnavailable(f"teachers not healthy: {', '.join(bad)}")
-
     def model_infos(self) -> dict[str, dict]:
         async def all_():
             infos = await asyncio.gather(*(self.client(d).model_info() for d in self.domains()))

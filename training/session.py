@@ -70,7 +70,7 @@ def serve_and_run(engine_cfg, work: Path, name: str, model_dir: str | Path, *, v
     under `work/logs`, weight pushes staged in `work/<server_dir>`), hand the `PolicyServer` to the trainer with
     `attach`, and run `loop()` in a fresh event loop. However the loop ends (a signal included), the server client
     and every `closers` item (`await c.aclose()`) are closed and the supervisor stops the server process."""
-    with Supervisor(work / "logs", threads_per_server=engine_cfg.threads) as sup:
+    with Supervisor.for_engine(work / "logs", engine_cfg) as sup:
         server = PolicyServer.for_engine(engine_cfg, sup, name, str(model_dir), work / server_dir, version=version,
                                          seed=seed)
         attach(server)

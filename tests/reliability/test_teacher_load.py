@@ -57,7 +57,7 @@ async def hammer(client, seconds: float, concurrency: int, seed: int) -> dict:
 
 def test_twelve_teachers_under_concurrent_scoring_load(tiny_model_dir, tmp_path):
     from engine.client import run_sync
-    from engine.launcher import Supervisor
+    from engine.launcher import ServerSpec, Supervisor
     from teachers.registry import TeacherRegistry
 
     seconds = float(os.environ.get("ALLOY_LOAD_SECONDS", "30"))
@@ -65,8 +65,10 @@ def test_twelve_teachers_under_concurrent_scoring_load(tiny_model_dir, tmp_path)
     key = "sk-load-test-key"
     t0 = time.monotonic()
     with Supervisor(tmp_path / "logs", health_timeout=600, install_signal_handlers=False) as sup:
-        reg = TeacherRegistry.launch(sup, {f"d{i:02d}": tiny_model_dir for i in range(N_TEACHERS)}, api_key=key,
-                                     client_kwargs={"timeout": 120.0, "max_retries": 0})
+        names = [f"d{i:02d}" for i in range(N_TEACHERS)]
+        urls = sup.start([ServerSpec(f"teacher-{d}", tiny_model_dir, api_key=key) for d in names])
+        reg = TeacherRegistry({d: urls[f"teacher-{d}"] for d in names}, api_key=key,
+                              client_kwargs={"timeout": 120.0, "max_retries": 0})
         up_s = time.monotonic() - t0
         domains = reg.domains()
         assert len(domains) == N_TEACHERS
