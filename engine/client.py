@@ -34,7 +34,8 @@ from engine import wire
 from engine.protocol import gc_paused
 from engine.responses import (  # noqa: F401  (re-exported: callers import them from the client)
     EngineError, EngineRequestError, EngineResponseError, EngineUnavailable, Generation, ScoreResult, _binary_items,
-    parse_finish_reason, parse_generation, parse_generation_arrays, parse_score, parse_score_arrays, parse_score_items,
+    parse_finish_reason, parse_generation, parse_generation_arrays, parse_score, parse_score_arrays, parse_score_batch,
+    parse_score_items,
 )
 from infra.http import SessionPerLoop, run_sync  # noqa: F401  (run_sync is re-exported)
 
@@ -306,8 +307,7 @@ class EngineClient:
         body = await self.request("POST", "/generate", payload, accept=wire.ACCEPT if binary else None)
         try:
             if isinstance(body, bytes):
-                out = [parse_score_arrays(o, a, s, st, int(top_k))
-                       for (o, a), s, st in zip(_binary_items(body, len(seqs)), seqs, starts)]
+                out = parse_score_batch(_binary_items(body, len(seqs)), seqs, starts, int(top_k))
             elif not isinstance(body, list) or len(body) != len(seqs):
                 got = len(body) if isinstance(body, list) else type(body).__name__
                 raise EngineResponseError(f"/generate (score) returned {got} results for a batch of {len(seqs)}")

@@ -209,12 +209,16 @@ def parse_generation_arrays(obj: dict, arrays: dict[str, np.ndarray], rid: str |
         if lp is None or tok is None or lp.shape != (n,) or tok.shape != (n,):
             got = None if lp is None else lp.shape
             raise EngineResponseError(f"output_token_logprobs has shape {got} for {n} output tokens")
-        bad = ~np.isfinite(lp) | (tok != np.asarray(g.output_ids, dtype=np.int64))
-        if bad.any():
-            j = int(bad.argmax())
-            raise EngineResponseError(f"output_token_logprobs[{j}] = {[float(lp[j]), int(tok[j])]!r} is not a finite "
-                                      f"log-prob of token {g.output_ids[j]}")
-        g.output_logprobs = lp.tolist()
+        logprobs = lp.tolist()
+        # a completion is a few dozen tokens: plain lists beat numpy's per-call cost; the sum of finite float32
+        # values is finite (no overflow in float64), a NaN or inf makes it not; a miss finds the entry with numpy
+        if tok.tolist() != g.output_ids or not math.isfinite(sum(logprobs)):
+            bad = ~np.isfinite(lp) | (tok != np.asarray(g.output_ids, dtype=np.int64))
+            if bad.any():
+                j = int(bad.argmax())
+                raise EngineResponseError(f"output_token_logprobs[{j}] = {[float(lp[j]), int(tok[j])]!r} is not a "
+                                          f"finite log-prob of token {g.output_ids[j]}")
+        g.output_logprobs = logprobs
     return g
 
 
@@ -241,6 +245,59 @@ def parse_score_arrays(obj: dict, arrays: dict[str, np.ndarray], input_ids: Sequ
     return _checked_score(meta, input_ids, start, top_k, lp, tok, top_lp, top_ids,
                           lambda j: [float(lp[j]), int(tok[j])],
                           lambda j, k: [float(top_lp[j, k]), int(top_ids[j, k])])
+
+
+def parse_score_batch(items: Sequence[tuple[dict, dict[str, np.ndarray]]], seqs: Sequence[Sequence[int]],
+                      starts: Sequence[int], top_k: int) -> list[ScoreResult]:
+    """The items of one binary scoring body → one `ScoreResult` per sequence: exactly `parse_score_arrays` of each
+    item (same values, dtypes and shapes, the same error for the first bad item), checked batch-wise: the tails of
+    every item are concatenated and checked in a few numpy calls (a call per item and check costs more than the
+    check itself on a batch of short responses). Anything the fast path does not take as it is (a missing or
+    mis-typed array, an empty response, a bad entry) goes item by item through `parse_score_arrays`."""
+    slow = lambda: [parse_score_arrays(o, a, s, st, top_k) for (o, a), s, st in zip(items, seqs, starts)]  # noqa: E731
+    lps, toks, tlps, tids, metas, lengths = [], [], [], [], [], []
+    for (obj, arrays), ids, start in zip(items, seqs, starts):
+        meta = obj.get("meta_info") if type(obj) is dict else None
+        L = len(ids) - start
+        if type(meta) is not dict or L <= 0 or ("prompt_tokens" in meta and meta["prompt_tokens"] != len(ids)):
+            return slow()
+        lp, tok = arrays.get("input_token_logprobs"), arrays.get("input_token_ids")
+        if (lp is None or tok is None or lp.dtype != _F4 or tok.dtype != _I4 or lp.ndim != 1
+                or tok.shape != lp.shape or len(lp) < L):
+            return slow()
+        lps.append(lp[len(lp) - L:])
+        toks.append(tok[len(tok) - L:])
+        if top_k > 0:
+            tl, ti = arrays.get("input_top_logprobs"), arrays.get("input_top_ids")
+            if (tl is None or ti is None or tl.dtype != _F4 or ti.dtype != _I4 or tl.ndim != 2
+                    or ti.shape != tl.shape or len(tl) < L or tl.shape[1] != top_k):
+                return slow()
+            tlps.append(tl[len(tl) - L:])
+            tids.append(ti[len(ti) - L:])
+        metas.append(meta)
+        lengths.append(L)
+    if not lengths:
+        return []
+    want = np.fromiter(chain.from_iterable(ids[start:] for ids, start in zip(seqs, starts)), np.int64,
+                       sum(lengths))
+    lp, tok = np.concatenate(lps), np.concatenate(toks)
+    if not (np.isfinite(lp).all() and np.array_equal(tok, want)):
+        return slow()
+    token_lp = lp.astype(np.float32)
+    bounds = np.cumsum([0] + lengths).tolist()
+    spans = list(zip(bounds, bounds[1:]))
+    if top_k > 0:
+        top_lp = np.concatenate(tlps)
+        if not np.isfinite(top_lp).all():
+            return slow()
+        top_lp, top_ids = top_lp.astype(np.float32), np.concatenate(tids).astype(np.int64)
+        return [ScoreResult(token_lp[a:b], top_ids[a:b], top_lp[a:b], m.get("weight_version"))
+                for (a, b), m in zip(spans, metas)]
+    return [ScoreResult(token_lp[a:b], np.zeros((b - a, 0), np.int64), np.zeros((b - a, 0), np.float32),
+                        m.get("weight_version")) for (a, b), m in zip(spans, metas)]
+
+
+_F4, _I4 = np.dtype("<f4"), np.dtype("<i4")
 
 
 def parse_score_items(obj: dict, input_ids: Sequence[int], start: int, top_k: int) -> ScoreResult:

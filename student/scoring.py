@@ -71,6 +71,30 @@ def check_scores(res: ScoreResult, n_tokens: int, vocab_size: int) -> str | None
     return None
 
 
+def check_scores_batch(results: Sequence[ScoreResult], n_tokens: Sequence[int], vocab_size: int) -> list[str | None]:
+    """`check_scores` of every result of one call, batch-wise: when the concatenated scores pass every check at
+    once (the usual case), no result has a problem; otherwise each result is checked on its own, so the problems
+    and their messages are `check_scores`'s."""
+    def each() -> list[str | None]:
+        return [check_scores(r, n, vocab_size) for r, n in zip(results, n_tokens)]
+
+    if not results:
+        return []
+    widths = {r.topk_ids.shape[1:] for r in results} | {r.topk_logprobs.shape[1:] for r in results}
+    shapes_ok = all(r.token_logprobs.shape == (n,) and len(r.topk_ids) == n for r, n in zip(results, n_tokens))
+    if not shapes_ok or len(widths) != 1 or len(next(iter(widths))) != 1:
+        return each()
+    if (np.concatenate([r.token_logprobs for r in results]) > _LOGP_SLACK).any():
+        return each()
+    ids = np.concatenate([r.topk_ids for r in results])
+    if ids.size:
+        srt = np.sort(ids, axis=-1)
+        if (((ids < 0) | (ids >= vocab_size)).any() or (srt[:, 1:] == srt[:, :-1]).any()
+                or (np.concatenate([r.topk_logprobs for r in results]) > _LOGP_SLACK).any()):
+            return each()
+    return [None] * len(results)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (linear interpolation, numpy's default); nan for no values."""
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else float("nan")
@@ -195,7 +219,7 @@ class TeacherScorer:
             except (EngineResponseError, EngineRequestError):
                 st.errors += 1
                 return await self._isolate(domain, batch)
-            problems = [check_scores(r, len(s.output_ids), self.vocab_size) for r, s in zip(res, batch)]
+            problems = check_scores_batch(res, [len(s.output_ids) for s in batch], self.vocab_size)
             if any(problems):
                 st.errors += 1
                 return await self._isolate(domain, batch)

@@ -9,7 +9,8 @@ import orjson
 import pytest
 
 from engine import wire
-from engine.client import EngineClient, EngineResponseError, _binary_items, parse_score, parse_score_arrays
+from engine.client import (EngineClient, EngineResponseError, _binary_items, parse_score, parse_score_arrays,
+                           parse_score_batch)
 from engine_proc import EngineProc, http
 
 pytestmark = pytest.mark.integration
@@ -139,3 +140,48 @@ def test_damaged_binary_body_is_refused(server):
     a = parse_score(orjson.loads(raw_json)[0], SEQS[0], STARTS[0], 3)
     b = parse_score_arrays(*items[0], SEQS[0], STARTS[0], 3)
     np.testing.assert_array_equal(a.topk_logprobs, b.topk_logprobs)
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_score_batch_is_parse_score_arrays_of_each(server, top_k):
+    """`parse_score_batch` (the client's binary path: checked batch-wise) gives every item's `parse_score_arrays`,
+    bit for bit, and on a bad item raises that item's error."""
+    payload = orjson.loads(score_payload(top_k))
+    del payload["token_ids_logprob"]
+    status, raw = http(server.url, "/generate", orjson.dumps(payload), headers={"Accept": wire.ACCEPT})
+    assert status == 200
+    items = _binary_items(raw, len(SEQS))
+    each = [parse_score_arrays(o, a, s, st, top_k) for (o, a), s, st in zip(items, SEQS, STARTS)]
+    batch = parse_score_batch(items, SEQS, STARTS, top_k)
+    for a, b in zip(each, batch):
+        for x, y in ((a.token_logprobs, b.token_logprobs), (a.topk_ids, b.topk_ids), (a.topk_logprobs, b.topk_logprobs)):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            np.testing.assert_array_equal(x, y)
+        assert a.weight_version == b.weight_version
+    bad = [(o, {k: v.copy() for k, v in a.items()}) for o, a in items]
+    bad[2][1]["input_token_ids"][-1] = 99
+    with pytest.raises(EngineResponseError, match="entry for position 8 is token 99, sent 47"):
+        parse_score_batch(bad, SEQS, STARTS, top_k)
+    if top_k:
+        bad[2][1]["input_token_ids"][-1] = 47
+        bad[1][1]["input_top_logprobs"][-1, 0] = np.inf
+        with pytest.raises(EngineResponseError, match=r"input_top_logprobs\[3\]\[0\] = \[inf"):
+            parse_score_batch(bad, SEQS, STARTS, top_k)
+
+
+def test_decode_reads_arrays_off_the_element_grid():
+    """A body whose array sits at an offset that is no multiple of its element size still decodes (its own view);
+    a bad descriptor is refused."""
+    def body(arrays: dict, data: bytes) -> bytes:
+        header = orjson.dumps({"single": True, "items": [{"obj": {}, "arrays": arrays}]})
+        pad = -(len(wire.MAGIC) + 4 + len(header)) % 8
+        return wire._HEAD.pack(wire.MAGIC, len(header)) + header + b"\0" * pad + data
+
+    data = b"\0\0" + np.array([7, 9], "<i4").tobytes() + np.array([-0.5], "<f4").tobytes()
+    single, items = wire.decode(body({"output_token_ids": ["<i4", [2], 2], "output_token_logprobs": ["<f4", [1], 10]},
+                                     data))
+    assert single is True and items[0][1]["output_token_ids"].tolist() == [7, 9]
+    assert items[0][1]["output_token_logprobs"].tolist() == [-0.5]
+    for bad in (["<i4", [2], -2], ["<i8", [2], 2], ["<i4", [2, 1, 1], 2], ["<i4", [True], 2], ["<i4", [2]]):
+        with pytest.raises(wire.WireError, match="descriptor .* is not"):
+            wire.decode(body({"output_token_ids": bad, "output_token_logprobs": ["<f4", [1], 10]}, data))

@@ -18,7 +18,8 @@ from aiohttp import web
 from engine.client import EngineClient, ScoreResult
 from student.sampler import StudentSample, allocate, domain_weights
 from student.scoring import (
-    DROP_BAD, DROP_UNAVAILABLE, TeacherScorer, TeacherStats, check_scores, percentile, plan_batches,
+    DROP_BAD, DROP_UNAVAILABLE, TeacherScorer, TeacherStats, check_scores, check_scores_batch, percentile,
+    plan_batches,
 )
 
 pytestmark = pytest.mark.unit
@@ -216,6 +217,24 @@ def test_check_scores_by_hand():
     assert "> 0" in check_scores(pos, 2, V)
     oov = ScoreResult(ok.token_logprobs, np.array([[3, V], [5, 6]]), ok.topk_logprobs)
     assert "outside the vocabulary" in check_scores(oov, 2, V)
+
+
+def test_check_scores_batch_is_check_scores_of_each():
+    """The batch-wise check finds exactly what `check_scores` finds per result, with its messages."""
+    ok = ScoreResult(np.array([-0.1, -2.0], np.float32), np.array([[3, 4], [5, 6]]), np.array([[-0.1, -3], [-1, -2]], np.float32))
+    one = ScoreResult(np.array([-0.3], np.float32), np.array([[7, 8]]), np.array([[-0.5, -0.9]], np.float32))
+    pos = ScoreResult(np.array([0.5, -1.0], np.float32), ok.topk_ids, ok.topk_logprobs)
+    oov = ScoreResult(ok.token_logprobs, np.array([[3, V], [5, 6]]), ok.topk_logprobs)
+    neg = ScoreResult(ok.token_logprobs, np.array([[3, -1], [5, 6]]), ok.topk_logprobs)
+    rep = ScoreResult(ok.token_logprobs, np.array([[3, 3], [5, 6]]), ok.topk_logprobs)
+    top_pos = ScoreResult(ok.token_logprobs, ok.topk_ids, np.array([[0.1, -3], [-1, -2]], np.float32))
+    no_top = ScoreResult(np.array([-0.1, -2.0], np.float32), np.zeros((2, 0), np.int64), np.zeros((2, 0), np.float32))
+    cases = [[ok, one], [ok, pos], [oov, one], [ok, neg], [rep], [top_pos, ok], [no_top, no_top], [ok, no_top], []]
+    for results in cases:
+        n = [len(r.token_logprobs) for r in results]
+        assert check_scores_batch(results, n, V) == [check_scores(r, k, V) for r, k in zip(results, n)]
+    assert check_scores_batch([ok, one], [2, 2], V) == [None, check_scores(one, 2, V)]  # a shape miss
+    assert check_scores_batch([ok, one], [2, 1], V) == [None, None]
 
 
 def test_percentile_and_stats_window_by_hand():
