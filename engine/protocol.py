@@ -411,14 +411,15 @@ def output_text(tokenizer, spec: SeqSpec, res: SeqResult, upto: int | None = Non
 
 
 def build_output(tokenizer, spec: SeqSpec, res: SeqResult, weight_version: str, e2e_latency: float | None,
-                 token_text: TokenText, upto: int | None = None) -> dict:
-    """The SGLang response object `{text, output_ids, meta_info}` for one sequence (`upto`: a streaming prefix)."""
+                 token_text: TokenText, upto: int | None = None, logprobs: bool = True) -> dict:
+    """The SGLang response object `{text, output_ids, meta_info}` for one sequence (`upto`: a streaming prefix;
+    `logprobs=False`: without the log-prob lists even when the spec asks for them, as the binary body's items)."""
     n_out = len(res.output_ids) if upto is None else upto
     meta: dict[str, Any] = {
         "id": spec.rid, "finish_reason": res.finish_reason if upto is None else None,
         "prompt_tokens": len(spec.input_ids), "weight_version": weight_version, "total_retractions": 0,
     }
-    if spec.return_logprob:
+    if spec.return_logprob and logprobs:
         if spec.return_text_in_logprobs:
             def triples(lps, ids):
                 return [[lp, t, token_text(t)] for lp, t in zip(lps, ids)]

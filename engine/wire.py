@@ -12,7 +12,8 @@ Body layout (every integer little-endian):
 
 The header is `{"single": bool, "items": [{"obj": {...}, "arrays": {name: [dtype, shape, offset]}}, ...]}`: one
 item per response object, in SGLang's order; `obj` is SGLang's response object (`text`, `output_ids`, `meta_info`)
-without the log-prob lists, and each array's `offset` counts from the start of the data section. The arrays of an
+without the log-prob lists, and each array's `offset` counts from the start of the data section (the embedded
+server writes every float32 array first, then every int32 one; a reader goes by the offsets). The arrays of an
 item with `return_logprob` (n_in = entries for input tokens start … N-1, n_out = output tokens, k = top_logprobs_num,
 t = len(token_ids_logprob)); a `null` of the JSON (entry 0 of the input lists) is NaN, its ids -1:
 
@@ -28,7 +29,6 @@ doubles), and the client's arrays are float32 either way.
 from __future__ import annotations
 
 import struct
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -66,61 +66,101 @@ def wants_binary(accept: str | None) -> bool:
 
 
 # -- server side ----------------------------------------------------------------------------------------------------
-def _f32(rows: list, width: int | None) -> np.ndarray:
-    """Log-probs → float32 array, `None` entries (or rows) → NaN."""
-    if width is None:
-        return np.array([np.nan if v is None else v for v in rows], dtype="<f4")
-    out = np.full((len(rows), width), np.nan, dtype="<f4")
-    full = [i for i, r in enumerate(rows) if r is not None]
-    if full:
-        out[full] = np.array([rows[i] for i in full], dtype="<f4").reshape(len(full), width)
+class _Packer:
+    """The data section of one body, gathered as two flat lists (float32 values, int32 values) and converted once
+    each at the end (`sections`): all float32 arrays first, then all int32 arrays, each array's values back to back
+    in the order they were added. An array's values are checked against its shape as they are added."""
+
+    def __init__(self):
+        self.floats: list = []
+        self.ints: list = []
+        self._int_descs: list[list] = []
+
+    def add(self, values, shape: tuple[int, ...], dtype: str) -> list:
+        """Append `values` (flat) as one array of `shape`; returns its descriptor (int32 offsets are final only
+        after `sections`)."""
+        flat = self.floats if dtype == "<f4" else self.ints
+        start = len(flat)
+        flat.extend(values)
+        count = shape[0] * shape[1] if len(shape) == 2 else shape[0]
+        if len(flat) - start != count:
+            raise ValueError(f"binary log-prob body: {len(flat) - start} values for an array of shape {shape}")
+        desc = [dtype, list(shape), start * 4]
+        if dtype == "<i4":
+            self._int_descs.append(desc)
+        return desc
+
+    def sections(self) -> list[bytes]:
+        """The data section's bytes (float32 values, then int32 values); fixes the int32 arrays' offsets."""
+        f, i = np.array(self.floats, dtype="<f4"), np.array(self.ints, dtype="<i4")
+        for desc in self._int_descs:
+            desc[2] += f.nbytes
+        return [f.tobytes(), i.tobytes()]
+
+
+def _f32(rows: list) -> list:
+    """Log-probs (float or None) → floats, `None` → NaN."""
+    return [np.nan if v is None else v for v in rows] if None in rows else rows
+
+
+def _rows(rows: list, width: int, fill) -> list:
+    """Rows of `width` values (or None) → their values, flat; a None row is `width` × `fill`."""
+    out: list = []
+    for r in rows:
+        if r is None:
+            out += [fill] * width
+        elif len(r) != width:
+            raise ValueError(f"binary log-prob body: a row of {len(r)} values, want {width}")
+        else:
+            out += r
     return out
 
 
-def _top(entries: list, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """[(vals, ids) | None] → (float32 (n, k), int32 (n, k)); a None row is NaN / -1."""
-    lp = np.full((len(entries), k), np.nan, dtype="<f4")
-    ids = np.full((len(entries), k), -1, dtype="<i4")
-    full = [i for i, e in enumerate(entries) if e is not None]
-    if full:
-        lp[full] = np.array([entries[i][0] for i in full], dtype="<f4").reshape(len(full), k)
-        ids[full] = np.array([entries[i][1] for i in full], dtype="<i4").reshape(len(full), k)
-    return lp, ids
+def _top_rows(entries: list, k: int) -> tuple[list, list]:
+    """[(vals, ids) | None] → (vals, ids) flat; a None row is NaN / -1."""
+    return _rows([None if e is None else e[0] for e in entries], k, np.nan), \
+        _rows([None if e is None else e[1] for e in entries], k, -1)
 
 
-def seq_arrays(spec: SeqSpec, res: SeqResult, n_out: int) -> dict[str, np.ndarray]:
-    """The arrays of one sequence (the same numbers `protocol.build_output` writes as JSON lists)."""
+def _seq_arrays(pack: _Packer, spec: SeqSpec, res: SeqResult, n_out: int) -> dict[str, list]:
+    """The descriptors of one sequence's arrays (the same numbers `protocol.build_output` writes as JSON lists)."""
     if not spec.return_logprob:
         return {}
     n_in = len(res.in_logprobs)
-    a = {"input_token_logprobs": _f32(res.in_logprobs, None),
-         "input_token_ids": np.array(spec.input_ids[spec.logprob_start:spec.logprob_start + n_in], dtype="<i4"),
-         "output_token_logprobs": np.array(res.out_logprobs[:n_out], dtype="<f4"),
-         "output_token_ids": np.array(res.output_ids[:n_out], dtype="<i4")}
+    ids_in = spec.input_ids[spec.logprob_start:spec.logprob_start + n_in]
+    out_lp, out_ids = res.out_logprobs[:n_out], res.output_ids[:n_out]
+    a = {"input_token_logprobs": pack.add(_f32(res.in_logprobs), (n_in,), "<f4"),
+         "input_token_ids": pack.add(ids_in, (len(ids_in),), "<i4"),
+         "output_token_logprobs": pack.add(out_lp, (len(out_lp),), "<f4"),
+         "output_token_ids": pack.add(out_ids, (len(out_ids),), "<i4")}
     k = spec.top_logprobs_num
     if k > 0:
-        a["input_top_logprobs"], a["input_top_ids"] = _top(res.in_top, k)
-        a["output_top_logprobs"], a["output_top_ids"] = _top(res.out_top[:n_out], k)
+        for side, entries in (("input", res.in_top), ("output", res.out_top[:n_out])):
+            vals, ids = _top_rows(entries, k)
+            a[f"{side}_top_logprobs"] = pack.add(vals, (len(entries), k), "<f4")
+            a[f"{side}_top_ids"] = pack.add(ids, (len(entries), k), "<i4")
     if spec.token_ids_logprob is not None:
         t = len(spec.token_ids_logprob)
-        a["token_ids_logprob"] = np.array(spec.token_ids_logprob, dtype="<i4")
-        a["input_token_ids_logprobs"] = _f32(res.in_ids_logprobs, t)
-        a["output_token_ids_logprobs"] = _f32(res.out_ids_logprobs[:n_out], t)
+        a["token_ids_logprob"] = pack.add(spec.token_ids_logprob, (t,), "<i4")
+        for name, rows in (("input_token_ids_logprobs", res.in_ids_logprobs),
+                           ("output_token_ids_logprobs", res.out_ids_logprobs[:n_out])):
+            a[name] = pack.add(_rows(rows, t, np.nan), (len(rows), t), "<f4")
     return a
 
 
 def build_binary(tokenizer, items: list[tuple[SeqSpec, SeqResult, float | None]], weight_version: str,
                  token_text: TokenText, single: bool) -> bytes:
-    """The binary body for finished sequences `(spec, result, e2e_latency)`, in response order."""
-    head_items, chunks, offset = [], [], 0
+    """The binary body for finished sequences `(spec, result, e2e_latency)`, in response order: the arrays of the
+    whole answer converted in one go (`_Packer`), not one numpy array per sequence and name."""
+    pack, head_items = _Packer(), []
     for spec, res, latency in items:
-        obj = build_output(tokenizer, replace(spec, return_logprob=False), res, weight_version, latency, token_text)
-        desc = {}
-        for name, arr in seq_arrays(spec, res, len(res.output_ids)).items():
-            desc[name] = [arr.dtype.str, list(arr.shape), offset]
-            chunks.append(arr.tobytes())
-            offset += arr.nbytes
-        head_items.append({"obj": obj, "arrays": desc})
+        obj = build_output(tokenizer, spec, res, weight_version, latency, token_text, logprobs=False)
+        head_items.append({"obj": obj, "arrays": _seq_arrays(pack, spec, res, len(res.output_ids))})
+    return _body(single, head_items, pack)
+
+
+def _body(single: bool, head_items: list[dict], pack: _Packer) -> bytes:
+    chunks = pack.sections()  # first: it fixes the int32 offsets the header carries
     header = orjson.dumps({"single": single, "items": head_items})
     pad = -(len(MAGIC) + 4 + len(header)) % 8
     return b"".join([_HEAD.pack(MAGIC, len(header)), header, b"\0" * pad, *chunks])

@@ -185,3 +185,50 @@ def test_decode_reads_arrays_off_the_element_grid():
     for bad in (["<i4", [2], -2], ["<i8", [2], 2], ["<i4", [2, 1, 1], 2], ["<i4", [True], 2], ["<i4", [2]]):
         with pytest.raises(wire.WireError, match="descriptor .* is not"):
             wire.decode(body({"output_token_ids": bad, "output_token_logprobs": ["<f4", [1], 10]}, data))
+
+
+def test_build_binary_packs_every_array_of_the_answer():
+    """`wire.build_binary` (one conversion per dtype for the whole answer) writes the numbers of `build_output`'s
+    JSON: null rows → NaN / -1, top-k and token-id rows, the float32 arrays first, then the int32 ones."""
+    from engine.protocol import SamplingSpec, SeqResult, SeqSpec, TokenText, build_output
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    spec = SeqSpec(rid="a", input_ids=(1, 20, 21), sampling=SamplingSpec(max_new_tokens=2), return_logprob=True,
+                   logprob_start=1, top_logprobs_num=2, token_ids_logprob=(2, 5, 7))
+    res = SeqResult(output_ids=[3, 4], out_logprobs=[-0.5, -1.5], out_top=[([-0.1, -0.2], [3, 9]), ([-0.3, -0.4], [4, 1])],
+                    out_ids_logprobs=[[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]], in_logprobs=[None, -0.25],
+                    in_top=[None, ([-0.5, -0.6], [1, 2])], in_ids_logprobs=[None, [-7.0, -8.0, -9.0]],
+                    finish_reason={"type": "length", "length": 2})
+    plain = SeqSpec(rid="b", input_ids=(1, 2), sampling=SamplingSpec(max_new_tokens=1))
+    plain_res = SeqResult(output_ids=[6], finish_reason={"type": "length", "length": 1})
+    raw = wire.build_binary(Tok(), [(spec, res, 0.5), (plain, plain_res, None)], "w3", TokenText(Tok()), False)
+    single, items = wire.decode(raw)
+    assert single is False and items[1][1] == {}
+    js = [build_output(Tok(), s, r, "w3", t, TokenText(Tok())) for s, r, t in ((spec, res, 0.5), (plain, plain_res, None))]
+    assert items[0][0] == {**js[0], "meta_info": {k: v for k, v in js[0]["meta_info"].items() if "logprob" not in k}}
+    assert items[1][0] == js[1]
+    a, m = items[0][1], js[0]["meta_info"]
+    nan = float("nan")
+    np.testing.assert_array_equal(a["input_token_logprobs"], np.array([nan, -0.25], np.float32))
+    assert a["input_token_ids"].tolist() == [20, 21] == [e[1] for e in m["input_token_logprobs"]]
+    assert a["output_token_logprobs"].tolist() == [-0.5, -1.5] and a["output_token_ids"].tolist() == [3, 4]
+    np.testing.assert_array_equal(a["input_top_logprobs"], np.array([[nan, nan], [-0.5, -0.6]], np.float32))
+    assert a["input_top_ids"].tolist() == [[-1, -1], [1, 2]] and a["output_top_ids"].tolist() == [[3, 9], [4, 1]]
+    np.testing.assert_array_equal(a["output_top_logprobs"], np.array([[-0.1, -0.2], [-0.3, -0.4]], np.float32))
+    assert a["token_ids_logprob"].tolist() == [2, 5, 7]
+    np.testing.assert_array_equal(a["input_token_ids_logprobs"], np.array([[nan] * 3, [-7, -8, -9]], np.float32))
+    assert a["output_token_ids_logprobs"].tolist() == [[-1, -2, -3], [-4, -5, -6]]
+    head = orjson.loads(raw[12:12 + wire._HEAD.unpack_from(raw)[1]])
+    offsets = {d[0]: [] for d in head["items"][0]["arrays"].values()}
+    for d in head["items"][0]["arrays"].values():
+        offsets[d[0]].append(d[2])
+    assert max(offsets["<f4"]) < min(offsets["<i4"])
+    bad = SeqResult(output_ids=[3], out_logprobs=[-0.5], out_top=[([-0.1], [3])], in_logprobs=[None, -0.25],
+                    in_top=[None, ([-0.5, -0.6], [1, 2])], finish_reason={"type": "length", "length": 1})
+    with pytest.raises(ValueError, match="a row of 1 values, want 2"):
+        wire.build_binary(Tok(), [(SeqSpec(rid="c", input_ids=(1, 20, 21), sampling=SamplingSpec(max_new_tokens=1),
+                                           return_logprob=True, logprob_start=1, top_logprobs_num=2), bad, None)],
+                          "w3", TokenText(Tok()), True)
