@@ -57,6 +57,9 @@ class Episode:
     # one entry per tool call of this episode, in order: whether the guard blocked it (`EpisodeRun.apply` reads the
     # env's call record; empty for a plain domain). Call k's output is the k-th env run.
     call_blocked: list[bool] = field(default_factory=list)
+    # the same calls as the env recorded them (`call_record`: command, output, guard verdict and rules, exit code):
+    # what a rollout record and its MLflow trace show (training/rollout_records.py)
+    calls: list[dict] = field(default_factory=list)
 
     @property
     def blocked_calls(self) -> int:
@@ -68,6 +71,12 @@ class Episode:
         """Env insertions in this episode (runs of loss-mask-0 tokens)."""
         m = self.loss_mask
         return sum(1 for i, x in enumerate(m) if x == 0 and (i == 0 or m[i - 1] == 1))
+
+
+def call_record(c) -> dict:
+    """A `domains.tools.CallRecord` as plain data (it travels with partials through checkpoints, into records)."""
+    return {"command": c.command, "output": c.output, "executed": bool(c.executed),
+            "guard_allowed": bool(c.guard_allowed), "rules": list(c.rules), "exit_code": c.exit_code}
 
 
 def episode_budget(domain: object, max_new_tokens: int, compaction: Compaction | None = None) -> int:
@@ -155,6 +164,7 @@ class EpisodeRun:
         calls = getattr(self.env, "calls", None)  # domains.tools.ToolEnv: one CallRecord per call, with the verdict
         if calls:
             ep.call_blocked.append(not calls[-1].guard_allowed)
+            ep.calls.append(call_record(calls[-1]))
         env_ids = env_token_ids(self.tok, line, self.budget)
         ep.output_ids += env_ids
         ep.output_logprobs += [0.0] * len(env_ids)

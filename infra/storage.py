@@ -187,25 +187,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_local_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same directory, fsync, rename over the target: readers see old or new."""
+def _write_local_atomic(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write to a temp file in the same directory, fsync (`durable`), rename over the target: readers see old or
+    new."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def write_bytes(url: str, data: bytes, *, storage_options: dict | None = None,
-                retry: RetryPolicy = DEFAULT_RETRY) -> None:
+                retry: RetryPolicy = DEFAULT_RETRY, durable: bool = True) -> None:
+    """`data` as the object at `url`, whole or not at all (a local file: renamed into place; `durable`: fsynced
+    first, file and folder, so it survives a power loss; a debug record may skip that)."""
     if is_local(url):
-        _write_local_atomic(Path(to_local(url)), data)
+        _write_local_atomic(Path(to_local(url)), data, durable)
         return
     fs, path = get_fs(url, storage_options=storage_options)
     _retry(lambda: fs.pipe_file(path, data), f"write {url}", retry)

@@ -294,6 +294,33 @@ class Tracker:
     def log_dict(self, d: dict, artifact_file: str) -> None:
         self._client.log_dict(self._rid("log_dict"), d, artifact_file)
 
+    def log_trace(self, root: dict) -> str:
+        """An MLflow trace linked to this run, from a tree of spans: each node a dict with `name` and optionally
+        `span_type` (MLflow's: AGENT, LLM, TOOL, ...), `inputs`, `outputs`, `attributes`, `status` ("OK" | "ERROR")
+        and `children` (nodes). Returns the trace id. (The rollout records' tool episodes: one span per turn, a
+        child span per tool call.)"""
+        import mlflow
+
+        client, rid = self._client, self._rid("log_trace")
+        if mlflow.get_tracking_uri() != self.tracking_uri:  # the trace exporter writes to the process's tracking URI
+            mlflow.set_tracking_uri(self.tracking_uri)
+        top = client.start_trace(root["name"], span_type=root.get("span_type", "UNKNOWN"), inputs=root.get("inputs"),
+                                 attributes=root.get("attributes"), experiment_id=self.experiment_id, run_id=rid)
+
+        def add(parent, nodes) -> None:
+            for node in nodes:
+                span = client.start_span(node["name"], trace_id=top.trace_id, parent_id=parent.span_id,
+                                         span_type=node.get("span_type", "UNKNOWN"), inputs=node.get("inputs"),
+                                         attributes=node.get("attributes"))
+                add(span, node.get("children", ()))
+                client.end_span(top.trace_id, span.span_id, outputs=node.get("outputs"),
+                                status=node.get("status", "OK"))
+
+        add(top, root.get("children", ()))
+        client.end_trace(top.trace_id, outputs=root.get("outputs"), status=root.get("status", "OK"))
+        mlflow.flush_trace_async_logging()  # written before this returns (a trainer may exit right after)
+        return top.trace_id
+
     def log_text(self, text: str, artifact_file: str) -> None:
         self._client.log_text(self._rid("log_text"), text, artifact_file)
 
@@ -458,6 +485,9 @@ class NoopTracker:
         return None
 
     def log_dict(self, d: dict, artifact_file: str) -> None:
+        return None
+
+    def log_trace(self, root: dict) -> None:
         return None
 
     def log_text(self, text: str, artifact_file: str) -> None:

@@ -85,6 +85,8 @@ class StudentSample:
     episode_id: str | None = None
     # tool calls of the episode the guard blocked (`episode_reward`: > 0 means reward 0); 0 for a plain domain
     blocked_calls: int = 0
+    # the episode's tool calls as the env recorded them (`domains.episodes.call_record`): rollout records, traces
+    calls: list[dict] = field(default_factory=list)
 
     @property
     def episode(self) -> str:
@@ -343,7 +345,8 @@ async def sample_batch(client: EngineClient, items: Sequence[PromptItem], *, max
                 run.env.close()
     return [StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids, ep.output_ids,
                           ep.output_logprobs, min(versions[i], default=expected_version), ep.finish_reason,
-                          loss_mask=ep.loss_mask if i in tools else None, blocked_calls=ep.blocked_calls)
+                          loss_mask=ep.loss_mask if i in tools else None, blocked_calls=ep.blocked_calls,
+                          calls=ep.calls)
             for i, (it, ep) in enumerate(zip(items, episodes))]
 
 
@@ -377,7 +380,8 @@ def split_subtraces(samples: Sequence[StudentSample], compaction: Compactions, t
                 subtrace_id(s.sample_id, k), s.cursor, s.domain, s.example, list(sp.context),
                 s.output_ids[sp.start:sp.end], s.rollout_logprobs[sp.start:sp.end], s.version,
                 s.finish_reason if k == len(spans) - 1 else "compacted", reward=s.reward,
-                loss_mask=s.loss_mask[sp.start:sp.end], episode_id=s.sample_id, blocked_calls=s.blocked_calls))
+                loss_mask=s.loss_mask[sp.start:sp.end], episode_id=s.sample_id, blocked_calls=s.blocked_calls,
+                calls=s.calls))  # the episode's calls: a record matches those in its own response
     return out
 
 

@@ -327,7 +327,8 @@ class DistillTrainer:
                           reward=float(s.reward or 0.0), finish_reason=s.finish_reason,
                           loss_mask=None if s.loss_mask is None else list(s.loss_mask),
                           blocked_calls=s.blocked_calls,
-                          tool_calls=count_tool_calls(response) if hasattr(self.domains.get(s.domain), "env") else 0)
+                          tool_calls=count_tool_calls(response) if hasattr(self.domains.get(s.domain), "env") else 0,
+                          calls=list(s.calls) or None)
 
     # -- eval, checkpoint, summary ----------------------------------------------------------------------------------
     async def _evaluate(self) -> dict:
@@ -406,6 +407,7 @@ class DistillTrainer:
             "throughput": self.throughput(), "teachers": self.scorer.totals(), "evals": list(self.state.evals),
             "guard": dict(self.state.guard_totals),
             "checkpoint": getattr(self, "last_checkpoint", None), "last_metrics": self._last_metrics,
+            "rollout_records": self.recorder.summary(),
         }
 
 

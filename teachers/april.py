@@ -70,6 +70,9 @@ class Partial:
     # tool calls in `output_ids` the guard blocked: the finished trajectory's reward is 0 (domains.guard.guarded_reward);
     # it travels with the partial through resumes and checkpoints (a state saved before this field loads as 0)
     blocked_calls: int = 0
+    # the tool calls in `output_ids` as the env recorded them (`domains.episodes.call_record`), for the rollout
+    # records and traces; travels like `blocked_calls` (a state saved before this field loads as [])
+    calls: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -119,6 +122,7 @@ class Sample:
     loss_mask: list[int] = field(default_factory=list)
     created_version: int = 0
     blocked_calls: int = 0  # tool calls the guard blocked, over every resume: reward 0 (domains.guard.guarded_reward)
+    calls: list[dict] = field(default_factory=list)  # its tool calls as the env recorded them (`Partial.calls`)
 
 
 @dataclass
@@ -157,9 +161,11 @@ def plan_requests(batch_target: int, over_sampling: float, n_resumable: int,
 
 def merge_continuation(partial: Partial, new_ids: list[int], new_logprobs: list[float], version: int,
                        finished: bool, finish_reason: str | None = None,
-                       loss_mask: list[int] | None = None, blocked_calls: int = 0) -> Partial | Sample:
+                       loss_mask: list[int] | None = None, blocked_calls: int = 0,
+                       calls: list[dict] | None = None) -> Partial | Sample:
     """Append one continuation (new tokens, their rollout log-probs, `version` for each) and spend the budget.
-    `blocked_calls`: the continuation's tool calls the guard blocked (added to the partial's).
+    `blocked_calls`: the continuation's tool calls the guard blocked (added to the partial's); `calls`: its tool
+    calls' records (appended to the partial's).
 
     Returns a `Sample` when `finished` or when the budget reaches 0 (then finish_reason "length"), else a `Partial`
     (e.g. aborted mid-way, or stopped at a tool call: append the tool output with `loss_mask=[0]*n` next).
@@ -184,13 +190,14 @@ def merge_continuation(partial: Partial, new_ids: list[int], new_logprobs: list[
                      output_logprobs=partial.output_logprobs + [float(x) for x in new_logprobs],
                      token_versions=partial.token_versions + [version] * len(new_ids),
                      loss_mask=partial.loss_mask + mask, remaining_budget=partial.remaining_budget - len(new_ids),
-                     blocked_calls=partial.blocked_calls + blocked_calls)
+                     blocked_calls=partial.blocked_calls + blocked_calls,
+                     calls=partial.calls + list(calls or []))
     if not finished and merged.remaining_budget > 0:
         return merged
     reason = finish_reason if finished and finish_reason else ("length" if merged.remaining_budget == 0 else "stop")
     return Sample(merged.sample_id, merged.rollout_id, merged.prompt_ids, merged.output_ids, merged.output_logprobs,
                   merged.token_versions, merged.domain, merged.example, reason, merged.loss_mask,
-                  merged.created_version, merged.blocked_calls)
+                  merged.created_version, merged.blocked_calls, merged.calls)
 
 
 class AprilBuffer(Ledger):

@@ -36,7 +36,7 @@ def subtrace_samples(sample: Sample, cfg: Compaction, summarize: Summarize) -> l
         out.append(Sample(subtrace_id(sample.sample_id, k), sample.sample_id, list(sub.context),
                           sample.output_ids[sl], sample.output_logprobs[sl], sample.token_versions[sl], sample.domain,
                           sample.example, sample.finish_reason if final else "stop", mask[sl],
-                          sample.created_version))
+                          sample.created_version, sample.blocked_calls, sample.calls))  # the episode's calls
     return out
 
 

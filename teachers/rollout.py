@@ -152,6 +152,7 @@ def cut_by_tokens(episodes: list[Episode], batch_target: int) -> tuple[list[tupl
             n -= 1
         kept = Episode(ep.output_ids[:n], ep.output_logprobs[:n], mask[:n], "abort")
         kept.call_blocked = ep.call_blocked[:kept.tool_calls]  # call k's output is the k-th env run
+        kept.calls = ep.calls[:kept.tool_calls]
         partials.append((i, kept))
     return finished, partials
 
@@ -192,7 +193,7 @@ async def rollout_step(roller: Roller, buffer: AprilBuffer, cursor: PromptCursor
         out = merge_continuation(requests[i], ep.output_ids, ep.output_logprobs, version,
                                  finished=ep.finish_reason != "abort",
                                  finish_reason=ep.finish_reason if ep.finish_reason != "abort" else None,
-                                 loss_mask=ep.loss_mask, blocked_calls=ep.blocked_calls)
+                                 loss_mask=ep.loss_mask, blocked_calls=ep.blocked_calls, calls=ep.calls)
         if isinstance(out, Sample):
             samples.append(out)
         else:

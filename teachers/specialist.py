@@ -192,7 +192,7 @@ class SpecialistTrainer:
                 "checkpoint": self.last_checkpoint, "validation": sel.history, "best_step": sel.best_step,
                 "best_val": sel.best_score, "stopped": self.state.stopped, "device": str(self.policy.device),
                 "weight_sync": {"strategy": str(self.server.sync), "last_path": str(self.server.last_path)},
-                **self.perf_summary()}
+                "rollout_records": self.recorder.summary(), **self.perf_summary()}
 
     def validate(self) -> float:
         """Greedy score of the current policy on the val-split prompts; a new best is saved to `best_dir`."""
@@ -327,7 +327,8 @@ class SpecialistTrainer:
                           output_ids=list(s.output_ids), behaviour_logprobs=list(s.output_logprobs),
                           reward=float(reward), finish_reason=s.finish_reason, loss_mask=list(s.loss_mask) or None,
                           blocked_calls=s.blocked_calls,
-                          tool_calls=count_tool_calls(response) if hasattr(self.domain, "env") else 0)
+                          tool_calls=count_tool_calls(response) if hasattr(self.domain, "env") else 0,
+                          calls=list(s.calls) or None)
 
     def _perf(self, rows: list[Sample], m: dict, train_s: float) -> dict:
         """This step's `perf/train_tokens_per_s` (positions of the rows over the update's time) and `perf/mfu` (one

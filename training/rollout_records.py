@@ -31,14 +31,19 @@ Columns (`SCHEMA`, version `SCHEMA_VERSION` in the file's metadata; a list colum
     finish_reason       "stop" | "length" | ...
     blocked_calls       tool calls the guard blocked in the episode
     tool_calls          tool calls in the response (`domains.tools.count_tool_calls`; 0 for a plain domain)
+    calls               the episode's tool calls as the env recorded them: command, output, executed, guard_allowed,
+                        rules (the guard's rules hit), exit_code (a compacted episode's sub-traces each carry all)
 
-`read_rollouts(prefix)` reads them back as one DataFrame (`alloy rollouts` prints, filters and diffs them).
+Each recorded tool episode of the sample also goes to the run as an MLflow trace (`episode_trace`): a span per
+turn, a child span per tool call with its command, output, guard verdict and rules (a blocked call's span is an
+ERROR). `read_rollouts(prefix)` reads them back as one DataFrame (`alloy rollouts` prints, filters and diffs them).
 """
 from __future__ import annotations
 
 import hashlib
 import io
 import logging
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -72,6 +77,7 @@ class RolloutRow:
     loss_mask: list[int] | None = None
     blocked_calls: int = 0
     tool_calls: int = 0
+    calls: list[dict] | None = None
 
 
 def schema():
@@ -86,6 +92,9 @@ def schema():
         ("behaviour_logprobs", floats), ("teacher_logprobs", floats), ("loss_mask", pa.list_(pa.int8())),
         ("reward", pa.float64()), ("finish_reason", pa.string()), ("blocked_calls", pa.int32()),
         ("tool_calls", pa.int32()),
+        ("calls", pa.list_(pa.struct([("command", pa.string()), ("output", pa.string()), ("executed", pa.bool_()),
+                                      ("guard_allowed", pa.bool_()), ("rules", pa.list_(pa.string())),
+                                      ("exit_code", pa.int32())]))),
     ], metadata={"schema": SCHEMA_VERSION})
 
 
@@ -127,6 +136,9 @@ class Recorder:
         self.cfg, self.out_url, self.tracker, self.last_step = cfg, out_url, tracker, last_step
         self.written: list[str] = []  # URLs of the files this process wrote
         self.bytes = 0
+        self.seconds = 0.0  # wall time spent recording (building rows, Parquet, storage, MLflow), in the step loop
+        if self.cfg.full or (self.cfg.every and self.cfg.sample):
+            to_parquet([])  # pyarrow imported and its Parquet writer set up now, not in the first recorded step
 
     def wants(self, step: int) -> bool:
         """Whether step `step` is recorded: every step with `full`, else every `every` steps and the last."""
@@ -143,7 +155,17 @@ class Recorder:
         A failed write is logged and skipped: a record never stops training."""
         if not self.wants(step):
             return None
-        samples = list(samples)
+        t0 = time.perf_counter()
+        try:
+            return self._record(step, list(samples), row_of, sample_id)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def summary(self) -> dict:
+        """What the trainer's summary reports: files and bytes written, seconds spent."""
+        return {"files": len(self.written), "bytes": self.bytes, "seconds": round(self.seconds, 4)}
+
+    def _record(self, step: int, samples: list, row_of, sample_id) -> str | None:
         kept = samples if self.cfg.full else pick_sample(samples, self.cfg.sample, step, sample_id)
         if not kept:
             return None
@@ -153,15 +175,25 @@ class Recorder:
         try:
             rows = [row_of(s) for s in kept]
             data = to_parquet(rows)
-            write_bytes(url, data)
+            write_bytes(url, data, durable=False)  # renamed into place whole; not fsynced (a record, not a checkpoint)
         except Exception as e:  # noqa: BLE001 (storage or encoding: the step trains on regardless)
             log.warning("rollout records: step %d not written to %s: %s", step, url, e)
             return None
         self.written.append(url)
         self.bytes += len(data)
         if self.tracker is not None:
-            self._log_table(pick_sample(rows, self.cfg.sample, step, lambda r: r.sample_id) if self.cfg.full else rows)
+            shown = pick_sample(rows, self.cfg.sample, step, lambda r: r.sample_id) if self.cfg.full else rows
+            self._log_table(shown)
+            for r in shown:
+                if r.tool_calls or r.calls:
+                    self._log_trace(r)
         return url
+
+    def _log_trace(self, row: RolloutRow) -> None:
+        try:
+            self.tracker.log_trace(episode_trace(row))
+        except Exception as e:  # noqa: BLE001 (a tracking hiccup must not stop training)
+            log.warning("rollout records: MLflow trace of %s not logged: %s", row.sample_id, e)
 
     def _log_table(self, rows: list[RolloutRow]) -> None:
         import pandas as pd
@@ -204,3 +236,42 @@ def read_rollouts(prefix: str, steps: Iterable[int] | None = None) -> Any:
     if not frames:
         return pd.DataFrame(columns=schema().names)
     return pd.concat(frames, ignore_index=True)
+
+
+def episode_trace(row: RolloutRow) -> dict:
+    """A recorded tool episode as a span tree (`infra.tracking.Tracker.log_trace`): the episode (prompt in,
+    response out, reward, staleness), one LLM span per model turn (its text), and under a turn that ends in a tool
+    call a TOOL span: the command in, the env's output line out, the guard's verdict and rules and the exit code as
+    attributes (the call's record, matched in order by command), ERROR when the guard blocked it."""
+    from domains.tools import CALL_PREFIX, RESULT_PREFIX, parse_tool_call, trajectory_segments
+
+    records, k = list(row.calls or []), 0
+    turns: list[dict] = []
+    segments = trajectory_segments(row.response)
+    for i, (text, by_model) in enumerate(segments):
+        if not by_model:
+            continue
+        turn = {"name": f"turn {len(turns) + 1}", "span_type": "LLM", "outputs": {"text": text}, "children": []}
+        last = text.rstrip("\n").rsplit("\n", 1)[-1]
+        command = parse_tool_call(last + "\n") if text.endswith("\n") and last.startswith(CALL_PREFIX) else None
+        if command is not None:
+            out = segments[i + 1][0] if i + 1 < len(segments) and not segments[i + 1][1] else ""
+            rec = next((r for r in records[k:] if r.get("command") == command), None)
+            if rec is not None:
+                k = records.index(rec, k) + 1
+            allowed = True if rec is None else bool(rec.get("guard_allowed", True))
+            attrs = {"guard.allowed": allowed}
+            if rec is not None:
+                attrs.update({"guard.rules": list(rec.get("rules") or []), "executed": bool(rec.get("executed")),
+                              "exit_code": rec.get("exit_code")})
+            turn["children"].append({"name": command.split(" ", 1)[0] or "tool", "span_type": "TOOL",
+                                     "inputs": {"command": command},
+                                     "outputs": {"output": out.removeprefix(RESULT_PREFIX).rstrip("\n")},
+                                     "attributes": attrs, "status": "OK" if allowed else "ERROR"})
+        turns.append(turn)
+    return {"name": f"{row.stage} {row.domain} step {row.step}", "span_type": "AGENT",
+            "inputs": {"prompt": row.prompt}, "outputs": {"response": row.response},
+            "attributes": {"sample_id": row.sample_id, "episode_id": row.episode_id, "reward": row.reward,
+                           "staleness": row.staleness, "weight_version": row.weight_version,
+                           "blocked_calls": row.blocked_calls, "finish_reason": row.finish_reason},
+            "children": turns}

@@ -25,7 +25,8 @@ def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harne
 
     out = tmp_path / "report.json"
     pipeline(config=AGENTIC, report_path=str(out), overrides=FAST + [
-        f"run.root={tmp_path}/runs", f"specialists.guard.judge_path={judge_dir}"])
+        f"run.root={tmp_path}/runs", f"specialists.guard.judge_path={judge_dir}", "specialists.record.full=true",
+        "distill.record.full=true"])
     report = json.loads(out.read_text())
     assert set(report["domains"]) == {"tool_add", "tool_files", "tool_code", "tool_long"}
     for dom, row in report["domains"].items():
@@ -38,3 +39,17 @@ def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harne
     assert g["judged"] > 0 and g["judge_errors"] == 0, g  # the judge model answered every flagged call
     assert g["judge_blocked"] <= g["judged"] and g["blocked"] >= g["judge_blocked"], g
     assert report["summary"]["student_mean"] is not None
+
+    # the full rollout record of every trainer: each tool episode's calls with the guard's verdicts (the blocked
+    # ones are the episode's blocked_calls), read back with `alloy rollouts` as a user would
+    from alloy.rollouts_cmd import load
+
+    recs, prefixes = load(str(tmp_path / "runs"))
+    assert {p.rsplit("/", 1)[1].split("-")[0] for p in prefixes} == {"specialist", "student"}
+    assert set(recs.domain) == {"tool_add", "tool_files", "tool_code", "tool_long"} and set(recs.step) == {1, 2}
+    for _, r in recs.iterrows():
+        calls = list(r.calls) if r.calls is not None else []
+        assert len(calls) >= r.tool_calls, (r.sample_id, r.tool_calls, calls)
+        if "~" not in r.sample_id and r.stage == "specialist":  # a whole episode: its calls are its own
+            assert r.blocked_calls == sum(not c["guard_allowed"] for c in calls), (r.sample_id, calls)
+    assert any(not c["guard_allowed"] for cs in recs.calls if cs is not None for c in cs)  # the guard blocked some

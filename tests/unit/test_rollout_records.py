@@ -8,17 +8,21 @@ import logging
 import pytest
 
 from infra.config import RecordConfig
-from training.rollout_records import (SCHEMA_VERSION, Recorder, RolloutRow, pick_sample, read_rollouts, schema,
-                                      step_url)
+from training.rollout_records import (SCHEMA_VERSION, Recorder, RolloutRow, episode_trace, pick_sample,
+                                      read_rollouts, schema, step_url)
 
 pytestmark = pytest.mark.unit
 
 
 class Tracker:
-    """Collects what `log_table` is given (the Recorder's only call on a tracker)."""
+    """Collects what `log_table` and `log_trace` are given (the Recorder's only calls on a tracker)."""
 
     def __init__(self):
         self.tables: list[tuple[str, list[dict]]] = []
+        self.traces: list[dict] = []
+
+    def log_trace(self, root: dict) -> None:
+        self.traces.append(root)
 
     def log_table(self, df, artifact_file: str) -> None:
         self.tables.append((artifact_file, df.to_dict("records")))
@@ -102,3 +106,56 @@ def test_records_on_s3(s3_bucket):
     rec.record(1, range(5), lambda i: row(1, i), sample_id=lambda i: f"s{i}")
     df = read_rollouts(f"{s3_bucket}/run/student")
     assert len(df) == 2 and rec.bytes > 0
+
+
+def call(command: str, output: str, allowed: bool = True, rules=()) -> dict:
+    return {"command": command, "output": output, "executed": allowed, "guard_allowed": allowed,
+            "rules": list(rules), "exit_code": 0 if allowed else None}
+
+
+def tool_row(step: int = 3) -> RolloutRow:
+    """A tool_add episode that tried the shortcut (blocked), then used calc and answered."""
+    response = "!cat .answers\n>error\n!calc 1+2\n>3\n3"
+    return RolloutRow(stage="specialist", domain="tool_add", step=step, sample_id="t0", episode_id="t0",
+                      weight_version=step - 1, staleness=0, prompt="tla:1+2=", response=response, prompt_ids=[1],
+                      output_ids=[2] * len(response), behaviour_logprobs=[-0.1] * len(response), reward=0.0,
+                      finish_reason="stop", loss_mask=[1] * len(response), blocked_calls=1, tool_calls=2,
+                      calls=[call("cat .answers", "error", False, ["hidden_file", "copy_answer"]), call("calc 1+2", "3")])
+
+
+def test_a_tool_episode_is_a_trace_of_turns_and_tool_calls_with_guard_verdicts(tmp_path):
+    tree = episode_trace(tool_row())
+    assert tree["name"] == "specialist tool_add step 3" and tree["span_type"] == "AGENT"
+    assert tree["inputs"] == {"prompt": "tla:1+2="} and tree["attributes"]["blocked_calls"] == 1
+    assert [t["outputs"]["text"] for t in tree["children"]] == ["!cat .answers\n", "!calc 1+2\n", "3"]
+    blocked, calc = (t["children"][0] for t in tree["children"][:2])
+    assert blocked == {"name": "cat", "span_type": "TOOL", "inputs": {"command": "cat .answers"},
+                       "outputs": {"output": "error"}, "status": "ERROR",
+                       "attributes": {"guard.allowed": False, "guard.rules": ["hidden_file", "copy_answer"],
+                                      "executed": False, "exit_code": None}}
+    assert calc["status"] == "OK" and calc["outputs"] == {"output": "3"} and calc["attributes"]["exit_code"] == 0
+    assert tree["children"][2]["children"] == []  # the answer: no tool
+    # recorded: the calls column round-trips, and the sampled tool episode goes to the run as a trace
+    tracker = Tracker()
+    rec = Recorder(RecordConfig(every=1, sample=4), str(tmp_path / "s"), tracker)
+    rec.record(3, [tool_row()], lambda r: r)
+    df = read_rollouts(str(tmp_path / "s"))
+    assert [c["command"] for c in df.calls[0]] == ["cat .answers", "calc 1+2"] and list(df.calls[0][0]["rules"]) == \
+        ["hidden_file", "copy_answer"]
+    assert [t["name"] for t in tracker.traces] == ["specialist tool_add step 3"]
+
+
+def test_the_trace_lands_in_a_real_mlflow_run(tmp_path):
+    from mlflow import MlflowClient
+
+    from infra.tracking import Tracker as MlflowTracker
+
+    tracker = MlflowTracker(runs_root=tmp_path, experiment="records")
+    run = tracker.start_parent("spec")
+    trace_id = tracker.log_trace(episode_trace(tool_row()))
+    (trace,) = MlflowClient(tracker.tracking_uri).search_traces(locations=[tracker.experiment_id], run_id=run)
+    assert trace.info.trace_id == trace_id
+    spans = {s.name: s for s in trace.data.spans}
+    assert sorted(spans) == ["calc", "cat", "specialist tool_add step 3", "turn 1", "turn 2", "turn 3"]
+    assert spans["cat"].status.status_code == "ERROR" and spans["cat"].attributes["guard.allowed"] is False
+    assert spans["cat"].parent_id == spans["turn 1"].span_id and spans["calc"].inputs == {"command": "calc 1+2"}
