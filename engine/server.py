@@ -143,6 +143,22 @@ def _resolver(request: web.Request, fut: asyncio.Future):
     return box["w"].resolver(fut)
 
 
+def _all_done(request: web.Request, fut: asyncio.Future, seqs: list[Seq]):
+    """`Seq.on_done` for every sequence of one request: resolves `fut` (through `_resolver`) once all of `seqs` have
+    finished, so a batch wakes the event loop once, not once per burst of finished sequences (a sampled batch ends
+    over many decode steps). Counts distinct sequences (a repeated call changes nothing)."""
+    resolve = _resolver(request, fut)
+    lock, waiting = threading.Lock(), {id(s) for s in seqs}
+
+    def done(seq: Seq) -> None:
+        with lock:
+            waiting.discard(id(seq))
+            last = not waiting
+        if last:
+            resolve(seq)
+    return done
+
+
 def _limits(engine: Engine, app: web.Application) -> Limits:
     return Limits(vocab_size=engine.vocab_size, context_len=engine.context_len,
                   max_total_tokens=engine.max_total_tokens, max_seqs=app[LIMITS]["max_seqs"],
@@ -164,13 +180,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     seqs = [Seq(spec) for spec in req.seqs]
     if req.stream:
         return await _stream(request, engine, req.is_single, seqs)
-    loop = asyncio.get_running_loop()
-    futs = [loop.create_future() for _ in seqs]
-    for s, f in zip(seqs, futs):
-        s.on_done = _resolver(request, f)
+    fut = asyncio.get_running_loop().create_future()
+    on_done = _all_done(request, fut, seqs)
+    for s in seqs:
+        s.on_done = on_done
     engine.submit(seqs)
     try:
-        await asyncio.gather(*futs)
+        await fut
     except asyncio.CancelledError:  # client went away: free the batch slots
         engine.abort_seqs(seqs, "client disconnected")
         raise
