@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "record_cost.json")
     ap.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
     ap.add_argument("--domain", default="reverse")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=None, help="specialist steps per mode (default 60; --quick: 20)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the specialist (the demo's: 1)")
     ap.add_argument("--quick", action="store_true", help="20 steps (the CI test)")
     add_check(ap, "full > 5% or default > 1% of step time")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.steps = 20
+    if args.steps is None:
+        args.steps = 20 if args.quick else 60
     meta = start_meta()
     from infra.models import init_model_dir
 

@@ -10,7 +10,7 @@ Both RL trainers (teachers/specialist.py, student/trainer.py) hand each step's t
 One file per recorded step, `<out_url>/rollouts/step-<step:06d>.parquet` beside the trainer's checkpoints (local or
 S3: infra/storage.py); a resumed run rewrites the steps it repeats, so a step's file is the step that trained. The
 recorded text columns of the sample also go to the MLflow run as a table (`rollouts/<domain>.json`, one artifact the
-UI shows as a table, rows appended per recorded step).
+UI shows as a table, rows appended per sampled step; with `full` too, only the sample's steps and rows go there).
 
 Columns (`SCHEMA`, version `SCHEMA_VERSION` in the file's metadata; a list column is one value per response token):
 
@@ -141,9 +141,12 @@ class Recorder:
             to_parquet([])  # pyarrow imported and its Parquet writer set up now, not in the first recorded step
 
     def wants(self, step: int) -> bool:
-        """Whether step `step` is recorded: every step with `full`, else every `every` steps and the last."""
-        if self.cfg.full:
-            return True
+        """Whether step `step` is recorded: every step with `full`, else the sample's steps (`sampled`)."""
+        return bool(self.cfg.full) or self.sampled(step)
+
+    def sampled(self, step: int) -> bool:
+        """Whether step `step` is one of the sample's: every `every` steps and the last. Only those go to MLflow
+        (the table and the traces), also with `full`."""
         if not self.cfg.every or not self.cfg.sample:
             return False
         return step % self.cfg.every == 0 or step == self.last_step
@@ -181,7 +184,7 @@ class Recorder:
             return None
         self.written.append(url)
         self.bytes += len(data)
-        if self.tracker is not None:
+        if getattr(self.tracker, "run_id", None) is not None and self.sampled(step):  # an MLflow run to show it in
             shown = pick_sample(rows, self.cfg.sample, step, lambda r: r.sample_id) if self.cfg.full else rows
             self._log_table(shown)
             for r in shown:

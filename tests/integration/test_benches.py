@@ -9,7 +9,8 @@ every JSON's `meta`.
 miss (`--target 0`: no ratio is ≤ 0) exits 1 and still writes its JSON; teacher_scaling's quick run has no N = 12,
 so it cannot judge its target (2); scoring_transport has no target (0: it ran); a small loss_memory run with a
 reachable target (`--target 100`) exits 0; async_specialists with a planted miss (`--target 100`: its stage 100×
-faster than the reference's, here this very tree run fresh) exits 1.
+faster than the reference's, here this very tree run fresh) exits 1. record_cost runs a specialist three times (record
+off, default, full) for 6 steps each, without `--check` (its ratio on a loaded CI machine judges nothing).
 
 They run at once (separate processes): on 2 cores their start-ups (imports, server launches) overlap.
 """
@@ -30,11 +31,13 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 BENCHES = {"teacher_scaling": "teacher_scaling", "overhead": "overhead", "trl_compare": "trl_compare",
            "april_demo": "april", "scoring_transport": "scoring_transport",
-           "loss_memory": "loss_memory", "async_specialists": "async_specialists"}  # name → bench/<script>.py
+           "loss_memory": "loss_memory", "async_specialists": "async_specialists",
+           "record_cost": "record_cost"}  # name → bench/<script>.py
 EXTRA = {"april_demo": ["--workload", "demo"], "overhead": ["--check", "--target", "0"],
          "teacher_scaling": ["--check"], "scoring_transport": ["--check"],
          "loss_memory": ["--variants", "topk_kl", "--vocab", "4096", "--check", "--target", "100"],
-         "async_specialists": ["--reference-tree", str(REPO), "--check", "--target", "100"]}
+         "async_specialists": ["--reference-tree", str(REPO), "--check", "--target", "100"],
+         "record_cost": ["--steps", "6"]}
 # --check's exit code where it is not 0 (see the module docstring)
 RC = {"overhead": 1, "teacher_scaling": 2, "async_specialists": 1}
 
@@ -269,3 +272,19 @@ def test_scoring_transport_shape(results):
         pr = p["parse"]
         assert pr["pairs"] == pr["batch_sequences"] * cfg["response_len"] * (cfg["top_k"] + 1)
         assert pr["body_bytes"]["binary"] < pr["body_bytes"]["json"]
+
+
+def test_record_cost_shape(results):
+    """Three runs of one specialist (record off, the default sample, the full record): the files each wrote, and the
+    cost computed from the recorder's own seconds over the same run's step seconds."""
+    r = results["record_cost"]
+    runs = r["runs"]
+    assert [runs[m]["steps"] for m in ("off", "default", "full")] == [6, 6, 6]
+    assert [runs[m]["records"]["files"] for m in ("off", "default", "full")] == [0, 1, 6]  # default: the last step
+    assert runs["off"]["records"]["bytes"] == 0 < runs["default"]["records"]["bytes"] < runs["full"]["records"]["bytes"]
+    for m in ("default", "full"):
+        assert runs[m]["cost"] == pytest.approx(runs[m]["records"]["seconds"] / runs[m]["step_s_sum"], rel=1e-3)
+    assert r["target"]["full_max"] == 0.05 and r["target"]["default_max"] == 0.01
+    assert r["target"]["met"] == (r["target"]["met_full"] and r["target"]["met_default"])
+    meta_shape(r["meta"], "record_cost")
+    assert r["config"]["steps"] == 6

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.unit
 class Tracker:
     """Collects what `log_table` and `log_trace` are given (the Recorder's only calls on a tracker)."""
 
+    run_id = "run-1"  # bound to a run (a NoopTracker's is None: nothing is logged)
+
     def __init__(self):
         self.tables: list[tuple[str, list[dict]]] = []
         self.traces: list[dict] = []
@@ -76,7 +78,7 @@ def test_written_and_read_back_with_the_schema_and_the_table(tmp_path):
 
 
 def test_full_records_every_row_of_every_step(tmp_path):
-    rec = Recorder(RecordConfig(every=0, sample=2, full=True), str(tmp_path / "s"), Tracker())
+    rec = Recorder(RecordConfig(every=1, sample=2, full=True), str(tmp_path / "s"), Tracker())
     for step in (1, 2):
         rec.record(step, range(6), lambda i, step=step: row(step, i, "reverse" if i < 3 else "copy"),
                    sample_id=lambda i: f"s{i}")
@@ -159,3 +161,15 @@ def test_the_trace_lands_in_a_real_mlflow_run(tmp_path):
     assert sorted(spans) == ["calc", "cat", "specialist tool_add step 3", "turn 1", "turn 2", "turn 3"]
     assert spans["cat"].status.status_code == "ERROR" and spans["cat"].attributes["guard.allowed"] is False
     assert spans["cat"].parent_id == spans["turn 1"].span_id and spans["calc"].inputs == {"command": "calc 1+2"}
+
+
+def test_full_records_go_to_mlflow_only_on_the_sample_steps(tmp_path):
+    from infra.tracking import NoopTracker
+
+    tracker = Tracker()
+    rec = Recorder(RecordConfig(every=5, sample=1, full=True), str(tmp_path / "s"), tracker, last_step=7)
+    for step in range(1, 8):
+        rec.record(step, range(3), lambda i, step=step: row(step, i), sample_id=lambda i: f"s{i}")
+    assert len(rec.written) == 7 and [len(rows) for _, rows in tracker.tables] == [1, 1]  # steps 5 and 7
+    quiet = Recorder(RecordConfig(every=1, sample=2), str(tmp_path / "q"), NoopTracker())
+    assert quiet.record(1, range(3), lambda i: row(1, i), sample_id=lambda i: f"s{i}") is not None  # no run: no table
