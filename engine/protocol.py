@@ -378,10 +378,19 @@ def logprob_pairs(spec: SeqSpec, res: SeqResult) -> int:
 
 
 class TokenText:
-    """Per-token text for `return_text_in_logprobs` (cached: the same ids recur on every request)."""
+    """Per-token text for `return_text_in_logprobs` (cached: the same ids recur on every request), and the text of
+    an empty completion (`empty`)."""
 
     def __init__(self, tokenizer):
         self.tok, self.cache = tokenizer, {}
+        self._empty: dict[bool, str] = {}
+
+    def empty(self, skip_special_tokens: bool) -> str:
+        """`tokenizer.decode([], skip_special_tokens=...)` (every scoring answer's text), decoded once per flag."""
+        text = self._empty.get(skip_special_tokens)
+        if text is None:
+            text = self._empty[skip_special_tokens] = self.tok.decode([], skip_special_tokens=skip_special_tokens)
+        return text
 
     def __call__(self, token_id: int) -> str:
         s = self.cache.get(token_id)
@@ -390,15 +399,20 @@ class TokenText:
         return s
 
 
-def output_text(tokenizer, spec: SeqSpec, res: SeqResult, upto: int | None = None) -> str:
+def output_text(tokenizer, spec: SeqSpec, res: SeqResult, upto: int | None = None,
+                token_text: TokenText | None = None) -> str:
     """Decoded completion. A matched stop token is not part of the text and a matched stop string cuts the text
-    where it starts (SGLang detokenizer `trim_matched_stop`), unless `no_stop_trim`."""
+    where it starts (SGLang detokenizer `trim_matched_stop`), unless `no_stop_trim`. `token_text`: decode through
+    it for an empty completion (`TokenText.empty`: the same text, decoded once)."""
     ids = res.output_ids if upto is None else res.output_ids[:upto]
     fr = res.finish_reason if upto is None else None
     s = spec.sampling
     if fr and fr.get("type") == "stop" and not s.no_stop_trim and isinstance(fr.get("matched"), int) and ids:
         ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=s.skip_special_tokens)
+    if not ids and token_text is not None and token_text.tok is tokenizer:
+        text = token_text.empty(s.skip_special_tokens)
+    else:
+        text = tokenizer.decode(ids, skip_special_tokens=s.skip_special_tokens)
     if upto is not None:
         # a streamed prefix may end inside a multi-byte character (byte-level BPE): hold its bytes back (they decode
         # to U+FFFD) until the token that completes it arrives, as SGLang's detokenizer does
@@ -444,4 +458,5 @@ def build_output(tokenizer, spec: SeqSpec, res: SeqResult, weight_version: str, 
     meta["cached_tokens"] = 0
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
-    return {"text": output_text(tokenizer, spec, res, upto), "output_ids": list(res.output_ids[:n_out]), "meta_info": meta}
+    return {"text": output_text(tokenizer, spec, res, upto, token_text), "output_ids": list(res.output_ids[:n_out]),
+            "meta_info": meta}
