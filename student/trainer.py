@@ -252,7 +252,8 @@ class DistillTrainer:
         # next batch trains, and the producer's gate (`wait_version`) waits for the load only when staleness needs it
         await self.policy.push(self.backend, self.tok, version + 1, wait=False)
         self.timing["push_s"] += time.perf_counter() - t
-        self.recorder.record(version + 1, fresh, lambda s: self.rollout_row(s, version))
+        self.recorder.record(version + 1, fresh, lambda s: self.rollout_row(s, version),
+                             meta={"version": version, "metrics": metrics})
         # commit point of this batch (in memory; durable at the next checkpoint, together with the weights)
         self.ledger.mark_trained(s.episode for s in fresh)
         st.dropped.update(dropped)
@@ -328,7 +329,10 @@ class DistillTrainer:
                           loss_mask=None if s.loss_mask is None else list(s.loss_mask),
                           blocked_calls=s.blocked_calls,
                           tool_calls=count_tool_calls(response) if hasattr(self.domains.get(s.domain), "env") else 0,
-                          calls=list(s.calls) or None)
+                          calls=list(s.calls) or None, token_versions=[s.version] * len(s.output_ids),
+                          teacher_topk_ids=None if s.teacher_topk_ids is None else np.asarray(s.teacher_topk_ids).tolist(),
+                          teacher_topk_logprobs=None if s.teacher_topk_logprobs is None
+                          else np.asarray(s.teacher_topk_logprobs).tolist())
 
     # -- eval, checkpoint, summary ----------------------------------------------------------------------------------
     async def _evaluate(self) -> dict:

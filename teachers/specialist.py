@@ -288,7 +288,7 @@ class SpecialistTrainer:
         self.buffer.mark_trained(s.sample_id for s in samples)
         self.state.step = version + 1
         self.recorder.record(self.state.step, zip(rows, b.row_rewards), lambda sr: self.rollout_row(*sr, version),
-                             sample_id=lambda sr: sr[0].sample_id)
+                             sample_id=lambda sr: sr[0].sample_id, meta={"version": version, "metrics": m})
         self.state.cursor = self.cursor.cursor
         for k, v in guard.items():
             self.state.guard_totals[k] = self.state.guard_totals.get(k, 0) + v
@@ -328,7 +328,7 @@ class SpecialistTrainer:
                           reward=float(reward), finish_reason=s.finish_reason, loss_mask=list(s.loss_mask) or None,
                           blocked_calls=s.blocked_calls,
                           tool_calls=count_tool_calls(response) if hasattr(self.domain, "env") else 0,
-                          calls=list(s.calls) or None)
+                          calls=list(s.calls) or None, token_versions=list(s.token_versions))
 
     def _perf(self, rows: list[Sample], m: dict, train_s: float) -> dict:
         """This step's `perf/train_tokens_per_s` (positions of the rows over the update's time) and `perf/mfu` (one

@@ -31,17 +31,22 @@ Columns (`SCHEMA`, version `SCHEMA_VERSION` in the file's metadata; a list colum
     finish_reason       "stop" | "length" | ...
     blocked_calls       tool calls the guard blocked in the episode
     tool_calls          tool calls in the response (`domains.tools.count_tool_calls`; 0 for a plain domain)
+    token_versions      the weights version of each response token (a resumed partial's are older: APRIL)
+    teacher_topk_ids,   the teacher's top-k ids and log-probs at each response token (the student's rows with a
+    teacher_topk_logprobs  top-k loss; null otherwise)
     calls               the episode's tool calls as the env recorded them: command, output, executed, guard_allowed,
                         rules (the guard's rules hit), exit_code (a compacted episode's sub-traces each carry all)
 
 Each recorded tool episode of the sample also goes to the run as an MLflow trace (`episode_trace`): a span per
 turn, a child span per tool call with its command, output, guard verdict and rules (a blocked call's span is an
-ERROR). `read_rollouts(prefix)` reads them back as one DataFrame (`alloy rollouts` prints, filters and diffs them).
+ERROR). The file's metadata holds the step itself (`step_meta`): the weights version the update started from and its metrics
+(losses), what a replay of the step compares against. `read_rollouts(prefix)` reads the rows back as one DataFrame (`alloy rollouts` prints, filters and diffs them).
 """
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -78,6 +83,9 @@ class RolloutRow:
     blocked_calls: int = 0
     tool_calls: int = 0
     calls: list[dict] | None = None
+    token_versions: list[int] | None = None
+    teacher_topk_ids: list[list[int]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
 
 
 def schema():
@@ -95,15 +103,18 @@ def schema():
         ("calls", pa.list_(pa.struct([("command", pa.string()), ("output", pa.string()), ("executed", pa.bool_()),
                                       ("guard_allowed", pa.bool_()), ("rules", pa.list_(pa.string())),
                                       ("exit_code", pa.int32())]))),
+        ("token_versions", ints), ("teacher_topk_ids", pa.list_(ints)), ("teacher_topk_logprobs", pa.list_(floats)),
     ], metadata={"schema": SCHEMA_VERSION})
 
 
-def to_parquet(rows: list[RolloutRow]) -> bytes:
-    """`rows` as the bytes of one Parquet file with `schema()`."""
+def to_parquet(rows: list[RolloutRow], meta: dict | None = None) -> bytes:
+    """`rows` as the bytes of one Parquet file with `schema()`; `meta` (JSON-able) in its metadata as `step`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     sch = schema()
+    if meta is not None:
+        sch = sch.with_metadata({**sch.metadata, b"step": json.dumps(meta, default=float).encode()})
     cols = {name: [getattr(r, name) for r in rows] for name in sch.names}
     buf = io.BytesIO()
     pq.write_table(pa.Table.from_pydict(cols, schema=sch), buf, compression="zstd")
@@ -152,15 +163,15 @@ class Recorder:
         return step % self.cfg.every == 0 or step == self.last_step
 
     def record(self, step: int, samples: Iterable[T], row_of: Callable[[T], RolloutRow],
-               sample_id: Callable[[T], str] = lambda s: s.sample_id) -> str | None:
+               sample_id: Callable[[T], str] = lambda s: s.sample_id, meta: dict | None = None) -> str | None:
         """Write step `step`'s samples (all with `full`, else the sample, chosen before `row_of` turns them into
-        rows: only recorded samples are decoded); returns the file's URL, or None when the step is not recorded.
-        A failed write is logged and skipped: a record never stops training."""
+        rows: only recorded samples are decoded) and `meta` (the step: version, metrics); returns the file's URL,
+        or None when the step is not recorded. A failed write is logged and skipped: a record never stops training."""
         if not self.wants(step):
             return None
         t0 = time.perf_counter()
         try:
-            return self._record(step, list(samples), row_of, sample_id)
+            return self._record(step, list(samples), row_of, sample_id, meta)
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -168,7 +179,7 @@ class Recorder:
         """What the trainer's summary reports: files and bytes written, seconds spent."""
         return {"files": len(self.written), "bytes": self.bytes, "seconds": round(self.seconds, 4)}
 
-    def _record(self, step: int, samples: list, row_of, sample_id) -> str | None:
+    def _record(self, step: int, samples: list, row_of, sample_id, meta: dict | None) -> str | None:
         kept = samples if self.cfg.full else pick_sample(samples, self.cfg.sample, step, sample_id)
         if not kept:
             return None
@@ -177,7 +188,7 @@ class Recorder:
         url = step_url(self.out_url, step)
         try:
             rows = [row_of(s) for s in kept]
-            data = to_parquet(rows)
+            data = to_parquet(rows, {"step": step, **(meta or {})})
             write_bytes(url, data, durable=False)  # renamed into place whole; not fsynced (a record, not a checkpoint)
         except Exception as e:  # noqa: BLE001 (storage or encoding: the step trains on regardless)
             log.warning("rollout records: step %d not written to %s: %s", step, url, e)
@@ -278,3 +289,14 @@ def episode_trace(row: RolloutRow) -> dict:
                            "staleness": row.staleness, "weight_version": row.weight_version,
                            "blocked_calls": row.blocked_calls, "finish_reason": row.finish_reason},
             "children": turns}
+
+
+def step_meta(prefix: str, step: int) -> dict:
+    """The metadata of step `step`'s record under `prefix` (a trainer's `out_url`): {"step", "version", "metrics"}."""
+    import pyarrow.parquet as pq
+
+    from infra.storage import read_bytes
+
+    url = step_url(prefix.rstrip("/").removesuffix(f"/{FOLDER}"), step)
+    md = pq.read_schema(io.BytesIO(read_bytes(url))).metadata or {}
+    return json.loads(md.get(b"step", b"{}"))

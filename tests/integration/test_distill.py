@@ -105,6 +105,8 @@ def test_distill_flow_three_teachers_kl_down_scores_up(models, tmp_path, prefect
     assert all(len(o) == len(t) == len(b) for o, t, b in zip(recs.output_ids, recs.teacher_logprobs,
                                                              recs.behaviour_logprobs))
     assert {a.path for a in client.list_artifacts(child, "rollouts")} <= {f"rollouts/{d}.json" for d in DOMAINS}
+    top = recs.iloc[0]  # topk_kl: the teacher's top-16 at every response token
+    assert len(top.teacher_topk_ids) == len(top.output_ids) and all(len(k) == 16 for k in top.teacher_topk_ids)
 
 
 def test_sampled_rkl_on_policy_importance_ratio_is_one(models, tmp_path):

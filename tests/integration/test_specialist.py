@@ -89,6 +89,10 @@ def test_specialist_beats_base_and_logs_every_metric(base, tmp_path, monkeypatch
     assert (recs.domain == "reverse").all() and (recs.staleness >= 0).all() and recs.reward.between(0, 1).all()
     assert all(len(o) == len(lp) > 0 for o, lp in zip(recs.output_ids, recs.behaviour_logprobs))
     assert [a.path for a in client.list_artifacts(child, "rollouts")] == ["rollouts/reverse.json"]
+    from training.rollout_records import step_meta
+
+    last = step_meta(f"file://{tmp_path}/spec", 150)  # the step itself: its version and losses, for a replay
+    assert last["version"] == 149 and last["metrics"]["vf_loss"] == pytest.approx(out["history"][-1]["value_loss"])
 
 
 def test_early_stop_and_the_best_validating_policy_is_the_specialist_per_domain_settings(base, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from infra.config import RecordConfig
 from training.rollout_records import (SCHEMA_VERSION, Recorder, RolloutRow, episode_trace, pick_sample,
-                                      read_rollouts, schema, step_url)
+                                      read_rollouts, schema, step_meta, step_url)
 
 pytestmark = pytest.mark.unit
 
@@ -173,3 +173,15 @@ def test_full_records_go_to_mlflow_only_on_the_sample_steps(tmp_path):
     assert len(rec.written) == 7 and [len(rows) for _, rows in tracker.tables] == [1, 1]  # steps 5 and 7
     quiet = Recorder(RecordConfig(every=1, sample=2), str(tmp_path / "q"), NoopTracker())
     assert quiet.record(1, range(3), lambda i: row(1, i), sample_id=lambda i: f"s{i}") is not None  # no run: no table
+
+
+def test_a_step_record_holds_what_a_replay_needs(tmp_path):
+    """Token versions, the teacher's top-k, and the step itself (version, losses) in the file's metadata."""
+    r = row(4, 1)
+    r.token_versions, r.teacher_topk_ids, r.teacher_topk_logprobs = [3, 2], [[4, 9], [5, 1]], [[-0.5, -1.5], [-0.25, -2.0]]
+    rec = Recorder(RecordConfig(every=1, sample=4), f"file://{tmp_path}/st")
+    rec.record(4, [r], lambda x: x, meta={"version": 3, "metrics": {"loss": 0.125, "kl": 2.5}})
+    got = read_rollouts(f"file://{tmp_path}/st").iloc[0]
+    assert list(got.token_versions) == [3, 2] and [list(x) for x in got.teacher_topk_ids] == [[4, 9], [5, 1]]
+    assert [list(x) for x in got.teacher_topk_logprobs] == [[-0.5, -1.5], [-0.25, -2.0]]
+    assert step_meta(f"file://{tmp_path}/st", 4) == {"step": 4, "version": 3, "metrics": {"loss": 0.125, "kl": 2.5}}
