@@ -73,28 +73,39 @@ def student_guards(cfg, domains: dict) -> dict[str, Guard | None]:
     return out
 
 
+def build_student(cfg, domains: dict, student_init: str, out_url: str, work_dir: str | Path, tracker,
+                  teachers: dict[str, str] | None = None, on_step=None) -> DistillTrainer:
+    """The OPD student's trainer from `student_init` (nothing served yet), after joining torch.distributed: the
+    trainer of `run_distillation`, and of a replay (student/replay.py). Rank 0 scores through `teachers`
+    ({domain: url}; None: no scorer, as on a rank > 0 or in a replay) and runs tool episodes under the guards."""
+    dc = cfg.distill
+    tok, backend = trainable(student_init, train_settings(dc.train, max(dc.steps, 1), cfg.run.seed))
+    ranks = Ranks()
+    main = ranks.is_main  # rank 0 samples and scores; a rank > 0 only trains its shards of rank 0's batches
+    scorer = TeacherScorer(teacher_clients(teachers, dc, cfg.engine.api_key),
+                           top_k=dc.top_k if get_loss(dc.loss).needs_teacher_topk else 0,
+                           batch_size=dc.score_batch_size, vocab_size=len(tok),
+                           attempts=dc.score_attempts) if main and teachers is not None else None
+    # the specialists' compaction of long tool episodes, per domain (`specialists.per_domain` merged in): the
+    # student's episodes follow it (sampled and trained as sub-traces on the contexts the teachers were trained on)
+    return DistillTrainer(dc, backend, tok, None, scorer, domains, out_url=out_url, work_dir=Path(work_dir),
+                          tracker=tracker, seed=cfg.run.seed, eval_max_new_tokens=cfg.eval.max_new_tokens,
+                          eval_batch_size=cfg.eval.batch_size, on_step=on_step, ranks=ranks,
+                          chat_template=cfg.model.chat_template, compaction=compactions_of(cfg.specialists, domains),
+                          guards=student_guards(cfg, domains) if main else None)
+
+
 def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, str], out_url: str,
                      work_dir: str | Path, tracker, on_step=None) -> dict:
     """Distill `teachers` ({domain: url}) into the student initialised from `student_init` (HF dir); returns the
     trainer summary plus `student_checkpoint` (the committed `final/` URL) and `student_dir` (a local HF copy)."""
     dc, work = cfg.distill, Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    tok, backend = trainable(student_init, train_settings(dc.train, max(dc.steps, 1), cfg.run.seed))
-    ranks = Ranks()
-    main = ranks.is_main  # rank 0 samples and scores; a rank > 0 only trains its shards of rank 0's batches
-    scorer = TeacherScorer(teacher_clients(teachers, dc, cfg.engine.api_key),
-                           top_k=dc.top_k if get_loss(dc.loss).needs_teacher_topk else 0,
-                           batch_size=dc.score_batch_size, vocab_size=len(tok), attempts=dc.score_attempts) if main else None
-    # the specialists' compaction of long tool episodes, per domain (`specialists.per_domain` merged in): the
-    # student's episodes follow it (sampled and trained as sub-traces on the contexts the teachers were trained on)
-    trainer = DistillTrainer(dc, backend, tok, None, scorer, domains, out_url=out_url, work_dir=work,
-                             tracker=tracker, seed=cfg.run.seed, eval_max_new_tokens=cfg.eval.max_new_tokens,
-                             eval_batch_size=cfg.eval.batch_size, on_step=on_step, ranks=ranks,
-                             chat_template=cfg.model.chat_template, compaction=compactions_of(cfg.specialists, domains),
-                             guards=student_guards(cfg, domains) if main else None)
+    trainer = build_student(cfg, domains, student_init, out_url, work, tracker, teachers, on_step)
+    backend, scorer = trainer.raw_backend, trainer.scorer
 
     def finish(summary: dict, final: Path) -> dict:
-        trainer.backend.save_hf(final, tokenizer=tok)  # on rank 0 of several: announced to the other ranks
+        trainer.backend.save_hf(final, tokenizer=trainer.tok)  # on rank 0 of several: announced to the other ranks
         _, slim = checkpoint_rule(dc.keep_checkpoints, on_gpu=backend.device.type != "cpu")
         summary["student_checkpoint"] = commit_final(final, out_url, trainer.state.step,
                                                      meta={"stage": "student", "steps": trainer.state.step},
@@ -102,10 +113,10 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
         summary["student_dir"] = str(final)
         return summary
 
-    return run_stage(trainer, ranks, engine_cfg=cfg.engine, work=work, init_dir=student_init, server_name="student",
-                     server_dir="student-server", seed=cfg.run.seed, backends=(backend,), finish=finish,
-                     attach=lambda server: setattr(trainer, "policy", server),
-                     closers={id(c): c for c in scorer.clients.values()}.values() if main else ())
+    return run_stage(trainer, trainer.ranks, engine_cfg=cfg.engine, work=work, init_dir=student_init,
+                     server_name="student", server_dir="student-server", seed=cfg.run.seed, backends=(backend,),
+                     finish=finish, attach=lambda server: setattr(trainer, "policy", server),
+                     closers={id(c): c for c in scorer.clients.values()}.values() if scorer is not None else ())
 
 
 def parse_teachers(raw: str) -> dict[str, str]:

@@ -103,7 +103,7 @@ class DistillTrainer:
         self.ranks = ranks or Ranks()
         raw, backend = backend, led(backend, self.ranks, "student")
         self.loss = get_loss(dc.loss)  # the OPD loss, looked up once; it says what it needs (teacher top-k)
-        self._raw = raw  # the update runs on the backend itself on every rank, never the led one (`update_shard`)
+        self.raw_backend = raw  # the backend itself: the update runs on it on every rank, never the led one
         self.ranks.on(self.update_shard)
         self.dc, self.backend, self.tok, self.policy, self.scorer = dc, backend, tokenizer, policy, scorer
         self.domains, self.out_url, self.work_dir, self.tracker = domains, out_url, Path(work_dir), tracker
@@ -239,7 +239,7 @@ class DistillTrainer:
         metrics: dict = {}
         if fresh:
             t = time.perf_counter()
-            metrics = await asyncio.to_thread(self._update, fresh, version)
+            metrics = await asyncio.to_thread(self.update, fresh, version)
             train_s = time.perf_counter() - t
             self.timing["train_s"] += train_s
             self.train_tokens += sum(len(s.prompt_ids) + len(s.output_ids) for s in fresh)  # positions trained
@@ -253,7 +253,7 @@ class DistillTrainer:
         await self.policy.push(self.backend, self.tok, version + 1, wait=False)
         self.timing["push_s"] += time.perf_counter() - t
         self.recorder.record(version + 1, fresh, lambda s: self.rollout_row(s, version),
-                             meta={"version": version, "metrics": metrics})
+                             meta={"version": version, "rows": len(fresh), "metrics": metrics})
         # commit point of this batch (in memory; durable at the next checkpoint, together with the weights)
         self.ledger.mark_trained(s.episode for s in fresh)
         st.dropped.update(dropped)
@@ -308,13 +308,14 @@ class DistillTrainer:
                 **{f"throughput/{k}": v for k, v in self.throughput().items()}}
 
     # -- one update (worker thread) ---------------------------------------------------------------------------------
-    def _update(self, samples: list[StudentSample], version: int) -> dict:
-        """One optimizer step over `samples`: rank 0 announces it and every rank runs its shard (`update_shard`)."""
+    def update(self, samples: list[StudentSample], version: int) -> dict:
+        """One optimizer step of weights `version` over `samples` (the loop's; a replayed step's: student/replay.py):
+        rank 0 announces it and every rank runs its shard (`update_shard`). Returns its metrics."""
         return self.ranks.call(self.update_shard, samples, version)
 
     def update_shard(self, samples: list[StudentSample], version: int) -> dict:
         """This rank's shard of one optimizer step over the global batch `samples` (`opd_update`)."""
-        return opd_update(self._raw, samples, version, self.dc, self.loss, self.tok.pad_token_id,
+        return opd_update(self.raw_backend, samples, version, self.dc, self.loss, self.tok.pad_token_id,
                           rank=self.ranks.rank, world=self.ranks.world_size)
 
     def rollout_row(self, s: StudentSample, version: int) -> RolloutRow:

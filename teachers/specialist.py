@@ -97,7 +97,7 @@ class SpecialistTrainer:
         self.ranks = ranks or Ranks()
         # the update runs on every rank inside the announced call: on the backends themselves (bound here, before
         # `led` wraps them), never the led ones, whose collective methods would announce a call of their own
-        self._raw = (policy, critic)
+        self.backends = (policy, critic)  # the DeepSpeed backends themselves (`policy`, `critic` may be led)
         self.ranks.on(self.update_shard)
         policy, critic = led(policy, self.ranks, "policy"), led(critic, self.ranks, "critic")
         self.sc, self.domain, self.tok, self.policy, self.critic = sc, domain, tokenizer, policy, critic
@@ -263,7 +263,7 @@ class SpecialistTrainer:
         m: dict[str, float] = {}
         if self._overlaps(version):
             # the update runs in a thread while this loop samples the next batch from the weights before it
-            train = asyncio.ensure_future(asyncio.to_thread(self._update, b.rows, b.row_rewards, version)
+            train = asyncio.ensure_future(asyncio.to_thread(self.update, b.rows, b.row_rewards, version)
                                           if b.rows else asyncio.sleep(0, {}))
             try:
                 nxt = asyncio.ensure_future(self._collect(version))
@@ -278,7 +278,7 @@ class SpecialistTrainer:
             await asyncio.wait({nxt})  # the server ends that batch on these weights before it loads the next ones
         else:
             if b.rows:
-                m = self._update(b.rows, b.row_rewards, version)
+                m = self.update(b.rows, b.row_rewards, version)
             train_s = time.perf_counter() - t1
         t2 = time.perf_counter()
         # synchronous: the next rollout waits for the load; async: a snapshot, the load overlaps the next update
@@ -288,7 +288,7 @@ class SpecialistTrainer:
         self.buffer.mark_trained(s.sample_id for s in samples)
         self.state.step = version + 1
         self.recorder.record(self.state.step, zip(rows, b.row_rewards), lambda sr: self.rollout_row(*sr, version),
-                             sample_id=lambda sr: sr[0].sample_id, meta={"version": version, "metrics": m})
+                             sample_id=lambda sr: sr[0].sample_id, meta={"version": version, "rows": len(rows), "metrics": m})
         self.state.cursor = self.cursor.cursor
         for k, v in guard.items():
             self.state.guard_totals[k] = self.state.guard_totals.get(k, 0) + v
@@ -350,7 +350,9 @@ class SpecialistTrainer:
         return {"train_tokens_per_s": self.work["tokens"] / s if s else None,
                 "mfu": mfu(self.work.get("flops"), s, self.policy.peak_tflops)}
 
-    def _update(self, samples: list[Sample], rewards: list[float], version: int) -> dict:
+    def update(self, samples: list[Sample], rewards: list[float], version: int) -> dict:
+        """One PPO update of weights `version` on `samples` with their `rewards` (the loop's; a replayed step's:
+        teachers/replay.py). Returns its metrics."""
         # every reward equal (all 0 on a hard domain, all 1 on a solved one): the whitened advantages would be pure
         # critic noise, and following them drifts the policy (seen as collapse to empty answers); train the critic only
         no_signal = max(rewards) - min(rewards) < 1e-9
@@ -359,7 +361,7 @@ class SpecialistTrainer:
 
     def update_shard(self, samples: list[Sample], rewards: list[float], version: int, critic_only: bool) -> dict:
         """This rank's shard of one PPO update over the global batch `samples` (`ppo_shard`)."""
-        policy, critic = self._raw
+        policy, critic = self.backends
         return ppo_shard(self.sc, self.tok.pad_token_id, policy, critic, self.ref_model, samples, rewards, version,
                          critic_only, rank=self.ranks.rank, world=self.ranks.world_size)
 

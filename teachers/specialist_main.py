@@ -75,28 +75,37 @@ def response_budget(cfg, domain, tokenizer) -> int:
     return token_budget(domain, tokenizer, cfg.eval.max_new_tokens)
 
 
-def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, on_step=None) -> dict:
-    """Train `domain`'s specialist from `init_dir`; returns the summary incl. `checkpoint` (final/ URL),
-    `specialist_dir` (local HF copy) and `score` (greedy eval on the held-out split, clean env for tools).
-    The stage order is every RL trainer's (`training.session.run_stage`); `select_and_commit` is this stage's end."""
-    sc, work = cfg.specialists.for_domain(domain.name), Path(work_dir)  # with specialists.per_domain merged in
-    work.mkdir(parents=True, exist_ok=True)
-    seed = cfg.run.seed
+def build_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, on_step=None,
+                     guarded: bool = True) -> SpecialistTrainer:
+    """`domain`'s PPO trainer from `init_dir` (policy, critic, KL reference; nothing served yet), after joining
+    torch.distributed: the trainer of `run_specialist`, and of a replay (teachers/replay.py). `guarded`: rank 0's
+    rollouts of a tool domain run under the anti-hack guard (`specialists.guard`)."""
+    sc, seed = cfg.specialists.for_domain(domain.name), cfg.run.seed  # with specialists.per_domain merged in
     tok, policy = trainable(init_dir, settings(sc.policy_train, sc.steps, seed))
     critic_settings = settings(sc.critic_train, sc.steps, seed)
     critic = DeepSpeedBackend(ValueModel.from_pretrained(init_dir, device=train_device(critic_settings)),
                               critic_settings)
     ref = frozen_copy(init_dir, policy) if sc.kl_coef else None  # on the policy's device, in its dtype
-    ranks = Ranks()
-    # rank 0 runs the rollouts under the guard; a rank > 0 only trains its shards of rank 0's batches
-    guard = make_guard(sc.guard) if ranks.is_main and hasattr(domain, "env") else None
-    trainer = SpecialistTrainer(sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work,
-                                tracker=tracker, seed=seed, max_new_tokens=response_budget(cfg, domain, tok),
-                                guard=guard, ref_model=ref, on_step=on_step, ranks=ranks,
-                                chat_template=cfg.model.chat_template)
-    return run_stage(trainer, ranks, engine_cfg=cfg.engine, work=work, init_dir=init_dir,
+    ranks = Ranks()  # rank 0 runs the rollouts (under the guard); a rank > 0 only trains its shards of its batches
+    guard = make_guard(sc.guard) if guarded and ranks.is_main and hasattr(domain, "env") else None
+    return SpecialistTrainer(sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work_dir,
+                             tracker=tracker, seed=seed, max_new_tokens=response_budget(cfg, domain, tok),
+                             guard=guard, ref_model=ref, on_step=on_step, ranks=ranks,
+                             chat_template=cfg.model.chat_template)
+
+
+def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, on_step=None) -> dict:
+    """Train `domain`'s specialist from `init_dir`; returns the summary incl. `checkpoint` (final/ URL),
+    `specialist_dir` (local HF copy) and `score` (greedy eval on the held-out split, clean env for tools).
+    The stage order is every RL trainer's (`training.session.run_stage`); `select_and_commit` is this stage's end."""
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    trainer = build_specialist(cfg, domain, init_dir, out_url, work, tracker, on_step)
+    guard = trainer.guard
+    return run_stage(trainer, trainer.ranks, engine_cfg=cfg.engine, work=work, init_dir=init_dir,
                      server_name=f"policy-{domain.name}", server_dir="server",
-                     seed=seed * 1009 + zlib.crc32(domain.name.encode()) % 100_003, backends=(policy, critic),
+                     seed=cfg.run.seed * 1009 + zlib.crc32(domain.name.encode()) % 100_003,
+                     backends=trainer.backends,
                      finish=lambda summary, final: select_and_commit(cfg, trainer, summary, final),
                      attach=lambda server: setattr(trainer, "server", server),
                      closers=[guard] if guard is not None else [])

@@ -300,3 +300,21 @@ def step_meta(prefix: str, step: int) -> dict:
     url = step_url(prefix.rstrip("/").removesuffix(f"/{FOLDER}"), step)
     md = pq.read_schema(io.BytesIO(read_bytes(url))).metadata or {}
     return json.loads(md.get(b"step", b"{}"))
+
+
+def recorded_step(prefix: str, step: int, at_version: int) -> tuple[Any, dict]:
+    """(rows, metadata) of step `step`'s record under `prefix`, for a replay on weights `at_version` (the trainer's
+    `state.step`): a ValueError when the record has no step metadata, the step started from other weights, or the
+    record holds only a sample of the rows its update trained on (not `record.full`)."""
+    meta = step_meta(prefix, step)
+    if "version" not in meta or "metrics" not in meta:
+        raise ValueError(f"replay: step {step}'s record under {prefix} has no step metadata (recorded before "
+                         "records held it)")
+    if at_version != meta["version"]:
+        raise ValueError(f"replay: step {step} updated weights version {meta['version']}, but the trainer holds "
+                         f"version {at_version}: resume it from the checkpoint of step {meta['version']}")
+    df = read_rollouts(prefix, steps=[step])
+    if meta.get("rows") is not None and len(df) != meta["rows"]:
+        raise ValueError(f"replay: step {step}'s record holds {len(df)} of the {meta['rows']} rows its update "
+                         "trained on (a sample: record.full was off): it cannot be replayed")
+    return df, meta

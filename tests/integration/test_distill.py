@@ -139,3 +139,37 @@ def test_sampled_rkl_on_policy_importance_ratio_is_one(models, tmp_path):
         assert stale and all(m["train/logp_abs_diff"] > 1e-3 for m in stale)  # the ratio has work to do
     finally:
         fleet.stop()
+
+
+def test_a_replayed_opd_step_reproduces_its_recorded_loss(models, tmp_path):
+    """A 3-step student (top-k KL over three teacher servers, deterministic sampling) with the full rollout record and
+    a checkpoint after every step; a fresh trainer resumes the step-2 checkpoint alone and replays step 3's record
+    (its own and the teachers' log-probs and top-16, no teacher asked): the same loss as the run, bit for bit."""
+    import shutil
+
+    from infra.storage import checkpoint_name
+    from student.distill_main import build_student, run_distillation
+    from student.replay import replay_step
+    from tasks.teachers import start_teachers
+
+    base, teachers = models
+    cfg = make_cfg(tmp_path / "runs", steps=3, eval_every=0, checkpoint_every=1, keep_checkpoints=3,
+                   deterministic=True, record={"full": True})
+    fleet = start_teachers(DOMAINS, {d: str(p) for d, p in teachers.items()}, str(base), log_dir=tmp_path / "logs",
+                           engine_cfg=cfg.engine, teachers_cfg=cfg.teachers)
+    try:
+        out = run_distillation(cfg, load_domains(cfg), str(base), fleet.endpoints(), f"file://{tmp_path}/s",
+                               tmp_path / "w", NoopTracker())
+    finally:
+        fleet.stop()
+    assert out["steps"] == 3
+    (tmp_path / "at2").mkdir()
+    shutil.copytree(tmp_path / "s" / checkpoint_name(2), tmp_path / "at2" / checkpoint_name(2))
+    trainer = build_student(cfg, load_domains(cfg), str(base), f"file://{tmp_path}/at2", tmp_path / "w2",
+                            NoopTracker())
+    trainer.resume()
+    got = replay_step(trainer, f"file://{tmp_path}/s", 3)
+    losses = sorted(k for k in got["recorded"] if not k.startswith("perf/"))
+    assert got["version"] == 2 and "train/loss" in losses, got
+    assert {k: got["replayed"][k] for k in losses} == {k: got["recorded"][k] for k in losses}  # bit for bit
+    trainer.raw_backend.close()
