@@ -188,6 +188,14 @@ def _deep_merge(base: dict, over: Mapping) -> dict:
     return out
 
 
+class DebugConfig(_Strict):
+    """A specialist's debug modes: train from recorded rollouts instead of sampling."""
+    train_only: str | None = Field(None, description="Train from the rollout records under this trainer prefix "
+                                   "(file:// or s3://, a run's `specialist-<domain>-<hash>`; `record.full` gives every "
+                                   "row) instead of sampling: no engine server, no rollouts, one update per recorded "
+                                   "step in order (teachers/replay.py). null: train as usual.")
+
+
 class SpecialistsConfig(_Strict):
     """Critic-based PPO per domain with APRIL partial rollouts (docs/architecture.md, "Critic-based PPO", "APRIL")."""
     enabled: bool = Field(True, description="Train specialists; false = the base model is every domain's teacher.")
@@ -273,6 +281,7 @@ class SpecialistsConfig(_Strict):
     log_every: int = ops_field(5, ge=1, description="Log training metrics every N steps.")
     record: RecordConfig = ops_field(RecordConfig(), description="Rollout records: a sample every N steps "
                                      "(always on), or the full record (training/rollout_records.py).")
+    debug: DebugConfig = Field(DebugConfig(), description="Debug modes (teachers/replay.py).")
     max_parallel: int = ops_field(2, ge=1, description="Specialists trained at once (local mode).")
     mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: concurrent subprocesses; deployment: "
                                                  "run_deployment of alloy-specialist/default per domain (work pool, "

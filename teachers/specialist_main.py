@@ -33,7 +33,8 @@ from infra.chat import token_budget
 from infra.checkpoint_budget import checkpoint_rule
 from training.deepspeed_backend import DeepSpeedBackend
 from training.ranks import Ranks
-from training.session import commit_final, frozen_copy, run_stage, train_device, train_settings, trainable
+from training.session import (commit_final, end_stage, fresh_final, frozen_copy, run_stage, train_device,
+                              train_settings, trainable)
 from training.worker import Worker, WorkerRun, arg
 from teachers.critic import ValueModel
 from teachers.guard import Guard, LLMJudge
@@ -100,7 +101,10 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
     The stage order is every RL trainer's (`training.session.run_stage`); `select_and_commit` is this stage's end."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    trainer = build_specialist(cfg, domain, init_dir, out_url, work, tracker, on_step)
+    train_only = cfg.specialists.for_domain(domain.name).debug.train_only
+    trainer = build_specialist(cfg, domain, init_dir, out_url, work, tracker, on_step, guarded=not train_only)
+    if train_only:
+        return train_only_stage(cfg, trainer, train_only, work)
     guard = trainer.guard
     return run_stage(trainer, trainer.ranks, engine_cfg=cfg.engine, work=work, init_dir=init_dir,
                      server_name=f"policy-{domain.name}", server_dir="server",
@@ -109,6 +113,23 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
                      finish=lambda summary, final: select_and_commit(cfg, trainer, summary, final),
                      attach=lambda server: setattr(trainer, "server", server),
                      closers=[guard] if guard is not None else [])
+
+
+def train_only_stage(cfg, trainer: SpecialistTrainer, records: str, work: Path) -> dict:
+    """`specialists.debug.train_only`: the stage with the loop replaced by training on the rollout records under
+    `records` (teachers/replay.py `train_on_records`): no engine server is started, nothing is sampled. Then the
+    stage's usual end (`select_and_commit`: the last policy, evaluated and committed). One rank only."""
+    from teachers.replay import train_on_records
+
+    if trainer.ranks.world_size > 1:
+        raise ValueError("specialists.debug.train_only trains on one rank: set specialists.policy_train.world_size "
+                         "and critic_train.world_size to 1")
+    log.info("specialist %s: training from the rollout records under %s (debug.train_only)", trainer.domain.name,
+             records)
+    trainer.resume()
+    summary = train_on_records(trainer, records)
+    summary = select_and_commit(cfg, trainer, summary, fresh_final(work))
+    return end_stage(summary, trainer.ranks, trainer.backends)
 
 
 def select_and_commit(cfg, trainer: SpecialistTrainer, summary: dict, final: Path) -> dict:

@@ -20,32 +20,81 @@ from infra.tracking import NoopTracker
 pytestmark = pytest.mark.integration
 
 
-def test_a_replayed_ppo_step_reproduces_its_recorded_losses(tmp_path):
-    from teachers.replay import LOSSES, replay_step
-    from teachers.specialist_main import build_specialist, run_specialist
+def cfg_dict(root) -> dict:
+    return {"run": {"name": "replay", "root": str(root)}, "domains": [{"name": "reverse"}],
+            "eval": {"n_eval": 8, "max_new_tokens": 10},
+            "specialists": {"steps": 3, "batch_size": 16, "checkpoint_every": 1, "keep_checkpoints": 3,
+                            "val_every": 0, "critic_warmup_steps": 1, "deterministic_rollouts": True,
+                            "record": {"full": True}}}
 
-    base = build_base(tmp_path / "base", ["reverse"], steps=40)
-    cfg = config_from_dict({
-        "run": {"name": "replay", "root": str(tmp_path)}, "domains": [{"name": "reverse"}],
-        "eval": {"n_eval": 8, "max_new_tokens": 10},
-        "specialists": {"steps": 3, "batch_size": 16, "checkpoint_every": 1, "keep_checkpoints": 3, "val_every": 0,
-                        "critic_warmup_steps": 1, "deterministic_rollouts": True, "record": {"full": True}}})
-    dom = load_domains(cfg)["reverse"]
-    out = run_specialist(cfg, dom, str(base), f"file://{tmp_path}/spec", tmp_path / "w", NoopTracker())
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A 3-step specialist with the full record and a checkpoint after every step: (root, base, its summary)."""
+    from teachers.specialist_main import run_specialist
+
+    root = tmp_path_factory.mktemp("replay")
+    base = build_base(root / "base", ["reverse"], steps=40)
+    cfg = config_from_dict(cfg_dict(root))
+    out = run_specialist(cfg, load_domains(cfg)["reverse"], str(base), f"file://{root}/spec", root / "w",
+                         NoopTracker())
     assert out["steps"] == 3
+    return root, base, out
+
+
+def test_a_replayed_ppo_step_reproduces_its_recorded_losses(recorded, tmp_path):
+    from teachers.replay import LOSSES, replay_step
+    from teachers.specialist_main import build_specialist
+
+    root, base, _ = recorded
+    cfg = config_from_dict(cfg_dict(root))
+    dom = load_domains(cfg)["reverse"]
 
     # the checkpoint the third step started from, alone under a prefix of its own: what a resume restores
     (tmp_path / "at2").mkdir()
-    shutil.copytree(tmp_path / "spec" / checkpoint_name(2), tmp_path / "at2" / checkpoint_name(2))
+    shutil.copytree(root / "spec" / checkpoint_name(2), tmp_path / "at2" / checkpoint_name(2))
     trainer = build_specialist(cfg, dom, str(base), f"file://{tmp_path}/at2", tmp_path / "w2", NoopTracker(),
                                guarded=False)
     trainer.resume()
-    got = replay_step(trainer, f"file://{tmp_path}/spec", 3)
+    got = replay_step(trainer, f"file://{root}/spec", 3)
     assert got["version"] == 2 and set(LOSSES) <= set(got["recorded"])
     for k in LOSSES:
         assert got["replayed"][k] == got["recorded"][k], (k, got)  # bit for bit, not approximately
 
     with pytest.raises(ValueError, match="step 2 updated weights version 1, but the trainer holds version 2"):
-        replay_step(trainer, f"file://{tmp_path}/spec", 2)
+        replay_step(trainer, f"file://{root}/spec", 2)
     for b in trainer.backends:
         b.close()
+
+
+def test_train_only_trains_from_the_records_with_no_engine_server(recorded, tmp_path):
+    """`specialists.debug.train_only`: the specialist process trains on the recorded run's rollouts, one update per
+    recorded step, and no engine server process serves its weights at any time (every process on the machine is
+    watched for one with this run's paths); the same rewards per step as the recording; it commits final/."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    root, base, out = recorded
+    cfg_path = tmp_path / "cfg.json"  # JSON is YAML
+    cfg_path.write_text(json.dumps(cfg_dict(root)))
+    cmd = [sys.executable, "-m", "teachers.specialist_main", "--config", str(cfg_path), "--domain", "reverse",
+           "--init", str(base), "--out", f"file://{tmp_path}/t", "--work-dir", str(tmp_path / "w"),
+           "--result", str(tmp_path / "result.json"), "--set", f"specialists.debug.train_only=file://{root}/spec"]
+    proc = subprocess.Popen(cmd, stdout=open(tmp_path / "log", "wb"), stderr=subprocess.STDOUT)
+    servers = set()
+    while proc.poll() is None:
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            line = " ".join(p.info["cmdline"] or [])
+            if "engine.server" in line and (str(base) in line or str(tmp_path) in line):
+                servers.add(p.info["pid"])
+        time.sleep(0.05)
+    assert proc.returncode == 0, (tmp_path / "log").read_text()[-3000:]
+    assert not servers and not (tmp_path / "w" / "logs").exists()
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["steps"] == 3 and res["trained_from"] == f"file://{root}/spec"
+    assert [h["reward"] for h in res["history"]] == pytest.approx([h["reward"] for h in out["history"]])
+    assert "train_only" in (tmp_path / "log").read_text() and res["checkpoint"].endswith("final")
