@@ -52,4 +52,4 @@ def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harne
         assert len(calls) >= r.tool_calls, (r.sample_id, r.tool_calls, calls)
         if "~" not in r.sample_id and r.stage == "specialist":  # a whole episode: its calls are its own
             assert r.blocked_calls == sum(not c["guard_allowed"] for c in calls), (r.sample_id, calls)
-    assert any(not c["guard_allowed"] for cs in recs.calls if cs is not None for c in cs)  # the guard blocked some
+    assert any(len(c["rules"]) for cs in recs.calls if cs is not None for c in cs)  # the rules flagged some calls
