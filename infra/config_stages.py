@@ -189,11 +189,13 @@ def _deep_merge(base: dict, over: Mapping) -> dict:
 
 
 class DebugConfig(_Strict):
-    """A specialist's debug modes: train from recorded rollouts instead of sampling."""
+    """A specialist's debug modes: train from recorded rollouts instead of sampling, or sample without training."""
     train_only: str | None = Field(None, description="Train from the rollout records under this trainer prefix "
                                    "(file:// or s3://, a run's `specialist-<domain>-<hash>`; `record.full` gives every "
                                    "row) instead of sampling: no engine server, no rollouts, one update per recorded "
                                    "step in order (teachers/replay.py). null: train as usual.")
+    rollout_only: bool = Field(False, description="Sample, score and record rollouts (`record.full: true` for every "
+                               "row) without training: the policy stays the base, every step samples from it.")
 
 
 class SpecialistsConfig(_Strict):

@@ -352,7 +352,9 @@ class SpecialistTrainer:
 
     def update(self, samples: list[Sample], rewards: list[float], version: int) -> dict:
         """One PPO update of weights `version` on `samples` with their `rewards` (the loop's; a replayed step's:
-        teachers/replay.py). Returns its metrics."""
+        teachers/replay.py). Returns its metrics; none with `debug.rollout_only` (the step samples and records only)."""
+        if self.sc.debug.rollout_only:
+            return {}
         # every reward equal (all 0 on a hard domain, all 1 on a solved one): the whitened advantages would be pure
         # critic noise, and following them drifts the policy (seen as collapse to empty answers); train the critic only
         no_signal = max(rewards) - min(rewards) < 1e-9

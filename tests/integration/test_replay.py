@@ -98,3 +98,23 @@ def test_train_only_trains_from_the_records_with_no_engine_server(recorded, tmp_
     assert res["steps"] == 3 and res["trained_from"] == f"file://{root}/spec"
     assert [h["reward"] for h in res["history"]] == pytest.approx([h["reward"] for h in out["history"]])
     assert "train_only" in (tmp_path / "log").read_text() and res["checkpoint"].endswith("final")
+
+
+def test_rollout_only_samples_and_records_without_training(tmp_path):
+    """`specialists.debug.rollout_only`: every step samples and records (the full record here), and the committed
+    policy is the base, weight for weight."""
+    from safetensors.torch import load_file
+
+    from teachers.specialist_main import run_specialist
+    from training.rollout_records import read_rollouts
+
+    base = build_base(tmp_path / "base", ["reverse"], steps=10)
+    cfg = config_from_dict({**cfg_dict(tmp_path), "specialists": {**cfg_dict(tmp_path)["specialists"],
+                                                                   "debug": {"rollout_only": True}}})
+    out = run_specialist(cfg, load_domains(cfg)["reverse"], str(base), f"file://{tmp_path}/ro", tmp_path / "w",
+                         NoopTracker())
+    assert out["steps"] == 3 and all("policy_loss" not in h and "value_loss" not in h for h in out["history"])
+    recs = read_rollouts(f"file://{tmp_path}/ro")
+    assert sorted(set(recs.step)) == [1, 2, 3] and (recs.staleness == 0).all()
+    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "ro" / "final" / "model.safetensors")
+    assert before.keys() == after.keys() and all((before[k] == after[k]).all() for k in before)
