@@ -88,6 +88,12 @@ class TeachersConfig(_Strict):
         return v
 
 
+class DistillDebugConfig(_Strict):
+    """The student's debug modes: sample and score without training."""
+    rollout_only: bool = Field(False, description="Sample, score and record (`record.full: true` for every row) "
+                               "without training: the student stays its init, every step samples from it.")
+
+
 class DistillConfig(_Strict):
     """The OPD student (docs/architecture.md, "OPD (the merge)"): it samples on-policy, each sample's domain
     teacher scores it."""
@@ -136,6 +142,7 @@ class DistillConfig(_Strict):
     log_every: int = ops_field(25, ge=1, description="Log train and per-teacher metrics every N steps.")
     record: RecordConfig = ops_field(RecordConfig(), description="Rollout records: a sample every N steps "
                                      "(always on), or the full record (training/rollout_records.py).")
+    debug: DistillDebugConfig = Field(DistillDebugConfig(), description="Debug modes.")
     threads: int = ops_field(1, ge=1, description="Torch threads of the student trainer process.")
     mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: the student trains in the pipeline's "
                                                  "flow run; deployment: run_deployment of `distill.deployment` with "

@@ -244,7 +244,8 @@ class DistillTrainer:
             self.timing["train_s"] += train_s
             self.train_tokens += sum(len(s.prompt_ids) + len(s.output_ids) for s in fresh)  # positions trained
             st.updates += 1
-            metrics.update(self._perf(fresh, train_s))
+            if metrics:  # an update ran (none with distill.debug.rollout_only)
+                metrics.update(self._perf(fresh, train_s))
         if self.dc.deterministic:  # batch version + max_staleness must still be sampled from these weights
             await self._wait_sampled(min(version + self.dc.max_staleness, self.dc.steps - 1) + 1)
         t = time.perf_counter()
@@ -310,7 +311,10 @@ class DistillTrainer:
     # -- one update (worker thread) ---------------------------------------------------------------------------------
     def update(self, samples: list[StudentSample], version: int) -> dict:
         """One optimizer step of weights `version` over `samples` (the loop's; a replayed step's: student/replay.py):
-        rank 0 announces it and every rank runs its shard (`update_shard`). Returns its metrics."""
+        rank 0 announces it and every rank runs its shard (`update_shard`). Returns its metrics; none with
+        `distill.debug.rollout_only` (the step samples, scores and records only)."""
+        if self.dc.debug.rollout_only:
+            return {}
         return self.ranks.call(self.update_shard, samples, version)
 
     def update_shard(self, samples: list[StudentSample], version: int) -> dict:

@@ -173,3 +173,29 @@ def test_a_replayed_opd_step_reproduces_its_recorded_loss(models, tmp_path):
     assert got["version"] == 2 and "train/loss" in losses, got
     assert {k: got["replayed"][k] for k in losses} == {k: got["recorded"][k] for k in losses}  # bit for bit
     trainer.raw_backend.close()
+
+
+def test_rollout_only_samples_scores_and_records_without_training(models, tmp_path):
+    """`distill.debug.rollout_only`: every step samples, the teachers score and the full record keeps it; the committed
+    student is its init, weight for weight."""
+    from safetensors.torch import load_file
+
+    from student.distill_main import run_distillation
+    from tasks.teachers import start_teachers
+    from training.rollout_records import read_rollouts
+
+    base, teachers = models
+    cfg = make_cfg(tmp_path / "runs", steps=2, eval_every=0, debug={"rollout_only": True}, record={"full": True})
+    fleet = start_teachers(DOMAINS, {d: str(p) for d, p in teachers.items()}, str(base), log_dir=tmp_path / "logs",
+                           engine_cfg=cfg.engine, teachers_cfg=cfg.teachers)
+    try:
+        out = run_distillation(cfg, load_domains(cfg), str(base), fleet.endpoints(), f"file://{tmp_path}/ro",
+                               tmp_path / "w", NoopTracker())
+    finally:
+        fleet.stop()
+    assert out["steps"] == 2
+    recs = read_rollouts(f"file://{tmp_path}/ro")
+    assert sorted(set(recs.step)) == [1, 2] and len(recs) == 2 * 48
+    assert all(len(t) == len(o) for t, o in zip(recs.teacher_logprobs, recs.output_ids))
+    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "ro" / "final" / "model.safetensors")
+    assert before.keys() == after.keys() and all((before[k] == after[k]).all() for k in before)
