@@ -141,6 +141,21 @@ def test_sampled_rkl_on_policy_importance_ratio_is_one(models, tmp_path):
         fleet.stop()
 
 
+def distill_served(cfg, models, tmp_path, name: str) -> dict:
+    """`run_distillation` of `cfg` from the base with the three teachers served for it, into `tmp_path/name`."""
+    from student.distill_main import run_distillation
+    from tasks.teachers import start_teachers
+
+    base, teachers = models
+    fleet = start_teachers(DOMAINS, {d: str(p) for d, p in teachers.items()}, str(base), log_dir=tmp_path / "logs",
+                           engine_cfg=cfg.engine, teachers_cfg=cfg.teachers)
+    try:
+        return run_distillation(cfg, load_domains(cfg), str(base), fleet.endpoints(), f"file://{tmp_path}/{name}",
+                                tmp_path / f"w-{name}", NoopTracker())
+    finally:
+        fleet.stop()
+
+
 def test_a_replayed_opd_step_reproduces_its_recorded_loss(models, tmp_path):
     """A 3-step student (top-k KL over three teacher servers, deterministic sampling) with the full rollout record and
     a checkpoint after every step; a fresh trainer resumes the step-2 checkpoint alone and replays step 3's record
@@ -148,20 +163,13 @@ def test_a_replayed_opd_step_reproduces_its_recorded_loss(models, tmp_path):
     import shutil
 
     from infra.storage import checkpoint_name
-    from student.distill_main import build_student, run_distillation
+    from student.distill_main import build_student
     from student.replay import replay_step
-    from tasks.teachers import start_teachers
 
-    base, teachers = models
+    base = models[0]
     cfg = make_cfg(tmp_path / "runs", steps=3, eval_every=0, checkpoint_every=1, keep_checkpoints=3,
                    deterministic=True, record={"full": True})
-    fleet = start_teachers(DOMAINS, {d: str(p) for d, p in teachers.items()}, str(base), log_dir=tmp_path / "logs",
-                           engine_cfg=cfg.engine, teachers_cfg=cfg.teachers)
-    try:
-        out = run_distillation(cfg, load_domains(cfg), str(base), fleet.endpoints(), f"file://{tmp_path}/s",
-                               tmp_path / "w", NoopTracker())
-    finally:
-        fleet.stop()
+    out = distill_served(cfg, models, tmp_path, "s")
     assert out["steps"] == 3
     (tmp_path / "at2").mkdir()
     shutil.copytree(tmp_path / "s" / checkpoint_name(2), tmp_path / "at2" / checkpoint_name(2))
@@ -180,19 +188,11 @@ def test_rollout_only_samples_scores_and_records_without_training(models, tmp_pa
     student is its init, weight for weight."""
     from safetensors.torch import load_file
 
-    from student.distill_main import run_distillation
-    from tasks.teachers import start_teachers
     from training.rollout_records import read_rollouts
 
-    base, teachers = models
+    base = models[0]
     cfg = make_cfg(tmp_path / "runs", steps=2, eval_every=0, debug={"rollout_only": True}, record={"full": True})
-    fleet = start_teachers(DOMAINS, {d: str(p) for d, p in teachers.items()}, str(base), log_dir=tmp_path / "logs",
-                           engine_cfg=cfg.engine, teachers_cfg=cfg.teachers)
-    try:
-        out = run_distillation(cfg, load_domains(cfg), str(base), fleet.endpoints(), f"file://{tmp_path}/ro",
-                               tmp_path / "w", NoopTracker())
-    finally:
-        fleet.stop()
+    out = distill_served(cfg, models, tmp_path, "ro")
     assert out["steps"] == 2
     recs = read_rollouts(f"file://{tmp_path}/ro")
     assert sorted(set(recs.step)) == [1, 2] and len(recs) == 2 * 48
