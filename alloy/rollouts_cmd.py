@@ -32,8 +32,7 @@ def storage_of(where: str) -> str:
     if where.endswith((".yaml", ".yml")) and Path(where).is_file():
         from infra.config import load_config
 
-        cfg = load_config(where)
-        return cfg.run.storage or f"file://{Path(cfg.run.root).resolve() / cfg.run.name}"
+        return load_config(where).storage_url
     if "://" in where:
         return where.rstrip("/")
     path = Path(where).expanduser()

@@ -25,14 +25,13 @@ which train and which go back as partials by token count instead of completion t
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import asdict
 from typing import Sequence
 
 from domains.base import Example
 from domains.episodes import Episode, EpisodeRun, run_token_episode  # the turn loop, shared with the OPD student
-from domains.tools import TURN_END, count_tool_calls, parse_tool_call
+from domains.tools import TURN_END, count_tool_calls
 from infra.chat import PromptRenderer, response_text
 from engine.client import EngineClient, seed_for
 from engine.coalesce import Coalescer

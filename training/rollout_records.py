@@ -49,7 +49,7 @@ import io
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 log = logging.getLogger("alloy")
@@ -212,7 +212,7 @@ class Recorder:
     def _log_table(self, rows: list[RolloutRow]) -> None:
         import pandas as pd
 
-        df = pd.DataFrame([{c: asdict(r)[c] for c in TABLE_COLUMNS} for r in rows])
+        df = pd.DataFrame([{c: getattr(r, c) for c in TABLE_COLUMNS} for r in rows])
         for domain, part in df.groupby("domain", sort=True):
             try:
                 self.tracker.log_table(part.reset_index(drop=True), f"{FOLDER}/{domain}.json")
