@@ -302,6 +302,7 @@ class Tracker:
         import mlflow
 
         client, rid = self._client, self._rid("log_trace")
+        isolated_trace_ids()
         if mlflow.get_tracking_uri() != self.tracking_uri:  # the trace exporter writes to the process's tracking URI
             mlflow.set_tracking_uri(self.tracking_uri)
         top = client.start_trace(root["name"], span_type=root.get("span_type", "UNKNOWN"), inputs=root.get("inputs"),
@@ -515,6 +516,28 @@ class NoopTracker:
 
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
         return []
+
+
+ISOLATED_IDS_ENV = "MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR"  # MLflow's own switch, honoured when set
+
+
+def isolated_trace_ids() -> None:
+    """Trace and span ids from MLflow's private random generator, not from Python's global `random` (OpenTelemetry's
+    default): every trainer seeds that with `run.seed`, so a rerun of a config logged its traces under the first
+    run's ids (the trainers of one run could share ids too), and a trace logged under an id the store already held
+    replaced the earlier run's; drawing the ids also moved the trainer's `random` stream. MLflow reads its switch
+    when it sets up its tracer provider, so the provider is reset once after the switch is set here, and at exit
+    (MLflow's private generator, dropped only at interpreter shutdown, prints an ignored AttributeError); a switch in
+    the environment (true or false) is left as it is."""
+    if os.environ.get(ISOLATED_IDS_ENV) is not None:
+        return
+    import atexit
+
+    import mlflow.tracing
+
+    os.environ[ISOLATED_IDS_ENV] = "true"
+    mlflow.tracing.reset()  # the next trace sets the provider up again, with the private generator
+    atexit.register(mlflow.tracing.reset)
 
 
 SYSTEM_METRICS_ENV = "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING"  # MLflow's own switch, honoured here too

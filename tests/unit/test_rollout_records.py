@@ -163,6 +163,34 @@ def test_the_trace_lands_in_a_real_mlflow_run(tmp_path):
     assert spans["cat"].parent_id == spans["turn 1"].span_id and spans["calc"].inputs == {"command": "calc 1+2"}
 
 
+def test_seeded_runs_keep_their_own_traces(tmp_path, monkeypatch):
+    """Every trainer seeds Python's `random` (run.seed), from which OpenTelemetry's default generator draws trace
+    ids: two runs of one seed (a rerun of a config) logged the same ids, and the second run's traces replaced the
+    first's in the store (the first run's Traces tab was empty; seen on the e2e stack too). The ids
+    come from MLflow's private generator (MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR, set by `log_trace` when
+    the environment does not say): each run keeps its own traces, and the trainer's `random` stream is untouched."""
+    import random
+
+    from mlflow import MlflowClient
+
+    from infra.tracking import Tracker as MlflowTracker
+
+    monkeypatch.setenv("MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR", "")  # restored after the test
+    monkeypatch.delenv("MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR")  # as in a trainer: not set
+    runs, ids = [], []
+    for name in ("first", "rerun"):
+        tracker = MlflowTracker(runs_root=tmp_path, experiment="records")
+        runs.append(tracker.start_parent(name))
+        random.seed(0)  # the trainer's seeding
+        ids.append(tracker.log_trace(episode_trace(tool_row())))
+        assert random.random() == random.Random(0).random()  # logging a trace drew nothing from it
+    assert ids[0] != ids[1]
+    client = MlflowClient(tracker.tracking_uri)
+    for run, trace_id in zip(runs, ids):
+        (trace,) = client.search_traces(locations=[tracker.experiment_id], run_id=run)
+        assert trace.info.trace_id == trace_id and len(trace.data.spans) == 6
+
+
 def test_full_records_go_to_mlflow_only_on_the_sample_steps(tmp_path):
     from infra.tracking import NoopTracker
 
