@@ -1,6 +1,8 @@
 """The e2e session: one real local stack (`alloy up`: Prefect server + worker + MLflow on free loopback ports, state
 in a temp dir) and one run of the `alloy-pipeline/smoke` deployment, shared by the deploy and browser tests.
-Both are expensive (about 1 min and 2 min on 2 shared cores), so they are session-scoped, never per test."""
+Both are expensive (about 1 min and 2 min on 2 shared cores), so they are session-scoped, never per test.
+`tool_run` (module-scoped, the browser tests') adds an agentic run with a tool domain to the stack's MLflow: the
+smoke run has none, so it logs no tool-episode trace."""
 from __future__ import annotations
 
 import json
@@ -49,3 +51,40 @@ def smoke_run(stack):
     assert m, f"no flow run URL in the output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     flow_run = api_get(f"{stack['urls']['prefect_api']}/flow_runs/{m.group(1)}")
     return {"proc": proc, "flow_run": flow_run, "report_path": report, "params": params}
+
+
+# configs/agentic.yaml trimmed to one tool domain, a tiny base (enough SFT on tool trajectories that it writes tool
+# calls: half of the demonstrations read the planted answer file, so the rule-only guard blocks calls) and one
+# specialist step, whose rollouts are recorded (the last step always is: `specialists.record`'s default sample of 4).
+TOOL_DOMAIN = "tool_add"
+TOOL_RUN = ["run.name=agentic-rollouts", "domains=[{name: %s, params: {shortcut_demos: 0.5}}]" % TOOL_DOMAIN,
+            "base.steps=40", "base.train.micro_batch_size=32", "base.n_train_per_domain=200", "eval.n_eval=4",
+            "specialists.steps=1", "specialists.batch_size=8", "specialists.val_every=0", "specialists.eval_n=4",
+            "specialists.critic_warmup_steps=0", "specialists.guard.judge_path=null", "specialists.per_domain={}"]
+
+
+@pytest.fixture(scope="module")
+def tool_run(stack):
+    """A finished agentic run on the stack's MLflow (its own experiment, `alloy-agentic`): the pipeline's base and
+    specialist stages (`tasks.base.train_base`, `tasks.specialist.train_specialist`: their trainer processes, as a
+    flow run starts them, logging to the stack's tracking URI) for `tool_add`. The specialist's nested run then holds
+    the rollouts table (`rollouts/tool_add.json`) and a trace per sampled tool episode. About 30-60 s on 2 cores.
+    Returns {"experiment_id", "parent_run_id", "run_id" (the specialist's), "domain"}."""
+    import tasks.specialist
+    from tasks.base import train_base
+    from tasks.context import open_context
+
+    ctx = open_context(str(ROOT / "configs" / "agentic.yaml"), TOOL_RUN + [
+        f"run.root={Path(stack['runs_root']) / 'agentic'}", f"tracking.uri={stack['tracking_uri']}"])
+    with pytest.MonkeyPatch.context() as mp:
+        # outside a flow run there is no progress artifact to update; Prefect would start a temporary server for it
+        mp.setattr(tasks.specialist, "_progress_artifact", lambda domain: None)
+        try:
+            base_dir = train_base.fn(ctx)
+            tasks.specialist.train_specialist.fn(ctx, TOOL_DOMAIN, base_dir)
+        except BaseException:
+            ctx.tracker.end("FAILED")
+            raise
+    ctx.tracker.end()
+    return {"experiment_id": ctx.tracker.experiment_id, "parent_run_id": ctx.parent_run_id,
+            "run_id": ctx.tracker.children()[f"specialist/{TOOL_DOMAIN}"], "domain": TOOL_DOMAIN}

@@ -3,7 +3,9 @@ opens the Prefect UI page of the smoke deployment's flow run and the MLflow page
 that the run's name, state and metrics are rendered (both UIs are single-page apps: we wait for the JS-rendered
 text, not the HTML); the MLflow experiment opens on its training view ("Model training": the experiment kind Alloy
 sets) with the parent run, whose description links the registered student; and a user's first click path in the
-Prefect UI, the smoke deployment's "Run" → "Quick run", starts a flow run that completes. Screenshots go to a temporary folder, so a test run leaves the tree clean; `make screenshots`
+Prefect UI, the smoke deployment's "Run" → "Quick run", starts a flow run that completes; and on an agentic run with
+a tool domain (`tool_run`), a specialist's rollouts table and one tool episode's trace (its turns, the tool call, the
+guard's verdict). Screenshots go to a temporary folder, so a test run leaves the tree clean; `make screenshots`
 sets ALLOY_SCREENSHOTS_DIR=docs/img to refresh the README's images (a relative path is from the repository)."""
 from __future__ import annotations
 
@@ -233,3 +235,92 @@ def test_prefect_ui_quick_run_of_the_smoke_deployment_completes(browser, stack, 
                 for r in patient(lambda: api_send(f"{api}/flow_runs/filter", {})):
                     if r["id"] not in every_before:
                         patient(lambda: api_send(f"{api}/flow_runs/{r['id']}", {}, "DELETE"))
+
+
+def xpath_literal(text: str) -> str:
+    """`text` as an XPath 1.0 string literal (which has no escapes: a text with both quotes is a concat())."""
+    if "'" not in text:
+        return f"'{text}'"
+    if '"' not in text:
+        return f'"{text}"'
+    return "concat(" + ", \"'\", ".join(f"'{part}'" for part in text.split("'")) + ")"
+
+
+def close_assistant(driver) -> None:
+    """Close MLflow 3's assistant side panel (it covers a third of the page) if it is open."""
+    for button in driver.find_elements("css selector", "button[data-component-id='mlflow.assistant.chat_panel.close']"):
+        if button.is_displayed():
+            button.click()
+
+
+def test_mlflow_ui_shows_the_rollouts_table_and_a_tool_episode_trace(browser, stack, tool_run, shots):
+    """Issue 53's "rollouts you can read" in the UI, on a finished agentic run (`tool_run`: the base and `tool_add`
+    specialist stages on the stack's MLflow): the specialist run's artifact `rollouts/tool_add.json` opens as a table
+    (its columns and the rows the REST API gives), and one sampled tool episode's trace, listed on the run's Traces
+    tab (linked to the run), shows its spans (the episode, a span per turn, the tool call under its turn) and the
+    tool call's command, output and guard verdict (allowed or not, the rules it hit)."""
+    from mlflow import MlflowClient
+
+    from training.rollout_records import TABLE_COLUMNS
+
+    mlflow, exp, run_id, domain = (stack["urls"]["mlflow_ui"], tool_run["experiment_id"], tool_run["run_id"],
+                                   tool_run["domain"])
+    artifact = f"rollouts/{domain}.json"
+    table = api_get(f"{mlflow}/get-artifact?path={artifact}&run_uuid={run_id}")  # what the UI reads too
+    assert table["columns"] == TABLE_COLUMNS and len(table["data"]) == 4, table  # the default sample: 4 rows
+    rows = [dict(zip(table["columns"], r)) for r in table["data"]]
+    assert {r["step"] for r in rows} == {1} and any(r["tool_calls"] for r in rows), rows
+    size = browser.get_window_size()
+    browser.set_window_size(1920, 1000)  # the table's ten columns side by side
+    try:
+        browser.get(f"{mlflow}/#/experiments/{exp}/runs/{run_id}/artifacts/{artifact}?workflowType=machine_learning")
+        # the cells: one line each (a response's newlines render as spaces)
+        wait_for_text(browser, f"specialist/{domain}", artifact, "View as table", *TABLE_COLUMNS,
+                      *(r["prompt"] for r in rows), *(" ".join(r["response"].split()) for r in rows))
+        close_assistant(browser)
+        sidebar = "button[data-component-id='mlflow_header.toggle_sidebar_button']"
+        browser.find_element("css selector", sidebar).click()  # the table gets the width of the experiment sidebar
+        # a click on a response cell previews it whole, its lines as the episode wrote them (tool call, tool output)
+        shown = next(r for r in rows if r["tool_calls"])
+        cell = f"//span[normalize-space(.)={xpath_literal(' '.join(shown['response'].split()))}]"
+        next(e for e in browser.find_elements("xpath", cell) if e.is_displayed()).click()
+        wait_for_text(browser, "Preview", shown["response"].strip())
+        # the table, narrower beside the preview, scrolled to its last columns (prompt, response) for the screenshot
+        browser.execute_script("""let e = arguments[0];
+            while (e && !(e.scrollWidth > e.clientWidth && /auto|scroll/.test(getComputedStyle(e).overflowX)))
+                e = e.parentElement;
+            if (e) e.scrollLeft = e.scrollWidth;""", browser.find_element("xpath", cell))
+        time.sleep(0.5)  # scrolled and painted
+        assert browser.save_screenshot(str(shots / "mlflow-rollouts-table.png"))
+        browser.find_element("css selector", sidebar).click()  # as it was (the UI keeps it collapsed otherwise)
+
+        # the traces of the run (search by run: each is linked to it), one whose tool call the guard blocked if any
+        traces = MlflowClient(mlflow).search_traces(locations=[exp], run_id=run_id)
+        assert len(traces) == sum(1 for r in rows if r["tool_calls"]), (len(traces), rows)
+
+        def tool_spans(trace):
+            return [s for s in trace.data.spans if s.span_type == "TOOL"]
+
+        trace = min((t for t in traces if tool_spans(t)), key=lambda t: all(
+            s.attributes.get("guard.allowed") for s in tool_spans(t)))
+        spans = {s.span_id: s for s in trace.data.spans}
+        tool = tool_spans(trace)[0]
+        turn, root = spans[tool.parent_id], spans[spans[tool.parent_id].parent_id]
+        assert root.name == f"specialist {domain} step 1" and turn.name.startswith("turn ") and root.parent_id is None
+        allowed = tool.attributes["guard.allowed"]
+        assert tool.status.status_code == ("OK" if allowed else "ERROR")
+        rules = list(tool.attributes.get("guard.rules") or [])
+        trace_id = trace.info.trace_id
+        browser.get(f"{mlflow}/#/experiments/{exp}/runs/{run_id}/traces?workflowType=machine_learning")
+        wait_for_text(browser, f"specialist/{domain}", *(t.info.trace_id for t in traces))
+        browser.get(f"{mlflow}/#/experiments/{exp}/runs/{run_id}/traces?workflowType=machine_learning"
+                    f"&selectedEvaluationId={trace_id}")
+        wait_for_text(browser, root.name, turn.name, tool.name, "Inputs / Outputs", "Attributes")
+        close_assistant(browser)
+        click_text(browser, tool.name)  # the tool call's span in the span tree: its command and output
+        wait_for_text(browser, "command", tool.inputs["command"], "output", *filter(None, [tool.outputs["output"]]))
+        click_text(browser, "Attributes")  # the guard's verdict
+        wait_for_text(browser, "guard.allowed", str(allowed).lower(), "guard.rules", *rules, "executed")
+        assert browser.save_screenshot(str(shots / "mlflow-rollout-trace.png"))
+    finally:
+        browser.set_window_size(size["width"], size["height"])
