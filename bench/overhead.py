@@ -14,7 +14,8 @@ steps (`on_step`); CPU per step = the CPU seconds of every process over the meas
 In-process loop (`inprocess_loop`): the same parts called directly in ONE process with one torch thread, one step
 after another, no HTTP, no overlap: the embedded engine's `Engine` class for the student and for each domain's
 teacher (`engine.scheduler.Engine`, the code behind the servers; requests through the same
-`protocol.parse_generate`, results read from the engine's `SeqResult`s, no JSON), the same trainer backend
+`protocol.parse_generate`, results read from the engine's `SeqResult`s, no JSON; each sample's reward by the same `episode_reward` the
+served trainer logs as train/reward — before 2026-11-29 the loop computed none), the same trainer backend
 (`training.session.trainable`: DeepSpeed) and update (`student.trainer.opd_update`), the same config, prompts (the
 seeded `PromptStream`) and loss; the weight push copies the trainer's tensors into the student engine's live model
 (`Engine.update_weights_from_tensors`). Step and CPU per step (the process's own `getrusage`, every thread, read
@@ -85,7 +86,7 @@ def inprocess_loop(base: Path, teacher: Path, specs: list[dict], root: Path, arg
     from domains.registry import load_domains
     from training.session import train_settings, trainable
     from student.losses import get_loss
-    from student.sampler import PromptStream, StudentSample
+    from student.sampler import PromptStream, StudentSample, episode_reward
     from student.scoring import plan_batches
     from student.trainer import opd_update
 
@@ -96,7 +97,8 @@ def inprocess_loop(base: Path, teacher: Path, specs: list[dict], root: Path, arg
     K = dc.top_k if loss.needs_teacher_topk else 0
     student, limits = start_engine(base, seed)
     teachers = {s["name"]: start_engine(teacher, seed) for s in specs}
-    stream = PromptStream(load_domains(cfg), tok, dc.n_prompts_per_domain, seed)
+    domains = load_domains(cfg)
+    stream = PromptStream(domains, tok, dc.n_prompts_per_domain, seed)
     eos = tok.eos_token_id
     parts = {k: [] for k in ("sample_s", "score_s", "train_s", "push_s")}
     steps, cpu, tokens = [], [], []
@@ -114,6 +116,8 @@ def inprocess_loop(base: Path, teacher: Path, specs: list[dict], root: Path, arg
             samples = [StudentSample(it.sample_id, it.cursor, it.domain, it.example, it.prompt_ids,
                                      list(r.output_ids), list(r.out_logprobs), version,
                                      (r.finish_reason or {}).get("type", "length")) for it, r in zip(items, res)]
+            for s in samples:  # the reward the served step logs (train/reward) and may train on (reward_coef)
+                s.reward = episode_reward(domains[s.domain], s, tok, [eos])
             t1 = time.perf_counter()
             for d, batches in plan_batches(samples, dc.score_batch_size).items():
                 eng, lim = teachers[d]
