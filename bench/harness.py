@@ -156,15 +156,24 @@ def own_cpu_s() -> float:
 
 def server_cpu_s(urls: list[str]) -> float:
     """CPU seconds the engine servers behind `urls` report for themselves (`process_cpu_seconds`)."""
+    return server_cpu_split(urls)["servers"]
+
+
+def server_cpu_split(urls: list[str]) -> dict[str, float]:
+    """The CPU seconds the engine servers behind `urls` report (`/get_server_info`), summed: `servers` (each whole
+    process) and `servers_engine_thread` (the engine thread's scheduling steps, `engine_cpu_seconds`); the rest of a
+    server's process is its HTTP side (aiohttp, request parsing, building answers) and weight loads."""
     from engine.client import API_KEY_ENV
 
     key = os.environ.get(API_KEY_ENV)
-    total = 0.0
+    total = {"servers": 0.0, "servers_engine_thread": 0.0}
     for url in urls:
         req = urllib.request.Request(url.rstrip("/") + "/get_server_info",
                                      headers={"Authorization": f"Bearer {key}"} if key else {})
         with urllib.request.urlopen(req, timeout=60) as r:
-            total += float(json.loads(r.read())["process_cpu_seconds"])
+            info = json.loads(r.read())
+        total["servers"] += float(info["process_cpu_seconds"])
+        total["servers_engine_thread"] += float(info["engine_cpu_seconds"])
     return total
 
 
@@ -192,7 +201,7 @@ class StepClock:
         self.cpu: list[dict] = []  # {"trainer", "servers"} at the end of the warm-up and at the last step
 
     def reading(self, trainer) -> dict:
-        return {"trainer": own_cpu_s(), "servers": server_cpu_s([trainer.policy.url] + self.teachers)}
+        return {"trainer": own_cpu_s(), **server_cpu_split([trainer.policy.url] + self.teachers)}
 
     def __call__(self, trainer, metrics: dict) -> None:
         self.t.append(time.perf_counter())
@@ -207,14 +216,16 @@ class StepClock:
 
     def cpu_by_role_per_step(self) -> dict[str, float]:
         """Mean CPU seconds per measured step of each role: `trainer` (the loop, its client, the weight snapshots)
-        and `servers` (the student's and the teachers' engine servers)."""
+        and `servers` (the student's and the teachers' engine servers), and of the servers' engine threads
+        (`servers_engine_thread`, part of `servers`)."""
         if len(self.cpu) != 2:
             raise RuntimeError(f"StepClock: {len(self.metrics)} steps committed, expected {self.steps}")
         a, b = self.cpu
         return {k: (b[k] - a[k]) / (self.steps - self.warmup) for k in a}
 
     def cpu_per_step(self) -> float:
-        return sum(self.cpu_by_role_per_step().values())
+        by = self.cpu_by_role_per_step()
+        return by["trainer"] + by["servers"]
 
 
 # -- the OPD benches' models and configs -----------------------------------------------------------------------------

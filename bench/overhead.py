@@ -9,7 +9,8 @@ next batch overlap the update, topk_kl with top-16, score batch 32); every part 
 thread (trainer, student engine server, teacher servers), talking HTTP. Step = the interval between committed
 steps (`on_step`); CPU per step = the CPU seconds of every process over the measured steps: the trainer's own
 `getrusage` (every thread, plus its reaped children) and each engine server's `process_cpu_seconds` (its own
-`getrusage`, from `/get_server_info`), read after the warm-up and after the last step (`harness.StepClock`).
+`getrusage`, from `/get_server_info`), read after the warm-up and after the last step (`harness.StepClock`); the
+servers' engine threads' share (`engine_cpu_seconds`) is reported beside it, the rest of a server being its HTTP side.
 
 In-process loop (`inprocess_loop`): the same parts called directly in ONE process with one torch thread, one step
 after another, no HTTP, no overlap: the embedded engine's `Engine` class for the student and for each domain's
@@ -27,7 +28,7 @@ first, ...) on the same models; per half: the median over every measured step of
 each repeat and its median, and the spread over repeats (min / median / max) of both.
 
 ratio_wall = served step / in-process step, ratio_cpu = served CPU per step / in-process CPU per step; targets
-(issue 21) ≤ 1.3 each (`--target`); `--check` exits 1 when either is missed. The served pipeline overlaps sampling/scoring with training across processes (2 cores), so
+≤ 1.15 each (`--target`; issue 51, issue 21's were 1.3); `--check` exits 1 when either is missed. The served pipeline overlaps sampling/scoring with training across processes (2 cores), so
 ratio_wall can be below 1; ratio_cpu is its extra work (HTTP, serialisation, processes, the push through a
 server). Sampled tokens per step are reported for both (the policies drift apart while training, so response
 lengths may differ) with per-token ratios. The machine may be shared: load averages are recorded around each half.
@@ -49,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (REPO, StepClock, add_check, build_student_and_teacher, exit_on_sigterm, make_cfg,  # noqa: E402
                      own_cpu_s, pin_cores, spread, start_meta, verdict, write_outputs)
 
-TARGET = 1.3  # issue 21: served / in-process, wall and CPU per step
+TARGET = 1.15  # issue 51 (issue 21: 1.3): served / in-process, wall and CPU per step
 
 
 def engine_call(engine, limits, body: dict) -> list:
@@ -279,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         f"| parts per step: sample / score / train / push (s) | {t['sample_s']:.3f} / {t['score_s']:.3f} / "
         f"{t['train_s']:.3f} / {t['push_s']:.3f} (mean, overlapping) | {q['sample_s']:.3f} / {q['score_s']:.3f} / "
         f"{q['train_s']:.3f} / {q['push_s']:.3f} (median, serial) | |",
-        "| CPU s per step by process: trainer (loop, client, snapshots) / engine servers (mean) | "
-        + " / ".join(f"{v:.3f}" for v in pipe["cpu_s_per_step_by_process"].values()) + " | | |"])
+        "| CPU s per step by process: trainer (loop, client, snapshots) / engine servers (of which their engine "
+        "threads) | " + "{trainer:.3f} / {servers:.3f} ({servers_engine_thread:.3f})".format(
+            **pipe["cpu_s_per_step_by_process"]) + " | | |"])
     write_outputs(Path(args.out), result, table)
     return verdict("overhead", result["target"]["met"], args.check)
 
