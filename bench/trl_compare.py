@@ -40,9 +40,7 @@ held-out reverse KL to the routed teacher (student samples with EOS stopping; ex
 vocabulary, averaged over response tokens). Aggregates are mean ± sd over seeds. `headline`: Alloy / GKD and
 alloy_1dom / DistillationTrainer in completion tokens/s, mean accuracies, and the targets (≥ 1.5x both; accuracy
 no worse than the peer's minus 0.02) with met flags. The same measures of the untrained base (`init`) and of the
-teachers are reported. Alloy's servers use one torch thread each; its trainer uses its default
-(`distill.threads` null, `student_threads`): one at max_staleness ≥ 1, where sampling runs beside the update, and
-every core at max_staleness 0 (alloy_s0, alloy_1dom_s0), where the update runs alone (before 2026-11-29: one).
+teachers are reported. Each Alloy process uses one torch thread (its default), several processes in parallel.
 
 `--sweep`: the systems alloy, gkd, alloy_1dom, trl_distill (seed 0, `--sweep-steps` steps, barely trained models,
 no accuracy: forced lengths make the work independent of the weights) at every preset of `--sweep-presets` and every
@@ -171,9 +169,7 @@ def accuracy(model, tok, domains: dict, n: int, max_new_tokens: int) -> dict:
 def run_alloy(spec: dict, names: list[str], seed: int, work: Path, overrides: dict | None = None):
     from infra.models import load_model, load_tokenizer
     from infra.tracking import NoopTracker
-    import torch
-
-    from student.distill_main import run_distillation, student_threads
+    from student.distill_main import run_distillation
     from domains.registry import load_domains
     from tasks.teachers import start_teachers
 
@@ -186,10 +182,6 @@ def run_alloy(spec: dict, names: list[str], seed: int, work: Path, overrides: di
                    max_new_tokens=spec["max_new_tokens"], temperature=1.0, loss="topk_kl", direction="reverse",
                    n_prompts_per_domain=spec["n_prompts_per_domain"],
                    train={"lr": spec["lr"], **({"dtype": "bf16"} if spec.get("cuda") else {})}, **overrides)
-    # the trainer's threads as its worker process sets them (student_threads: 1 beside sampling, every core at
-    # max_staleness 0); the servers use one each (engine.threads)
-    threads = student_threads(cfg)
-    torch.set_num_threads(threads)
     fleet = start_teachers(names, {d: spec["teachers"][d] for d in names}, spec["base"], log_dir=work / "logs",
                            engine_cfg=cfg.engine, teachers_cfg=cfg.teachers)
     marks: dict[int, tuple[float, int]] = {}
@@ -210,7 +202,7 @@ def run_alloy(spec: dict, names: list[str], seed: int, work: Path, overrides: di
     return load_model(s["student_dir"]), {"train_wall_s": s["wall_s"], "steps": s["steps"], "top_k": cfg.distill.top_k,
                                           "completion_tokens": s["sampled_tokens"], "timing_s": s["timing_s"],
                                           "train_cpu_s": cpu, "cpu_tokens": tokens,
-                                          "max_staleness": cfg.distill.max_staleness, "threads": threads}
+                                          "max_staleness": cfg.distill.max_staleness}
 
 
 def measure(model, spec: dict, names: list[str]) -> dict:
@@ -246,8 +238,7 @@ def worker(system: str, seed: int, threads: int, spec: dict, result_path: Path) 
     exit_on_sigterm()
     t0 = time.perf_counter()
     names = spec["domains"][:1] if system in ONE_DOMAIN else list(spec["domains"])
-    # TRL is one process: `threads` (1 or 2) torch threads. Alloy's trainer sets its own (run_alloy), its servers
-    # use one each.
+    # TRL is one process: `threads` (1 or 2) torch threads. Alloy's trainer and servers use one each (their default).
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory(prefix=f"trlcmp-{system}-") as tmp:
@@ -261,8 +252,7 @@ def worker(system: str, seed: int, threads: int, spec: dict, result_path: Path) 
             raise RuntimeError(f"{system}: --force but {stats['completion_tokens']} completion tokens, expected "
                                f"steps x batch x max_new_tokens = {want}")
         res = {"system": system, "seed": seed, "threads": threads, "domains": names, "worker_train_wall_s": wall,
-               **stats,  # Alloy's `threads`: what its trainer used
-               "s_per_step": stats["train_wall_s"] / max(stats["steps"], 1),
+               **stats, "s_per_step": stats["train_wall_s"] / max(stats["steps"], 1),
                "completion_tokens_per_s": stats["completion_tokens"] / stats["train_wall_s"],
                "completion_tokens_per_s_incl_startup": stats["completion_tokens"] / wall,
                "cpu_s_per_completion_token": stats["train_cpu_s"] / max(stats["cpu_tokens"], 1),

@@ -143,10 +143,7 @@ class DistillConfig(_Strict):
     record: RecordConfig = ops_field(RecordConfig(), description="Rollout records: a sample every N steps "
                                      "(always on), or the full record (training/rollout_records.py).")
     debug: DistillDebugConfig = Field(DistillDebugConfig(), description="Debug modes.")
-    threads: int | None = ops_field(None, ge=1, description=(
-        "Torch threads of the student trainer process. null: one while sampling and scoring run beside the update "
-        "(max_staleness ≥ 1), every core the process may use (shared by its ranks on the host) at max_staleness 0, "
-        "when the update runs alone."))
+    threads: int = ops_field(1, ge=1, description="Torch threads of the student trainer process.")
     mode: Literal[values(StageMode)] = ops_field(StageMode.LOCAL.value, description="local: the student trains in the pipeline's "
                                                  "flow run; deployment: run_deployment of `distill.deployment` with "
                                                  "storage URLs of the base and the teachers (docs/scale-out.md).")

@@ -33,7 +33,7 @@ from engine.client import EngineClient
 from infra.checkpoint_budget import checkpoint_rule
 from training.ranks import Ranks
 from training.session import commit_final, run_stage, train_settings, trainable
-from training.worker import Worker, WorkerRun, arg, trainer_threads
+from training.worker import Worker, WorkerRun, arg
 from student.losses import get_loss
 from student.sampler import is_tool_domain
 from student.scoring import TeacherScorer
@@ -119,12 +119,6 @@ def run_distillation(cfg, domains: dict, student_init: str, teachers: dict[str, 
                      closers={id(c): c for c in scorer.clients.values()}.values() if scorer is not None else ())
 
 
-def student_threads(cfg) -> int:
-    """The student trainer's torch threads (`distill.threads`; null: `training.worker.trainer_threads`, every core
-    of the process at `max_staleness` 0, when nothing samples or scores beside the update, else one)."""
-    return trainer_threads(cfg.distill.threads, overlapped=cfg.distill.max_staleness > 0)
-
-
 def parse_teachers(raw: str) -> dict[str, str]:
     """`--teachers`: a JSON object {domain: url}, inline or the path of a .json file."""
     teachers = json.loads(Path(raw).read_text() if not raw.lstrip().startswith("{") else raw)
@@ -142,7 +136,7 @@ WORKER = Worker("student.distill_main", "Alloy OPD student: sample on-policy, te
                 args=(arg("--student-init", required=True, help="HF dir the student starts from (the base checkpoint)"),
                       arg("--teachers", required=True, help='{"domain": "http://host:port", ...} inline or a .json path'),
                       arg("--out", required=True, help="storage URL prefix of the student's checkpoints")),
-                threads=lambda cfg, args: student_threads(cfg), work_subdir="distill")
+                threads=lambda cfg, args: cfg.distill.threads, work_subdir="distill")
 
 
 def main(argv: list[str] | None = None) -> int:

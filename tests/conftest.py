@@ -13,8 +13,8 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)  # tests use their own SQLite stores
 import pytest
 import torch
 
-# One torch thread in the test process, as Alloy's own trainer and server processes run (distill.threads at
-# max_staleness ≥ 1, engine threads = 1): the models trained in-process here (the session's judge, the fixtures' plain-torch SFT) are tiny,
+# One torch thread in the test process, as Alloy's own trainer and server processes run (distill.threads = 1, engine
+# threads = 1): the models trained in-process here (the session's judge, the fixtures' plain-torch SFT) are tiny,
 # and a second OpenMP thread on 2 shared cores mostly spin-waits. Until this, the first half of the session ran on
 # torch's default (one thread per core) and test_guard_experiment's set_num_threads(1) switched the rest to one.
 torch.set_num_threads(1)

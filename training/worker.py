@@ -40,23 +40,6 @@ log = logging.getLogger("alloy.worker")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def trainer_threads(configured: int | None, overlapped: bool, cores: int | None = None,
-                    local_ranks: int | None = None) -> int:
-    """Torch threads of a trainer process: `configured` when set. Else (null, the default) one when rollout work
-    runs beside the update (`overlapped`: the rollout and teacher servers need the other cores then), and when
-    nothing does (the sampler waits for the update, e.g. OPD at `max_staleness` 0) the cores this process may use
-    (`cores`, default its CPU affinity) shared by the trainer ranks on this host (`local_ranks`, default
-    $LOCAL_WORLD_SIZE as torchrun sets it, else 1): the update then has the machine to itself, as a one-process
-    trainer such as TRL's has."""
-    if configured is not None:
-        return configured
-    if overlapped:
-        return 1
-    cores = cores if cores is not None else len(os.sched_getaffinity(0))
-    local_ranks = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    return max(1, cores // max(1, local_ranks))
-
-
 class WorkerStopped(KeyboardInterrupt):
     """SIGTERM/SIGINT reached a worker: raised in its main thread (a KeyboardInterrupt, so `except Exception` in the
     loop does not swallow it)."""

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from infra import procs
-from training.worker import Worker, WorkerStopped, arg, stop_on_signals, trainer_threads, write_json_atomic
+from training.worker import Worker, WorkerStopped, arg, stop_on_signals, write_json_atomic
 from student.distill_main import WORKER as STUDENT
 from training.base_main import WORKER as BASE
 from teachers.specialist_main import WORKER as SPECIALIST
@@ -54,39 +54,6 @@ def test_the_base_worker_runs_on_the_threads_its_config_gives(tmp_path, monkeypa
     finally:
         torch.set_num_threads(before)
     assert seen == [(2, 2), (None, 1)]  # null leaves the count as the process had it
-
-
-def test_trainer_threads_use_the_cores_only_when_nothing_runs_beside_the_update(monkeypatch):
-    assert trainer_threads(3, overlapped=False, cores=8) == 3  # set: as set
-    assert trainer_threads(None, overlapped=True, cores=8) == 1  # the servers sample on the other cores
-    assert trainer_threads(None, overlapped=False, cores=8, local_ranks=1) == 8
-    assert trainer_threads(None, overlapped=False, cores=8, local_ranks=3) == 2  # 8 // 3
-    assert trainer_threads(None, overlapped=False, cores=2, local_ranks=4) == 1  # never 0
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as torchrun sets it
-    assert trainer_threads(None, overlapped=False, cores=8) == 4
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert trainer_threads(None, overlapped=False) == len(os.sched_getaffinity(0))
-
-
-def test_the_student_worker_takes_every_core_only_at_max_staleness_0(tmp_path, monkeypatch):
-    """`distill.threads` null: one torch thread when sampling overlaps the update (max_staleness 1, the default),
-    the process's cores at max_staleness 0; a set value wins."""
-    import torch
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    smoke = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "smoke.yaml")
-    before, seen = torch.get_num_threads(), []
-    try:
-        for sets in (["distill.max_staleness=1"], ["distill.max_staleness=0"],
-                     ["distill.max_staleness=0", "distill.threads=1"]):
-            torch.set_num_threads(3)
-            argv = ["--config", smoke, "--set", "tracking.enabled=false", "--student-init", "unused", "--teachers",
-                    "{}", "--out", "unused"] + [x for kv in sets for x in ("--set", kv)]
-            assert STUDENT.main(lambda run: seen.append(torch.get_num_threads()), argv) == 0
-    finally:
-        torch.set_num_threads(before)
-    assert seen == [1, len(os.sched_getaffinity(0)), 1]
 
 
 def test_result_is_written_atomically(tmp_path):
