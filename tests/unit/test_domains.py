@@ -1,7 +1,9 @@
 """Built-in domains and the Domain base class: answers checked against independent oracles and by hand, verifier
 robustness (never raises, always in [0, 1]), disjoint and deterministic train/eval splits, difficulty scaling."""
+import itertools
 import math
 import random
+import re
 import time
 from collections import Counter
 
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 NAMES = sorted(BUILTIN)
 PARTIAL = {"binary", "reverse", "copy", "sort_digits", "case_swap", "caesar", "rotate", "swap_pairs", "interleave",
-           "dedupe"}  # positional partial credit
+           "dedupe", "rle_expand", "prefix_mod"}  # positional partial credit (prefix_mod: per step, the same here)
 
 
 def _body(prompt: str) -> str:
@@ -75,6 +77,10 @@ ORACLES = {
     "swap_pairs": lambda b: "".join(b[i : i + 2][::-1] for i in range(0, len(b), 2)),
     "interleave": _interleave,
     "dedupe": _dedupe,
+    # long answers: written apart from the domains' code (itertools / re), each on its own reading of the format
+    "prefix_mod": lambda b: "".join(str(t % 10) for t in itertools.accumulate(int(c) for c in b)),
+    "rle_expand": lambda b: "".join(c * int(n) for c, n in re.findall(r"([a-z])(\d)", b)),
+    "record": lambda b: "|".join(f"name:{n} age:{a} city:{c}" for n, a, c in (r.split(",") for r in b.split(";"))),
 }
 
 
@@ -153,6 +159,9 @@ def test_right_answer_scores_one_and_wrong_scores_less(name, samples):
         wrong = dom.verify(ex, _wrong(ex.answer))
         if name in PARTIAL:  # one of L characters wrong: 0.5 * (L-1) / L
             assert wrong == pytest.approx(0.5 * (len(ex.answer) - 1) / len(ex.answer), abs=1e-12)
+        elif name == "record":  # one of F fields wrong (the last city): 0.5 * (F-1) / F
+            fields = len(ex.answer.replace("|", " ").split(" "))
+            assert wrong == pytest.approx(0.5 * (fields - 1) / fields, abs=1e-12)
         else:
             assert wrong == 0.0
     assert dom.verifier_errors == 0
@@ -202,7 +211,7 @@ def test_garbage_empty_huge_and_non_str_score_zero(name, samples):
     for bad in [None, 42, 4.6, b"46", [ex.answer], {"text": ex.answer}]:
         assert dom.verify(ex, bad) == 0.0
     for echo in (ex.prompt, ex.prompt + ex.answer):  # echoing the prompt is wrong (chance characters at most)
-        assert dom.verify(ex, echo) < (0.5 if name in PARTIAL else 1e-12)
+        assert dom.verify(ex, echo) < (0.5 if name in PARTIAL | {"record"} else 1e-12)
     assert dom.verifier_errors == 0
 
 
@@ -271,7 +280,9 @@ def test_formats_fit_the_char_tokenizer_and_tiny_models(name, char_tokenizer):
             assert set(ex.prompt) <= printable and set(ex.answer) <= printable
             assert ex.prompt.startswith(tag + ":") and ex.prompt.endswith("=")
             assert dom.demonstration(ex) == ex.prompt + ex.answer
-            if difficulty <= 2:
+            if getattr(dom, "long_answer", False):  # issue 56: long answers, still within the tiny presets' 256
+                assert 40 <= len(ex.answer) and len(ex.prompt) + len(ex.answer) <= 200
+            elif difficulty <= 2:
                 assert len(ex.prompt) <= 24
                 # binary: 12 bits at d=1, 14 at d=2; tool_code: the answer is the function (`def f(x): return x%9`)
                 assert len(ex.answer) <= {"binary": 14, "tool_code": 41}.get(name, 10)
@@ -286,6 +297,8 @@ def test_hand_checked_answers():
         "case_swap": ("aBcD", "AbCd"), "caesar": ("1:abz", "bca"), "count_char": ("a:abcab", "2"),
         "brackets": ("([)]", "no"), "rotate": ("abcd", "bcda"), "swap_pairs": ("abcde", "badce"),
         "interleave": ("abc,xyz", "axbycz"), "dedupe": ("aabccca", "abca"),
+        "prefix_mod": ("3528", "3808"), "rle_expand": ("a3b2c4", "aaabbcccc"),
+        "record": ("ann,7,rome;bob,12,oslo", "name:ann age:7 city:rome|name:bob age:12 city:oslo"),
     }
     for name, (body, answer) in cases.items():
         assert ORACLES[name](body) == answer, name
@@ -294,6 +307,23 @@ def test_hand_checked_answers():
         assert ex.prompt == f"{BUILTIN[name].tag}:{body}=" and dom.verify(ex, answer) == 1.0
     assert is_balanced("([]{})") and is_balanced("") and not is_balanced("([)]") and not is_balanced("((")
     assert not is_balanced(")(") and not is_balanced("{]")
+
+
+def test_long_answer_partial_credit_by_hand():
+    pmd, rlx, rec = load_domain("prefix_mod"), load_domain("rle_expand"), load_domain("record")
+    ex = pmd.make("3528", "3808")
+    assert pmd.verify(ex, " 3808\n") == 1.0
+    # "3897": 3 = 0+3 ok; 8 = 3+5 ok; 9 ≠ (8+2)%10 = 0 wrong; 7 = (9+8)%10 ok (it follows from the slip) → 3 of 4
+    assert pmd.verify(ex, "3897") == pytest.approx(0.5 * 3 / 4)
+    assert pmd.verify(ex, "38") == pytest.approx(0.5 * 2 / 4)  # missing steps count as wrong
+    assert pmd.verify(ex, "38x8") == pytest.approx(0.5 * 3 / 4)  # x wrong; the next step reads from 0: 8 = 0+8 ok
+    assert pmd.verify(ex, "0000") == 0.0
+    ex = rlx.make("a3b2", "aaabb")
+    assert rlx.verify(ex, "aaabb") == 1.0 and rlx.verify(ex, "aaab") == pytest.approx(0.5 * 4 / 5)
+    ex = rec.make("ann,7,rome;bob,12,oslo", "name:ann age:7 city:rome|name:bob age:12 city:oslo")
+    assert rec.verify(ex, "name:ann age:7 city:rome|name:bob age:13 city:oslo") == pytest.approx(0.5 * 5 / 6)
+    assert rec.verify(ex, "name:ann age:7 city:rome") == pytest.approx(0.5 * 3 / 6)  # a record missing
+    assert rec.verify(ex, "name:bob age:12 city:oslo|name:ann age:7 city:rome") == 0.0  # fields out of place
 
 
 def test_positional_partial_credit_by_hand():

@@ -1,0 +1,147 @@
+"""Long-answer domains: every correct answer is 40 or more characters (= tokens of the char tokenizer), and the
+reward reads the whole answer, with partial credit where it is natural.
+
+They exist for the merge comparison of issue 56: on-policy distillation should beat offline distillation and mixed
+RL where answers are long, since a student trained on its teachers' tokens drifts into states they never showed it
+only over many tokens. Each output position is a short function of a few inputs (tasks the small presets can learn),
+so RL has room above an under-trained base. Difficulty d lengthens the answer (`min_answer_chars` and up).
+
+* `prefix_mod` — a worked multi-step computation whose intermediate results are checked: the running digit sum
+  modulo 10 after each digit. A step is right when it follows from the step before it (`step_credit`), so one slip
+  does not zero every later step.
+* `rle_expand` — a long sequence produced step by step: run-length expansion, positional credit.
+* `record` — a structured record to fill: named fields from positional values, credit per field.
+
+Reward: exact match of `response.strip()` = 1.0; otherwise partial credit weighted 0.5 (below any exact answer),
+divided by the longer of the two lengths so extra or missing output counts as wrong.
+"""
+from __future__ import annotations
+
+import random
+from typing import ClassVar
+
+from domains.base import Domain, Example, positional_credit
+from domains.builtin.text import LOWER, _word
+
+MIN_ANSWER_CHARS = 40  # issue 56: a long answer is at least this many tokens
+PARTIAL = 0.5  # the weight of partial credit, as `positional_credit`'s
+
+
+class _LongAnswer(Domain):
+    """Shared sizing: answers of `MIN_ANSWER_CHARS` to `MIN_ANSWER_CHARS + 4 (d - 1) + 3` characters."""
+
+    long_answer: ClassVar[bool] = True
+
+    def setup(self) -> None:
+        self.min_chars = MIN_ANSWER_CHARS + 4 * (self.difficulty - 1)
+        self.max_answer_chars = self.min_chars + 3
+
+
+def step_credit(digits: str, response: str) -> float:
+    """Partial credit of a running sum mod 10 (`prefix_mod`): step i is right when `response[i]` is
+    `(response[i-1] + digits[i]) % 10` (`response[-1]` read as 0), whatever the steps before it were, so a single slip
+    costs one step; `PARTIAL` × right steps / max(len(digits), len(response)). A non-digit is a wrong step, and the
+    step after it is read from 0."""
+    longest = max(len(digits), len(response))
+    if longest == 0:
+        return 0.0
+    prev, right = 0, 0
+    for d, r in zip(digits, response):
+        if r not in "0123456789":  # str.isdigit would let "²" through to int()
+            prev = 0
+            continue
+        right += int(r) == (prev + int(d)) % 10
+        prev = int(r)
+    return PARTIAL * right / longest
+
+
+class PrefixMod(_LongAnswer):
+    """`pmd:3528...=` → `3851...`: after each digit, the sum of the digits so far modulo 10 (3, 3+5 = 8,
+    8+2 = 10 → 0, 0+8 = 8: `3808` for `3528`). As many digits in as out: 40 to 43 at d = 1, 4 more per difficulty
+    step. Partial credit per step (`step_credit`)."""
+
+    name, tag = "prefix_mod", "pmd"
+    description = "Running digit sum modulo 10 after each digit of a 40+ digit string (40 to 43 at d = 1)."
+
+    @staticmethod
+    def running(digits: str) -> str:
+        out, total = [], 0
+        for d in digits:
+            total = (total + int(d)) % 10
+            out.append(str(total))
+        return "".join(out)
+
+    def generate(self, rng: random.Random) -> Example:
+        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(self.min_chars, self.max_answer_chars)))
+        return self.make(digits, self.running(digits))
+
+    def score(self, example: Example, response: str) -> float:
+        response = response.strip()
+        if response == example.answer:
+            return 1.0
+        return step_credit(example.prompt[len(self.tag) + 1:-1], response)
+
+
+class RleExpand(_LongAnswer):
+    """`rlx:a3b2c4=` → `aaabbcccc`: each letter repeated its count (2 to 5) times, run after run, until the answer
+    is 40 to 43 characters at d = 1 (the last count is cut to fit; 4 more per difficulty step). Neighbouring runs use
+    different letters. Positional partial credit (`positional_credit`)."""
+
+    name, tag = "rle_expand", "rlx"
+    description = "Expand a run-length code (letter, count 2-5) into a 40+ character string (40 to 43 at d = 1)."
+
+    def generate(self, rng: random.Random) -> Example:
+        target = rng.randint(self.min_chars, self.max_answer_chars)
+        runs: list[tuple[str, int]] = []
+        total = 0
+        while total < target:
+            letter = rng.choice([c for c in LOWER if not runs or c != runs[-1][0]])
+            n = min(rng.randint(2, 5), target - total)
+            if n < 2 and runs:  # a run of one would be legal but rare: give the rest to the previous run instead
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else:
+                runs.append((letter, n))
+            total += n
+        return self.make("".join(f"{c}{n}" for c, n in runs), "".join(c * n for c, n in runs))
+
+    def score(self, example: Example, response: str) -> float:
+        return positional_credit(example.answer, response.strip(), weight=PARTIAL)
+
+
+class Record(_LongAnswer):
+    """`rec:ann,7,rome;bob,12,oslo=` → `name:ann age:7 city:rome|name:bob age:12 city:oslo`: each `;`-separated
+    row of values (a name of 3-4 letters, an age 1-99, a city of 3-5 letters) filled into a record with named fields,
+    records joined by `|`. Rows are added until the answer is at least 40 characters at d = 1 (two rows), 4 more per
+    difficulty step. Credit per field: `PARTIAL` × fields right in place (record i, field j: its `key:value` exactly)
+    / the larger field count."""
+
+    name, tag = "record", "rec"
+    description = "Fill name/age/city records from rows of values; 40+ character answers (2 rows or more at d = 1)."
+    FIELDS: ClassVar[tuple[str, ...]] = ("name", "age", "city")
+
+    def setup(self) -> None:
+        super().setup()
+        # one row is at most len("name:abcd age:99 city:abcde") = 27 characters, + 1 for the `|`
+        self.max_answer_chars = self.min_chars + 27
+
+    @classmethod
+    def fill(cls, rows: list[tuple[str, str, str]]) -> str:
+        return "|".join(" ".join(f"{k}:{v}" for k, v in zip(cls.FIELDS, row)) for row in rows)
+
+    def generate(self, rng: random.Random) -> Example:
+        rows: list[tuple[str, str, str]] = []
+        while not rows or len(self.fill(rows)) < self.min_chars:
+            rows.append((_word(rng, LOWER, 3, 4), str(rng.randint(1, 99)), _word(rng, LOWER, 3, 5)))
+        return self.make(";".join(",".join(r) for r in rows), self.fill(rows))
+
+    @staticmethod
+    def fields(text: str) -> list[str]:
+        """`key:value` tokens in order, record after record."""
+        return [f for rec in text.split("|") for f in rec.split(" ") if f]
+
+    def score(self, example: Example, response: str) -> float:
+        response = response.strip()
+        if response == example.answer:
+            return 1.0
+        want, got = self.fields(example.answer), self.fields(response)
+        return PARTIAL * sum(w == g for w, g in zip(want, got)) / max(len(want), len(got), 1)
