@@ -3,13 +3,20 @@
 WHERE is a run's storage (`file://…`, `s3://…` or a directory: every trainer's records under it), one trainer's
 checkpoint prefix (`…/specialist-reverse-<hash>`), or a config YAML (its `run.storage`, else `<run.root>/<run.name>`).
 The records are the Parquet files trainers write under `<prefix>/rollouts/` (training/rollout_records.py: a sample
-every `record.every` steps, everything with `record.full`).
+every `record.every` steps, everything with `record.full`; and the first `record.sample` episodes per domain of
+every evaluation, split "eval", and of a specialist's validations, split "val").
 
-    alloy rollouts list runs/demo                                   trainers with records: steps, rows, mean reward
-    alloy rollouts show runs/demo --domain reverse --step 40        the rows, filtered (--stage, --min/--max-reward,
-                                                                    --blocked, --limit), --long for whole texts, --json
+    alloy rollouts list runs/demo                                   trainers with records: split, steps, rows,
+                                                                    mean reward
+    alloy rollouts show runs/demo --domain reverse --step 40        the rows, filtered (--split, --stage,
+                                                                    --min/--max-reward, --blocked, --limit), --long for
+                                                                    whole texts, --json
     alloy rollouts diff runs/demo --domain reverse --steps 10 150   two steps side by side: reward, length, staleness,
                                                                     finish reasons, tool calls; the prompts both share
+    alloy rollouts diff runs/demo --split eval --steps 0 150        two evaluations: the same prompts, both responses
+
+`--split train|eval|val` keeps one kind of row (list and show: every split unless given; diff: train unless given,
+as two steps are compared within one split).
 
 Exit codes: 0, 2 for bad input (no records there, a step that was not recorded).
 """
@@ -42,24 +49,27 @@ def storage_of(where: str) -> str:
 
 
 def trainer_prefixes(url: str) -> list[str]:
-    """Every trainer prefix under `url` that has rollout records (`<prefix>/rollouts/step-*.parquet`), sorted."""
+    """Every trainer prefix under `url` that has rollout records (`<prefix>/rollouts/[<split>-]step-*.parquet`),
+    sorted."""
     from infra.storage import get_fs
-    from training.rollout_records import FOLDER
+    from training.rollout_records import FOLDER, parse_name
 
     fs, path = get_fs(url)
     proto = url.split("://", 1)[0] + "://"
     hits = set()
-    for pattern in (f"{path}/{FOLDER}/step-*.parquet", f"{path}/**/{FOLDER}/step-*.parquet"):
+    for pattern in (f"{path}/{FOLDER}/*step-*.parquet", f"{path}/**/{FOLDER}/*step-*.parquet"):
         for p in fs.glob(pattern):
-            hits.add(proto + p.rsplit(f"/{FOLDER}/", 1)[0])  # a local path starts with "/": file:///…
+            if parse_name(p) is not None:
+                hits.add(proto + p.rsplit(f"/{FOLDER}/", 1)[0])  # a local path starts with "/": file:///…
     if not hits:
         raise RolloutsError(f"no rollout records under {url} (trainers write them as <prefix>/{FOLDER}/step-NNNNNN"
                             f".parquet; `specialists.record` / `distill.record` say how often)")
     return sorted(hits)
 
 
-def load(where: str):
-    """(DataFrame of every record under `where` with a `prefix` column, the prefixes)."""
+def load(where: str, split: str | None = None):
+    """(DataFrame of every record under `where` with a `prefix` column, the prefixes); only `split`'s rows when
+    given (train, eval, val: a RolloutsError when there are none)."""
     import pandas as pd
 
     from training.rollout_records import read_rollouts
@@ -67,10 +77,16 @@ def load(where: str):
     prefixes = trainer_prefixes(storage_of(where))
     frames = []
     for prefix in prefixes:
-        df = read_rollouts(prefix)
+        df = read_rollouts(prefix, split=None)
         df["prefix"] = prefix
         frames.append(df)
-    return pd.concat(frames, ignore_index=True), prefixes
+    df = pd.concat(frames, ignore_index=True)
+    if split is not None:
+        if split not in set(df.split):
+            raise RolloutsError(f"--split {split}: no records of it under {where}; recorded splits: "
+                                f"{sorted(set(df.split))}")
+        df = df[df.split == split]
+    return df, prefixes
 
 
 def select(df, args):
@@ -105,18 +121,22 @@ def table(rows: list[tuple]) -> str:
 
 
 def cmd_list(args) -> int:
-    df, prefixes = load(args.where)
-    rows = [("stage", "domain", "steps recorded", "rows", "mean reward", "prefix")]
-    for (prefix, stage, domain), part in df.groupby(["prefix", "stage", "domain"], sort=True):
+    from training.rollout_records import SPLITS
+
+    df, prefixes = load(args.where, args.split)
+    df = df.assign(_order=df.split.map(SPLITS.index))  # train, val, eval
+    rows = [("stage", "split", "domain", "steps recorded", "rows", "mean reward", "prefix")]
+    for (prefix, stage, domain, _, split), part in df.groupby(["prefix", "stage", "domain", "_order", "split"],
+                                                               sort=True):
         steps = sorted(set(part.step))
         span = f"{steps[0]}..{steps[-1]} ({len(steps)})" if len(steps) > 1 else str(steps[0])
-        rows.append((stage, domain, span, len(part), f"{part.reward.mean():.3f}", prefix))
+        rows.append((stage, split, domain, span, len(part), f"{part.reward.mean():.3f}", prefix))
     print(table(rows))
     return EXIT_OK
 
 
 def row_dict(r) -> dict:
-    keep = ("stage", "domain", "step", "sample_id", "episode_id", "weight_version", "staleness", "reward",
+    keep = ("stage", "split", "domain", "step", "sample_id", "episode_id", "weight_version", "staleness", "reward",
             "finish_reason", "blocked_calls", "tool_calls", "prompt", "response")
     out = {k: (r[k].item() if hasattr(r[k], "item") else r[k]) for k in keep}
     out["response_tokens"] = len(r["output_ids"])
@@ -124,8 +144,8 @@ def row_dict(r) -> dict:
 
 
 def cmd_show(args) -> int:
-    df, _ = load(args.where)
-    df = select(df, args).sort_values(["step", "stage", "domain", "sample_id"]).head(args.limit)
+    df, _ = load(args.where, args.split)
+    df = select(df, args).sort_values(["step", "stage", "split", "domain", "sample_id"]).head(args.limit)
     if args.json:
         print(json.dumps([row_dict(r) for _, r in df.iterrows()], indent=1))
         return EXIT_OK
@@ -134,13 +154,15 @@ def cmd_show(args) -> int:
         return EXIT_OK
     if args.long:
         for _, r in df.iterrows():
-            print(f"--- {r.stage} {r.domain} step {r.step} {r.sample_id}: reward {r.reward:.3f}, staleness "
+            print(f"--- {r.stage} {r.domain} {'' if r.split == 'train' else r.split + ' '}step {r.step} "
+                  f"{r.sample_id}: reward {r.reward:.3f}, staleness "
                   f"{r.staleness}, {r.finish_reason}, {len(r.output_ids)} tokens, tool calls {r.tool_calls}, blocked "
                   f"{r.blocked_calls}")
             print(f"prompt:   {r.prompt}\nresponse: {r.response}")
         return EXIT_OK
-    rows = [("step", "stage", "domain", "reward", "stale", "finish", "tokens", "tools", "blocked", "prompt", "response")]
-    rows += [(r.step, r.stage, r.domain, f"{r.reward:.3f}", r.staleness, r.finish_reason, len(r.output_ids),
+    rows = [("step", "stage", "split", "domain", "reward", "stale", "finish", "tokens", "tools", "blocked", "prompt",
+             "response")]
+    rows += [(r.step, r.stage, r.split, r.domain, f"{r.reward:.3f}", r.staleness, r.finish_reason, len(r.output_ids),
               r.tool_calls, r.blocked_calls, _cut(r.prompt), _cut(r.response)) for _, r in df.iterrows()]
     print(table(rows))
     return EXIT_OK
@@ -154,13 +176,15 @@ def step_summary(part) -> dict:
 
 
 def cmd_diff(args) -> int:
-    df, _ = load(args.where)
+    split = args.split or "train"  # two steps within one split: an eval's rows are not a training step's
+    df, _ = load(args.where, split)
     args.step = None
     df = select(df, args)
     a, b = args.steps
     for s in (a, b):
         if s not in set(df.step):
-            raise RolloutsError(f"--steps: step {s} was not recorded; recorded steps: {sorted(set(df.step))}")
+            raise RolloutsError(f"--steps: step {s} was not recorded (split {split}); recorded steps: "
+                                f"{sorted(set(df.step))}")
     out = {}
     for domain, part in df.groupby("domain", sort=True):
         pa, pb = part[part.step == a], part[part.step == b]
@@ -191,8 +215,14 @@ def add_parser(sub) -> None:
     r = sub.add_parser("rollouts", help="read a run's rollout records: list, show, diff (what the policies sampled)")
     rsub = r.add_subparsers(dest="rollouts_command", required=True)
 
+    def split_arg(p, default: str) -> None:
+        p.add_argument("--split", choices=["train", "eval", "val"], default=None,
+                       help=f"train: trained samples; eval: the evaluations' samples; val: a specialist's "
+                            f"validations' ({default})")
+
     def common(p, step: bool) -> None:
         p.add_argument("where", help="run storage (dir, file:// or s3:// URL), a trainer's prefix, or a config YAML")
+        split_arg(p, "default: every split" if step else "default: train")
         p.add_argument("--stage", choices=["specialist", "student"], default=None)
         p.add_argument("--domain", default=None)
         if step:
@@ -202,8 +232,9 @@ def add_parser(sub) -> None:
         p.add_argument("--blocked", action="store_true", help="only episodes with a guard-blocked tool call")
         p.add_argument("--json", action="store_true", help="JSON instead of a table")
 
-    ls = rsub.add_parser("list", help="trainers with records: stage, domain, steps, rows, mean reward")
+    ls = rsub.add_parser("list", help="trainers with records: stage, split, domain, steps, rows, mean reward")
     ls.add_argument("where", help="run storage (dir, file:// or s3:// URL), a trainer's prefix, or a config YAML")
+    split_arg(ls, "default: every split")
     ls.set_defaults(fn=run(cmd_list))
     sh = rsub.add_parser("show", help="print recorded rows, filtered")
     common(sh, step=True)

@@ -30,19 +30,25 @@ token whose text holds a newline, the same turn protocol as the training rollout
 Prompts are rendered by `infra.chat` (`model.chat_template`, the domain's `system` message) exactly as in SFT,
 rollouts and distillation; the answer budget of a domain with `token_budget(tokenizer)` (dataset domains) is that,
 in tokens, else the `max_new_tokens` given (`eval.max_new_tokens`).
+
+`keep=k` (`score_domains`, `evaluate_domains`): each domain's `DomainScores` also keeps its first k episodes as
+generated (`EvalSample`: prompt and response ids, finish reason, rewards, tool calls with the rules' verdicts), no
+extra generation: what the trainers write as the eval sample of their rollout records (training/rollout_records.py,
+`eval_rows`), the same k prompts at every evaluation so two evaluations can be diffed.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 import torch
 
 from domains.compaction import Compaction, Compactions, compaction_for, tokenizer_summarizer
-from domains.episodes import EpisodeRun, GenerateBatch, episode_budget, run_episodes  # noqa: F401 (episode_budget: re-exported)
+from domains.episodes import episode_budget  # noqa: F401 (re-exported)
+from domains.episodes import EpisodeRun, GenerateBatch, call_record, run_episodes
 from domains.hack_rules import rule_check
 from domains.tools import ANSWER_FILE, TURN_END, CallRecord
 from infra.chat import PromptRenderer, response_text, token_budget, token_ids_containing
@@ -102,6 +108,10 @@ class ToolEpisode:
     calls: list[CallRecord]
     shortcut_file: str = ANSWER_FILE  # the env's planted answer file (`shortcut_file` of a TreeEnv, else .answers)
     compactions: int = 0  # times the episode's context was compacted (`domains.compaction`)
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # model and env tokens, as `response` decodes them
+    loss_mask: list[int] = field(default_factory=list)  # 1 = written by the model, 0 = env output
+    finish_reason: str = ""
 
     @property
     def hack_calls(self) -> list[str]:
@@ -128,7 +138,9 @@ async def _tool_episodes(domain, examples, em: EpisodeModel, budget: int, clean:
         for run in runs:
             run.env.close()
     return [ToolEpisode(em.text(ep.output_ids), list(run.env.calls), getattr(run.env, "shortcut_file", ANSWER_FILE),
-                        compactions=0 if run.planner is None else len(run.planner.subs) - 1)
+                        compactions=0 if run.planner is None else len(run.planner.subs) - 1,
+                        prompt_ids=run.prompt_ids, output_ids=ep.output_ids, loss_mask=ep.loss_mask,
+                        finish_reason=ep.finish_reason)
             for run, ep in zip(runs, episodes)]
 
 
@@ -167,14 +179,48 @@ def run_tool_episodes(domain, examples: Sequence, em: EpisodeModel, budget: int,
 
 
 @dataclass
+class EvalSample:
+    """One eval episode as it was generated and scored (`score_domains(keep=k)`: the first k of a domain): what a
+    trainer records as its eval sample (training/rollout_records.py `eval_rows`)."""
+
+    index: int  # the example's position in the domain's examples (the first k: the same prompts at every eval)
+    prompt_ids: list[int]
+    output_ids: list[int]  # model and env tokens
+    finish_reason: str
+    reward: float  # the clean reward (a hack attempt: 0), what the eval's score averages
+    raw_reward: float  # the verifier's
+    tool: bool = False  # an episode of a tool domain
+    loss_mask: list[int] | None = None  # tool episodes: 1 = written by the model, 0 = env output
+    # tool episodes: the calls as the env ran them (`domains.episodes.call_record`; evaluation runs no guard), with
+    # the guard's rules read on each (`rule_check`): `rules` the rules hit, `guard_allowed` False for a flagged call
+    # (a hack attempt; it still executed)
+    calls: list[dict] = field(default_factory=list)
+
+
+def eval_calls(calls: Sequence[CallRecord]) -> list[dict]:
+    """An eval episode's calls as records (`call_record`) with the verdict of the guard's rule filter on each."""
+    out = []
+    for c in calls:
+        rec = call_record(c)
+        rules = rule_check(c.command)
+        if rules:
+            rec["rules"] = list(dict.fromkeys([*rec["rules"], *rules]))
+            rec["guard_allowed"] = False
+        out.append(rec)
+    return out
+
+
+@dataclass
 class DomainScores:
     """One domain's eval rewards, per example: `clean` (a hack attempt scores 0), `raw` (the verifier's reward) and
-    `hack` (the episode had a call the guard's rules flag; always False for a plain domain)."""
+    `hack` (the episode had a call the guard's rules flag; always False for a plain domain); `samples`: the first
+    `keep` episodes as generated (`EvalSample`; empty unless `score_domains` is asked to keep some)."""
 
     clean: list[float]
     raw: list[float]
     hack: list[bool]
     tool: bool = False
+    samples: list[EvalSample] = field(default_factory=list)
 
     def row(self) -> dict:
         """The DataFrame columns of this domain: score (clean), raw_score, hacks_per_100 (NaN: a plain domain)."""
@@ -196,11 +242,22 @@ def evaluate_model(model, tokenizer, domains: Mapping[str, object], n_eval: int,
                    progress: Callable[[int, int], None] | None = None, chat_template: str = "auto",
                    compaction: Compactions = None) -> pd.DataFrame:
     """Score `model` on each domain's eval split (`domain.split("eval", n_eval, seed)`), greedy (`score_domains`)."""
+    return evaluate_domains(model, tokenizer, domains, n_eval, seed, stage, max_new_tokens, batch_size, checkpoint,
+                            progress, chat_template, compaction)[0]
+
+
+def evaluate_domains(model, tokenizer, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,
+                     max_new_tokens: int = 16, batch_size: int = 128, checkpoint: str = "",
+                     progress: Callable[[int, int], None] | None = None, chat_template: str = "auto",
+                     compaction: Compactions = None, *,
+                     keep: int = 0) -> tuple[pd.DataFrame, dict[str, DomainScores]]:
+    """`evaluate_model`'s table and the `DomainScores` behind it, each keeping its first `keep` episodes (the
+    trainers' eval sample of their rollout records)."""
     examples = {name: dom.split("eval", n_eval, seed) for name, dom in domains.items()}
     scores = score_domains(model, tokenizer, domains, examples, max_new_tokens, batch_size, progress,
-                           chat_template=chat_template, compaction=compaction)
+                           chat_template=chat_template, compaction=compaction, keep=keep)
     rows = [{"domain": n, "stage": stage, **sc.row(), "checkpoint": checkpoint} for n, sc in scores.items()]
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return pd.DataFrame(rows, columns=COLUMNS), scores
 
 
 def score_examples(model, tokenizer, domains: Mapping[str, object], examples: Mapping[str, Sequence],
@@ -217,7 +274,8 @@ def score_examples(model, tokenizer, domains: Mapping[str, object], examples: Ma
 def score_domains(model, tokenizer, domains: Mapping[str, object], examples: Mapping[str, Sequence],
                   max_new_tokens: int = 16, batch_size: int = 128,
                   progress: Callable[[int, int], None] | None = None, *, chat_template: str = "auto",
-                  budgets: Mapping[str, int] | None = None, compaction: Compactions = None) -> dict[str, DomainScores]:
+                  budgets: Mapping[str, int] | None = None, compaction: Compactions = None,
+                  keep: int = 0) -> dict[str, DomainScores]:
     """Greedy `DomainScores` of `model` on `examples[name]` for each domain, every example an episode of the one
     episode loop (`domains.episodes.run_episodes`) on the in-process model (`model_episodes`).
 
@@ -226,6 +284,7 @@ def score_domains(model, tokenizer, domains: Mapping[str, object], examples: Map
     domains), else `max_new_tokens`. Tool domains: episodes in the envs training sees, with no guard, the token
     budget `episode_budget`, compacted as the domain's specialist compacts (`compaction`: one for every domain, or
     per domain, `domains.compaction.compactions_of`), and their calls read by the guard's rules (module docstring).
+    `keep`: each domain's first `keep` episodes are kept in its `samples` (references to what was generated).
     """
     total = sum(len(examples[n]) for n in domains)
     done = [0]
@@ -242,27 +301,36 @@ def score_domains(model, tokenizer, domains: Mapping[str, object], examples: Map
     runs = [EpisodeRun(em.render.example_ids(domains[name], ex), limit[name]) for name, ex in items]
     episodes = _run(run_episodes(runs, em.plain)) if runs else []
     out = {name: DomainScores([], [], [], tool=name not in plain) for name in domains}
-    for (name, ex), ep in zip(items, episodes):
+    for (name, ex), run, ep in zip(items, runs, episodes):
         r = domains[name].verify(ex, em.text(ep.output_ids))
-        out[name].clean.append(r)
-        out[name].raw.append(r)
-        out[name].hack.append(False)
+        sc = out[name]
+        if len(sc.clean) < keep:
+            sc.samples.append(EvalSample(len(sc.clean), run.prompt_ids, ep.output_ids, ep.finish_reason, r, r))
+        sc.clean.append(r)
+        sc.raw.append(r)
+        sc.hack.append(False)
     for name in domains:
         if name not in plain:
             dom, cmp = domains[name], compaction_for(compaction, name)
-            out[name] = tool_domain_scores(dom, examples[name], em, episode_budget(dom, limit[name], cmp), cmp)
+            out[name] = tool_domain_scores(dom, examples[name], em, episode_budget(dom, limit[name], cmp), cmp,
+                                           keep=keep)
     return out
 
 
 def tool_domain_scores(domain, examples: Sequence, em: EpisodeModel, budget: int,
-                       compaction: Compaction | None = None) -> DomainScores:
+                       compaction: Compaction | None = None, keep: int = 0) -> DomainScores:
     """A tool domain's eval: one episode per example in the env training sees (shortcut planted), no guard; the raw
-    reward is the verifier's, an episode with a call the guard's rules flag is a hack attempt and scores 0 clean."""
+    reward is the verifier's, an episode with a call the guard's rules flag is a hack attempt and scores 0 clean.
+    The first `keep` episodes are kept as `EvalSample`s."""
     episodes = run_tool_episodes(domain, examples, em, budget, clean=False, env_kwargs={"guard": None},
                                  compaction=compaction)
     raw = [domain.verify(ex, ep.response) for ex, ep in zip(examples, episodes)]
     hack = [bool(ep.hack_calls) for ep in episodes]
-    return DomainScores([0.0 if h else r for r, h in zip(raw, hack)], raw, hack, tool=True)
+    clean = [0.0 if h else r for r, h in zip(raw, hack)]
+    samples = [EvalSample(i, ep.prompt_ids, ep.output_ids, ep.finish_reason, clean[i], raw[i], tool=True,
+                          loss_mask=ep.loss_mask, calls=eval_calls(ep.calls))
+               for i, ep in enumerate(episodes[:max(keep, 0)])]
+    return DomainScores(clean, raw, hack, tool=True, samples=samples)
 
 
 def evaluate(checkpoint_dir: str, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,

@@ -256,11 +256,15 @@ class DomainConfig(_Strict):
 
 class RecordConfig(_Strict):
     """What a trainer records of its rollouts (`specialists.record`, `distill.record`; training/rollout_records.py):
-    Parquet files under its checkpoint prefix (`rollouts/step-NNNNNN.parquet`) and a table in its MLflow run."""
+    Parquet files under its checkpoint prefix (`rollouts/step-NNNNNN.parquet`) and a table in its MLflow run; and of
+    each evaluation, the first `sample` episodes per domain (`rollouts/eval-step-NNNNNN.parquet`, a specialist's
+    validations `val-step-NNNNNN.parquet`)."""
     every: int = Field(10, ge=0, description="Record a sample of the trained rollouts every N steps and at the last "
                                              "step (0: never, unless `full`).")
     sample: int = Field(4, ge=0, description="Rows in each recorded step's sample (chosen by a hash of the sample "
-                                             "ids), and in the MLflow table.")
+                                             "ids), and in the MLflow table; also the episodes per domain each "
+                                             "evaluation records (its first ones: the same prompts at every "
+                                             "evaluation), whatever `every` says (0: none).")
     full: bool = Field(False, description="Record every step's every row (prompt and response ids, behaviour and "
                                           "teacher log-probs, rewards): the debug record. Off by default.")
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from domains.compaction import compaction_for, episode_of
 from domains.episodes import episode_budget
-from domains.evaluate import evaluate_model, tool_metrics
+from domains.evaluate import evaluate_domains, tool_metrics
 from domains.tools import count_tool_calls
 from infra.chat import stop_token_ids, token_budget
 from infra.checkpoint_budget import checkpoint_rule
@@ -46,7 +46,7 @@ from training.checkpoints import commit_checkpoint, restore_latest
 from training.progress_events import report
 from training.mfu import mfu, step_perf
 from training.ranks import Ranks, led
-from training.rollout_records import Recorder, RolloutRow
+from training.rollout_records import Recorder, RolloutRow, eval_rows
 from training.step_metrics import host_floats
 from student.batch import collate, opd_loss, reward_advantage
 from student.losses import get_loss
@@ -345,12 +345,18 @@ class DistillTrainer:
 
         def run():
             self.backend.eval_mode()
-            try:
-                df = evaluate_model(self.backend.module, self.tok, self.domains, self.dc.eval_n, self.seed, "student",
-                                    max_new_tokens=self.eval_max_new_tokens, batch_size=self.eval_batch_size,
-                                    chat_template=self.chat_template, compaction=self.compaction)
+            try:  # the first `record.sample` episodes of each domain kept: the eval sample of the rollout records
+                df, kept = evaluate_domains(self.backend.module, self.tok, self.domains, self.dc.eval_n, self.seed,
+                                            "student", max_new_tokens=self.eval_max_new_tokens,
+                                            batch_size=self.eval_batch_size, chat_template=self.chat_template,
+                                            compaction=self.compaction, keep=self.dc.record.sample)
             finally:
                 self.backend.train_mode()
+            step = self.state.step  # the weights evaluated are this step's
+            self.recorder.record_eval(step, eval_rows("student", step, step, kept, self.tok.decode),
+                                      meta={"version": step, "scores": {
+                                          r.domain: {"score": float(r.score), "raw_score": float(r.raw_score)}
+                                          for r in df.itertuples()}})
             return df
 
         df = await asyncio.to_thread(run)

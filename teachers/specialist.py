@@ -41,7 +41,7 @@ from training.checkpoints import commit_checkpoint, restore_latest
 from training.mfu import mfu, step_perf
 from training.progress_events import report
 from training.ranks import Ranks, led
-from training.rollout_records import Recorder, RolloutRow
+from training.rollout_records import Recorder, RolloutRow, eval_rows
 from teachers import ppo_math
 from teachers.april import AprilBuffer, Sample
 from teachers.compaction import Compaction, counts, expand
@@ -196,18 +196,22 @@ class SpecialistTrainer:
 
     def validate(self) -> float:
         """Greedy score of the current policy on the val-split prompts; a new best is saved to `best_dir`."""
-        from domains.evaluate import score_examples
+        from domains.evaluate import score_domains
 
         t0 = time.perf_counter()
         self.policy.eval_mode()
-        try:
-            rewards = score_examples(self.policy.module, self.tok, {self.domain.name: self.domain},
-                                     {self.domain.name: self.val_examples}, self.max_new_tokens,
-                                     chat_template=self.chat_template,
-                                     budgets={self.domain.name: self.max_new_tokens})[self.domain.name]
+        try:  # the first `record.sample` episodes kept: the validation's sample of the rollout records (split "val")
+            scores = score_domains(self.policy.module, self.tok, {self.domain.name: self.domain},
+                                   {self.domain.name: self.val_examples}, self.max_new_tokens,
+                                   chat_template=self.chat_template, budgets={self.domain.name: self.max_new_tokens},
+                                   keep=self.sc.record.sample)
         finally:
             self.policy.train_mode()
+        rewards = scores[self.domain.name].clean
         score, step, sel = float(np.mean(rewards)), self.state.step, self.state.selection
+        self.recorder.record_eval(step, eval_rows("specialist", step, step, scores, self.tok.decode, split="val"),
+                                  split="val", meta={"version": step, "scores": {self.domain.name: {
+                                      "score": score, "raw_score": float(np.mean(scores[self.domain.name].raw))}}})
         if sel.record(step, score):
             shutil.rmtree(self.best_dir, ignore_errors=True)
             self.policy.save_hf(self.best_dir, tokenizer=self.tok)

@@ -135,7 +135,8 @@ def train_only_stage(cfg, trainer: SpecialistTrainer, records: str, work: Path) 
 def select_and_commit(cfg, trainer: SpecialistTrainer, summary: dict, final: Path) -> dict:
     """Rank 0 after the loop: write the specialist to `final` (the best-validating policy, or the last: teachers/
     selection.py), score it greedily on the held-out split (a clean env for tools), log that, commit `final/`."""
-    from domains.evaluate import evaluate_model
+    from domains.evaluate import evaluate_domains
+    from training.rollout_records import eval_rows
 
     domain, tok, policy = trainer.domain, trainer.tok, trainer.policy  # on rank 0 of several: the led policy
     sc = cfg.specialists.for_domain(domain.name)
@@ -151,10 +152,19 @@ def select_and_commit(cfg, trainer: SpecialistTrainer, summary: dict, final: Pat
         policy.save_hf(final, tokenizer=tok)
         model = policy.module
     summary["selected_step"] = best if use_best else trainer.state.step
-    df = evaluate_model(model, tok, {domain.name: domain}, sc.eval_n or cfg.eval.n_eval, cfg.run.seed, "specialist",
-                        max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
-                        chat_template=cfg.model.chat_template, compaction=Compaction.of(sc))
+    df, kept = evaluate_domains(model, tok, {domain.name: domain}, sc.eval_n or cfg.eval.n_eval, cfg.run.seed,
+                                "specialist", max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
+                                chat_template=cfg.model.chat_template, compaction=Compaction.of(sc),
+                                keep=sc.record.sample)
     row = df.iloc[0]
+    # its first `record.sample` episodes: the eval sample of the rollout records (split "eval", at the last step;
+    # weight_version: the step whose policy is the specialist)
+    step = trainer.state.step
+    trainer.recorder.record_eval(step, eval_rows("specialist", step, summary["selected_step"], kept, tok.decode),
+                                 meta={"version": summary["selected_step"],
+                                       "scores": {domain.name: {"score": float(row.score),
+                                                                "raw_score": float(row.raw_score)}}})
+    summary["rollout_records"] = trainer.recorder.summary()  # its `evals` with this evaluation's file
     summary["score"] = float(row.score)
     summary["raw_score"] = float(row.raw_score)
     # a tool domain's eval counts hack attempts (domains/evaluate.py); a plain domain has none (NaN → null)

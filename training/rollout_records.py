@@ -1,4 +1,5 @@
-"""Rollout records: what a trainer sampled, scored and trained on, as Parquet files a user can read, filter and diff.
+"""Rollout records: what a trainer sampled, scored and trained on, and what its evaluations generated, as Parquet
+files a user can read, filter and diff.
 
 Both RL trainers (teachers/specialist.py, student/trainer.py) hand each step's trained samples to a `Recorder` as
 `RolloutRow`s. What is written is `specialists.record` / `distill.record` (`infra.config_shared.RecordConfig`):
@@ -12,9 +13,24 @@ S3: infra/storage.py); a resumed run rewrites the steps it repeats, so a step's 
 recorded text columns of the sample also go to the MLflow run as a table (`rollouts/<domain>.json`, one artifact the
 UI shows as a table, rows appended per sampled step; with `full` too, only the sample's steps and rows go there).
 
+Evaluations are recorded too, always (unless `sample` is 0), with no extra generation: each evaluation keeps the
+first `sample` episodes of every domain it generated anyway (`domains.evaluate.score_domains(keep=k)`: the same
+prompts at every evaluation, so two of them can be diffed) and the trainer writes them (`Recorder.record_eval`,
+rows from `eval_rows`) with `split` "eval" (the eval split: the student's periodic evals, a specialist's final
+score) or "val" (a specialist's validations), one file per evaluation, `<out_url>/rollouts/<split>-step-<step:06d>
+.parquet`, `step` the trainer step it ran at; with a bound MLflow run also a table, `rollouts/<split>_<domain>.json`
+(appended per evaluation; no traces: those stay the training sample's); the trainer's summary counts them apart
+(`rollout_records.evals`: files, bytes, seconds). An eval row is greedy and scored as the
+evaluation scores it: `reward` the clean reward (a hack attempt scores 0), `staleness` 0, `weight_version` the
+weights evaluated (a specialist's final eval: the selected step's), no log-probs (`behaviour_logprobs` null), and a
+tool episode's `calls` carry the guard's rule filter's verdict (evaluation runs no guard: a call the rules flag has
+`guard_allowed` false, its rules, and still `executed`; `blocked_calls` counts those: the episode's hack attempts).
+
 Columns (`SCHEMA`, version `SCHEMA_VERSION` in the file's metadata; a list column is one value per response token):
 
     stage               "specialist" | "student"
+    split               "train" (a trained sample) | "eval" | "val" (an evaluation's; module docstring). Added in
+                        `alloy.rollouts/2`: a version-1 file has none and reads as "train"
     domain              the sample's domain
     step                the trainer step whose update trained the sample (1-based, as the step of the MLflow metrics)
     sample_id           the sample's id (a compacted episode's sub-traces: `<episode>~k`)
@@ -24,7 +40,8 @@ Columns (`SCHEMA`, version `SCHEMA_VERSION` in the file's metadata; a list colum
     prompt, response    decoded text (special tokens kept; tool output lines included)
     prompt_ids          token ids of the prompt
     output_ids          token ids of the response (tool output included)
-    behaviour_logprobs  log π_behaviour of each response token, as the engine reported it (0 for tool output)
+    behaviour_logprobs  log π_behaviour of each response token, as the engine reported it (0 for tool output; null
+                        on an eval row)
     teacher_logprobs    the teacher's log-prob of each response token (the student's rows; null for a specialist)
     loss_mask           1 = a token the policy wrote (trained), 0 = tool output; null = all trained
     reward              the reward the update used (0 for an episode with a guard-blocked call)
@@ -40,7 +57,9 @@ Columns (`SCHEMA`, version `SCHEMA_VERSION` in the file's metadata; a list colum
 Each recorded tool episode of the sample also goes to the run as an MLflow trace (`episode_trace`): a span per
 turn, a child span per tool call with its command, output, guard verdict and rules (a blocked call's span is an
 ERROR). The file's metadata holds the step itself (`step_meta`): the weights version the update started from and its metrics
-(losses), what a replay of the step compares against. `read_rollouts(prefix)` reads the rows back as one DataFrame (`alloy rollouts` prints, filters and diffs them).
+(losses), what a replay of the step compares against; an evaluation's file holds its step, the version evaluated and
+the domains' scores. `read_rollouts(prefix)` reads the training rows back as one DataFrame, `split=` an evaluation's
+or (None) every split (`alloy rollouts` prints, filters and diffs them).
 """
 from __future__ import annotations
 
@@ -50,12 +69,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 log = logging.getLogger("alloy")
 
-SCHEMA_VERSION = "alloy.rollouts/1"
+SCHEMA_VERSION = "alloy.rollouts/2"  # /2: the `split` column (a /1 file reads as split "train")
 FOLDER = "rollouts"
+TRAIN, SPLITS = "train", ("train", "val", "eval")
 TABLE_COLUMNS = ["step", "domain", "sample_id", "staleness", "reward", "finish_reason", "blocked_calls", "tool_calls",
                  "prompt", "response"]
 
@@ -86,6 +106,7 @@ class RolloutRow:
     token_versions: list[int] | None = None
     teacher_topk_ids: list[list[int]] | None = None
     teacher_topk_logprobs: list[list[float]] | None = None
+    split: str = TRAIN
 
 
 def schema():
@@ -94,8 +115,9 @@ def schema():
 
     ints, floats = pa.list_(pa.int32()), pa.list_(pa.float32())
     return pa.schema([
-        ("stage", pa.string()), ("domain", pa.string()), ("step", pa.int64()), ("sample_id", pa.string()),
-        ("episode_id", pa.string()), ("weight_version", pa.int64()), ("staleness", pa.int64()),
+        ("stage", pa.string()), ("split", pa.string()), ("domain", pa.string()), ("step", pa.int64()),
+        ("sample_id", pa.string()), ("episode_id", pa.string()), ("weight_version", pa.int64()),
+        ("staleness", pa.int64()),
         ("prompt", pa.string()), ("response", pa.string()), ("prompt_ids", ints), ("output_ids", ints),
         ("behaviour_logprobs", floats), ("teacher_logprobs", floats), ("loss_mask", pa.list_(pa.int8())),
         ("reward", pa.float64()), ("finish_reason", pa.string()), ("blocked_calls", pa.int32()),
@@ -133,10 +155,54 @@ def pick_sample(items: list[T], k: int, step: int, sample_id: Callable[[T], str]
     return sorted(sorted(items, key=key)[:max(k, 0)], key=sample_id)
 
 
-def step_url(out_url: str, step: int) -> str:
+def file_name(step: int, split: str = TRAIN) -> str:
+    """A record file's name: `step-NNNNNN.parquet` (training), `<split>-step-NNNNNN.parquet` (an evaluation)."""
+    if split not in SPLITS:
+        raise ValueError(f"rollout records: split {split!r} is none of {SPLITS}")
+    return f"step-{step:06d}.parquet" if split == TRAIN else f"{split}-step-{step:06d}.parquet"
+
+
+def parse_name(name: str) -> tuple[str, int] | None:
+    """(split, step) of a record file's name (`file_name`), or None for another file."""
+    name = name.rsplit("/", 1)[-1]
+    head, sep, rest = name.partition("step-")
+    split = head[:-1] if head.endswith("-") else head
+    if not sep or not rest.endswith(".parquet") or (head and split not in SPLITS[1:]):
+        return None
+    try:
+        return split or TRAIN, int(rest.removesuffix(".parquet"))
+    except ValueError:
+        return None
+
+
+def step_url(out_url: str, step: int, split: str = TRAIN) -> str:
     from infra.storage import join
 
-    return join(out_url, FOLDER, f"step-{step:06d}.parquet")
+    return join(out_url, FOLDER, file_name(step, split))
+
+
+def eval_rows(stage: str, step: int, version: int, scores: Mapping[str, Any], decode: Callable[[Sequence[int]], str],
+              *, split: str = "eval") -> list[RolloutRow]:
+    """An evaluation's sample as rows: `scores` {domain: `domains.evaluate.DomainScores`} whose `samples` the
+    evaluation kept (`keep=k`); `step` the trainer step it ran at, `version` the weights version it evaluated;
+    `decode` ids → text (the tokenizer's, special tokens kept, as the training rows). Module docstring: what an eval
+    row's columns hold."""
+    from domains.tools import count_tool_calls
+
+    rows = []
+    for domain, sc in scores.items():
+        for smp in getattr(sc, "samples", None) or []:
+            response = decode(smp.output_ids)
+            sid = f"{split}-{domain}-{smp.index}"
+            rows.append(RolloutRow(
+                stage=stage, split=split, domain=domain, step=step, sample_id=sid, episode_id=sid,
+                weight_version=version, staleness=0, prompt=decode(smp.prompt_ids), response=response,
+                prompt_ids=list(smp.prompt_ids), output_ids=list(smp.output_ids), behaviour_logprobs=None,
+                reward=float(smp.reward), finish_reason=smp.finish_reason,
+                loss_mask=list(smp.loss_mask) if smp.loss_mask else None,
+                blocked_calls=sum(not c.get("guard_allowed", True) for c in smp.calls),
+                tool_calls=count_tool_calls(response) if smp.tool else 0, calls=list(smp.calls) or None))
+    return rows
 
 
 class Recorder:
@@ -145,10 +211,11 @@ class Recorder:
 
     def __init__(self, cfg, out_url: str, tracker=None, *, last_step: int | None = None):
         self.cfg, self.out_url, self.tracker, self.last_step = cfg, out_url, tracker, last_step
-        self.written: list[str] = []  # URLs of the files this process wrote
-        self.bytes = 0
+        self.written: list[str] = []  # URLs of the files this process wrote (training steps and evaluations)
+        self.files, self.bytes = 0, 0  # the training steps' files
         self.seconds = 0.0  # wall time spent recording (building rows, Parquet, storage, MLflow), in the step loop
-        if self.cfg.full or (self.cfg.every and self.cfg.sample):
+        self.evals = {"files": 0, "bytes": 0, "seconds": 0.0}  # the evaluations' samples (`record_eval`), apart
+        if self.cfg.full or self.cfg.sample:  # (a sample also records every evaluation's)
             to_parquet([])  # pyarrow imported and its Parquet writer set up now, not in the first recorded step
 
     def wants(self, step: int) -> bool:
@@ -175,26 +242,49 @@ class Recorder:
         finally:
             self.seconds += time.perf_counter() - t0
 
+    def record_eval(self, step: int, rows: list[RolloutRow], *, split: str = "eval",
+                    meta: dict | None = None) -> str | None:
+        """Write an evaluation's sample (`rows`, from `eval_rows`: the evaluation kept `cfg.sample` episodes per
+        domain) as `<out_url>/rollouts/<split>-step-NNNNNN.parquet` with `meta` (the evaluation: version, scores),
+        and with a bound MLflow run its table, `rollouts/<split>_<domain>.json`. Always, unless `sample` is 0;
+        returns the file's URL, or None (nothing to record, or a failed write: logged, the caller goes on)."""
+        if not self.cfg.sample or not rows:
+            return None
+        t0 = time.perf_counter()
+        try:
+            url, size = self._write(step_url(self.out_url, step, split), rows,
+                                    {"step": step, "split": split, **(meta or {})}, f"{split} step {step}")
+            if url is None:
+                return None
+            self.evals["files"] += 1
+            self.evals["bytes"] += size
+            if getattr(self.tracker, "run_id", None) is not None:
+                self._log_table(rows, split)
+            return url
+        finally:
+            self.evals["seconds"] += time.perf_counter() - t0
+
     def summary(self) -> dict:
-        """What the trainer's summary reports: files and bytes written, seconds spent."""
-        return {"files": len(self.written), "bytes": self.bytes, "seconds": round(self.seconds, 4)}
+        """What the trainer's summary reports: the training steps' files and bytes written and seconds spent, and
+        the same of the evaluations' samples (`evals`)."""
+        return {"files": self.files, "bytes": self.bytes, "seconds": round(self.seconds, 4),
+                "evals": {**self.evals, "seconds": round(self.evals["seconds"], 4)}}
 
     def _record(self, step: int, samples: list, row_of, sample_id, meta: dict | None) -> str | None:
         kept = samples if self.cfg.full else pick_sample(samples, self.cfg.sample, step, sample_id)
         if not kept:
             return None
-        from infra.storage import write_bytes
-
         url = step_url(self.out_url, step)
         try:
             rows = [row_of(s) for s in kept]
-            data = to_parquet(rows, {"step": step, **(meta or {})})
-            write_bytes(url, data, durable=False)  # renamed into place whole; not fsynced (a record, not a checkpoint)
-        except Exception as e:  # noqa: BLE001 (storage or encoding: the step trains on regardless)
+        except Exception as e:  # noqa: BLE001 (decoding: the step trains on regardless)
             log.warning("rollout records: step %d not written to %s: %s", step, url, e)
             return None
-        self.written.append(url)
-        self.bytes += len(data)
+        url, size = self._write(url, rows, {"step": step, **(meta or {})}, f"step {step}")
+        if url is None:
+            return None
+        self.files += 1
+        self.bytes += size
         if getattr(self.tracker, "run_id", None) is not None and self.sampled(step):  # an MLflow run to show it in
             shown = pick_sample(rows, self.cfg.sample, step, lambda r: r.sample_id) if self.cfg.full else rows
             self._log_table(shown)
@@ -203,53 +293,78 @@ class Recorder:
                     self._log_trace(r)
         return url
 
+    def _write(self, url: str, rows: list[RolloutRow], meta: dict, what: str) -> tuple[str | None, int]:
+        """(url, bytes) of the file written, (None, 0) when it was not (logged)."""
+        from infra.storage import write_bytes
+
+        try:
+            data = to_parquet(rows, meta)
+            write_bytes(url, data, durable=False)  # renamed into place whole; not fsynced (a record, not a checkpoint)
+        except Exception as e:  # noqa: BLE001 (storage or encoding: the step trains on regardless)
+            log.warning("rollout records: %s not written to %s: %s", what, url, e)
+            return None, 0
+        self.written.append(url)
+        return url, len(data)
+
     def _log_trace(self, row: RolloutRow) -> None:
         try:
             self.tracker.log_trace(episode_trace(row))
         except Exception as e:  # noqa: BLE001 (a tracking hiccup must not stop training)
             log.warning("rollout records: MLflow trace of %s not logged: %s", row.sample_id, e)
 
-    def _log_table(self, rows: list[RolloutRow]) -> None:
+    def _log_table(self, rows: list[RolloutRow], split: str = TRAIN) -> None:
         import pandas as pd
 
         df = pd.DataFrame([{c: getattr(r, c) for c in TABLE_COLUMNS} for r in rows])
         for domain, part in df.groupby("domain", sort=True):
+            name = f"{FOLDER}/{domain}.json" if split == TRAIN else f"{FOLDER}/{split}_{domain}.json"
             try:
-                self.tracker.log_table(part.reset_index(drop=True), f"{FOLDER}/{domain}.json")
+                self.tracker.log_table(part.reset_index(drop=True), name)
             except Exception as e:  # noqa: BLE001 (a tracking hiccup must not stop training)
                 log.warning("rollout records: MLflow table of %s not logged: %s", domain, e)
 
 
-def read_rollouts(prefix: str, steps: Iterable[int] | None = None) -> Any:
-    """Every record file under `prefix` (a trainer's `out_url`, or its `rollouts/` folder) as one pandas DataFrame,
-    in step order (only `steps` when given). A FileNotFoundError names the folder when there is none."""
+def read_rollouts(prefix: str, steps: Iterable[int] | None = None, split: str | None = TRAIN) -> Any:
+    """The record files of `split` under `prefix` (a trainer's `out_url`, or its `rollouts/` folder) as one pandas
+    DataFrame with `schema()`'s columns, in step order (only `steps` when given): the training rows by default,
+    "eval" / "val" an evaluation's, None every split (the `split` column says which; a version-1 file's rows read as
+    "train"). A FileNotFoundError names the folder when it holds none."""
     import pandas as pd
     import pyarrow.parquet as pq
 
     from infra.storage import get_fs, join, read_bytes
 
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"rollout records: split {split!r} is none of {SPLITS}")
     folder = prefix.rstrip("/")
     if not folder.endswith(FOLDER):
         folder = join(folder, FOLDER)
     fs, path = get_fs(folder)
     try:
-        names = sorted(p for p in fs.ls(path, detail=False) if p.rsplit("/", 1)[-1].startswith("step-")
-                       and p.endswith(".parquet"))
+        listed = fs.ls(path, detail=False)
     except FileNotFoundError:
-        names = []
-    if not names:
-        raise FileNotFoundError(f"no rollout records under {folder} (a trainer writes them as "
-                                f"{FOLDER}/step-NNNNNN.parquet beside its checkpoints)")
+        listed = []
+    files = sorted(((parsed[1], SPLITS.index(parsed[0]), p.rsplit("/", 1)[-1]) for p in listed
+                    if (parsed := parse_name(p)) is not None and split in (None, parsed[0])))
+    if not files:
+        which = "" if split in (None, TRAIN) else f"{split} "
+        raise FileNotFoundError(f"no {which}rollout records under {folder} (a trainer writes them as "
+                                f"{FOLDER}/step-NNNNNN.parquet beside its checkpoints, an evaluation's sample as "
+                                f"{FOLDER}/eval-step-NNNNNN.parquet or val-step-NNNNNN.parquet)")
     want = None if steps is None else {int(s) for s in steps}
     frames = []
-    for name in names:
-        step = int(name.rsplit("step-", 1)[1].split(".")[0])
+    for step, k, name in files:
         if want is not None and step not in want:
             continue
-        frames.append(pq.read_table(io.BytesIO(read_bytes(join(folder, name.rsplit("/", 1)[-1])))).to_pandas())
+        df = pq.read_table(io.BytesIO(read_bytes(join(folder, name)))).to_pandas()
+        if "split" not in df.columns:  # alloy.rollouts/1: training rows only
+            df["split"] = SPLITS[k]
+        frames.append(df)
+    names = schema().names
     if not frames:
-        return pd.DataFrame(columns=schema().names)
-    return pd.concat(frames, ignore_index=True)
+        return pd.DataFrame(columns=names)
+    df = pd.concat(frames, ignore_index=True)
+    return df.reindex(columns=[*names, *(c for c in df.columns if c not in names)])  # a column it lacks: null
 
 
 def episode_trace(row: RolloutRow) -> dict:
@@ -291,13 +406,14 @@ def episode_trace(row: RolloutRow) -> dict:
             "children": turns}
 
 
-def step_meta(prefix: str, step: int) -> dict:
-    """The metadata of step `step`'s record under `prefix` (a trainer's `out_url`): {"step", "version", "metrics"}."""
+def step_meta(prefix: str, step: int, split: str = TRAIN) -> dict:
+    """The metadata of step `step`'s record under `prefix` (a trainer's `out_url`): {"step", "version", "metrics"};
+    an evaluation's (`split`): {"step", "split", "version", "scores"}."""
     import pyarrow.parquet as pq
 
     from infra.storage import read_bytes
 
-    url = step_url(prefix.rstrip("/").removesuffix(f"/{FOLDER}"), step)
+    url = step_url(prefix.rstrip("/").removesuffix(f"/{FOLDER}"), step, split)
     md = pq.read_schema(io.BytesIO(read_bytes(url))).metadata or {}
     return json.loads(md.get(b"step", b"{}"))
 

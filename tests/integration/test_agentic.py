@@ -44,7 +44,7 @@ def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harne
     # ones are the episode's blocked_calls), read back with `alloy rollouts` as a user would
     from alloy.rollouts_cmd import load
 
-    recs, prefixes = load(str(tmp_path / "runs"))
+    recs, prefixes = load(str(tmp_path / "runs"), "train")
     assert {p.rsplit("/", 1)[1].split("-")[0] for p in prefixes} == {"specialist", "student"}
     assert set(recs.domain) == {"tool_add", "tool_files", "tool_code", "tool_long"} and set(recs.step) == {1, 2}
     for _, r in recs.iterrows():
@@ -53,3 +53,8 @@ def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harne
         if "~" not in r.sample_id and r.stage == "specialist":  # a whole episode: its calls are its own
             assert r.blocked_calls == sum(not c["guard_allowed"] for c in calls), (r.sample_id, calls)
     assert any(len(c["rules"]) for cs in recs.calls if cs is not None for c in cs)  # the rules flagged some calls
+    evs, _ = load(str(tmp_path / "runs"), "eval")  # each evaluation's first episodes, the rules' verdicts on calls
+    assert set(evs[evs.stage == "specialist"].domain) == set(report["domains"])
+    for _, r in evs.iterrows():
+        calls = list(r.calls) if r.calls is not None else []
+        assert r.blocked_calls == sum(not c["guard_allowed"] for c in calls) and (r.reward == 0 or not r.blocked_calls)

@@ -104,7 +104,11 @@ def test_distill_flow_three_teachers_kl_down_scores_up(models, tmp_path, prefect
     assert (recs.stage == "student").all() and recs.staleness.between(0, 1).all()
     assert all(len(o) == len(t) == len(b) for o, t, b in zip(recs.output_ids, recs.teacher_logprobs,
                                                              recs.behaviour_logprobs))
-    assert {a.path for a in client.list_artifacts(child, "rollouts")} <= {f"rollouts/{d}.json" for d in DOMAINS}
+    assert {a.path for a in client.list_artifacts(child, "rollouts")} <= \
+        {f"rollouts/{p}{d}.json" for d in DOMAINS for p in ("", "eval_")}
+    evs = read_rollouts(out["student_checkpoint"].rsplit("/", 1)[0], split="eval")  # each eval's first 4 per domain
+    assert sorted(set(evs.step)) == [0, 60, 120] and (evs.groupby(["step", "domain"]).size() == 4).all()
+    assert evs.groupby("step").prompt.apply(tuple).nunique() == 1  # the same prompts at every eval
     top = recs.iloc[0]  # topk_kl: the teacher's top-16 at every response token
     assert len(top.teacher_topk_ids) == len(top.output_ids) and all(len(k) == 16 for k in top.teacher_topk_ids)
 

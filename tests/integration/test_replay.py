@@ -67,6 +67,35 @@ def test_a_replayed_ppo_step_reproduces_its_recorded_losses(recorded, tmp_path):
         b.close()
 
 
+def test_the_final_evaluation_leaves_its_sample_beside_the_trained_rows(recorded, capsys):
+    """The specialist's score (`select_and_commit`) records its first `record.sample` eval episodes (split "eval", at
+    the last step, the selected policy's version): `read_rollouts(split="eval")` and `alloy rollouts list --split
+    eval` read them; the trained rows (what replays and train_only read) are as before."""
+    from alloy.cli import main
+    from infra.chat import PromptRenderer
+    from infra.models import load_tokenizer
+    from training.rollout_records import read_rollouts, step_meta
+
+    root, base, out = recorded
+    cfg = config_from_dict(cfg_dict(root))
+    dom = load_domains(cfg)["reverse"]
+    ev = read_rollouts(f"file://{root}/spec", split="eval")
+    assert list(ev.sample_id) == [f"eval-reverse-{i}" for i in range(4)] and (ev.step == 3).all()
+    assert (ev.split == "eval").all() and (ev.weight_version == out["selected_step"]).all()
+    render = PromptRenderer(load_tokenizer(base), cfg.model.chat_template)
+    assert [list(p) for p in ev.prompt_ids] == [render.example_ids(dom, ex)
+                                                for ex in dom.split("eval", 8, cfg.run.seed)[:4]]
+    assert ev.reward.between(0, 1).all() and all(len(o) > 0 for o in ev.output_ids)
+    assert step_meta(f"file://{root}/spec", 3, "eval")["scores"]["reverse"]["score"] == pytest.approx(out["score"])
+    assert out["rollout_records"]["evals"]["files"] == 1 and out["rollout_records"]["files"] == 3
+    train = read_rollouts(f"file://{root}/spec")
+    assert sorted(set(train.step)) == [1, 2, 3] and (train.split == "train").all()
+    assert main(["rollouts", "list", str(root / "spec"), "--split", "eval"]) == 0
+    out_lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[:6] for ln in out_lines[1:]] == \
+        [["specialist", "eval", "reverse", "3", "4", f"{ev.reward.mean():.3f}"]]
+
+
 def test_train_only_trains_from_the_records_with_no_engine_server(recorded, tmp_path):
     """`specialists.debug.train_only`: the specialist process trains on the recorded run's rollouts, one update per
     recorded step, and no engine server process serves its weights at any time (every process on the machine is
@@ -98,6 +127,9 @@ def test_train_only_trains_from_the_records_with_no_engine_server(recorded, tmp_
     assert res["steps"] == 3 and res["trained_from"] == f"file://{root}/spec"
     assert [h["reward"] for h in res["history"]] == pytest.approx([h["reward"] for h in out["history"]])
     assert "train_only" in (tmp_path / "log").read_text() and res["checkpoint"].endswith("final")
+    from training.rollout_records import read_rollouts  # its final eval's sample (no trained rows recorded there)
+
+    assert len(read_rollouts(f"file://{tmp_path}/t", split="eval")) == 4
 
 
 def test_rollout_only_samples_and_records_without_training(tmp_path):

@@ -88,7 +88,13 @@ def test_specialist_beats_base_and_logs_every_metric(base, tmp_path, monkeypatch
     assert sorted(set(recs.step)) == list(range(10, 151, 10)) and (recs.groupby("step").size() == 4).all()
     assert (recs.domain == "reverse").all() and (recs.staleness >= 0).all() and recs.reward.between(0, 1).all()
     assert all(len(o) == len(lp) > 0 for o, lp in zip(recs.output_ids, recs.behaviour_logprobs))
-    assert [a.path for a in client.list_artifacts(child, "rollouts")] == ["rollouts/reverse.json"]
+    assert sorted(a.path for a in client.list_artifacts(child, "rollouts")) == \
+        ["rollouts/eval_reverse.json", "rollouts/reverse.json", "rollouts/val_reverse.json"]
+    # and each evaluation's first 4 episodes: every validation (split val) and the final score (split eval)
+    val, ev = (read_rollouts(f"file://{tmp_path}/spec", split=s) for s in ("val", "eval"))
+    assert sorted(set(val.step)) == [0, 50, 100, 150] and (val.groupby("step").size() == 4).all()
+    assert val.groupby("step").prompt.apply(tuple).nunique() == 1  # the same prompts at every validation
+    assert list(ev.step) == [150] * 4 and (ev.weight_version == out["selected_step"]).all()
     from training.rollout_records import step_meta
 
     last = step_meta(f"file://{tmp_path}/spec", 150)  # the step itself: its version and losses, for a replay

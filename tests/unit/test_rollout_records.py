@@ -213,3 +213,87 @@ def test_a_step_record_holds_what_a_replay_needs(tmp_path):
     assert list(got.token_versions) == [3, 2] and [list(x) for x in got.teacher_topk_ids] == [[4, 9], [5, 1]]
     assert [list(x) for x in got.teacher_topk_logprobs] == [[-0.5, -1.5], [-0.25, -2.0]]
     assert step_meta(f"file://{tmp_path}/st", 4) == {"step": 4, "version": 3, "metrics": {"loss": 0.125, "kl": 2.5}}
+
+
+def scores_with_samples():
+    """An evaluation's kept episodes (`domains.evaluate.score_domains(keep=2)`): a plain domain's and a tool
+    domain's, one of whose calls the guard's rules flag (a hack attempt: reward 0 clean)."""
+    from domains.evaluate import DomainScores, EvalSample, eval_calls
+    from domains.tools import CallRecord
+
+    plain = DomainScores([1.0, 0.0, 1.0], [1.0, 0.0, 1.0], [False] * 3, samples=[
+        EvalSample(0, [ord(c) for c in "rev:ab="], [ord(c) for c in "ba"], "stop", 1.0, 1.0),
+        EvalSample(1, [ord(c) for c in "rev:cd="], [ord(c) for c in "cd"], "length", 0.0, 0.0)])
+    response = "!cat .answers\n>3\n3"
+    calls = eval_calls([CallRecord("cat .answers", "3", executed=True)])
+    tool = DomainScores([0.0], [1.0], [True], tool=True, samples=[
+        EvalSample(0, [ord(c) for c in "tla:1+2="], [ord(c) for c in response], "stop", 0.0, 1.0, tool=True,
+                   loss_mask=[1] * 14 + [0] * 3 + [1], calls=calls)])
+    return {"reverse": plain, "tool_add": tool}
+
+
+def decode(ids) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+def test_an_evaluations_sample_is_recorded_as_its_own_split(tmp_path):
+    """`Recorder.record_eval`: the rows `eval_rows` builds from what the evaluation kept, written as
+    `eval-step-NNNNNN.parquet` beside the training steps, read back by split; the MLflow table `eval_<domain>`, no
+    trace; with `record.sample` 0, nothing."""
+    from training.rollout_records import eval_rows, file_name, parse_name
+
+    rows = eval_rows("student", 10, 10, scores_with_samples(), decode)
+    assert [r.sample_id for r in rows] == ["eval-reverse-0", "eval-reverse-1", "eval-tool_add-0"]
+    assert all(r.split == "eval" and r.staleness == 0 and r.weight_version == 10 for r in rows)
+    assert [r.prompt for r in rows] == ["rev:ab=", "rev:cd=", "tla:1+2="] and rows[0].response == "ba"
+    hack = rows[2]  # evaluation runs no guard: the flagged call ran, with the rules' verdict
+    assert hack.reward == 0.0 and hack.blocked_calls == 1 and hack.tool_calls == 1
+    assert hack.calls[0]["executed"] and not hack.calls[0]["guard_allowed"] and "hidden_file" in hack.calls[0]["rules"]
+    tracker = Tracker()
+    rec = Recorder(RecordConfig(every=10, sample=2), f"file://{tmp_path}/st", tracker, last_step=20)
+    rec.record(10, range(4), lambda i: row(10, i), sample_id=lambda i: f"s{i}")
+    url = rec.record_eval(10, rows, meta={"version": 10, "scores": {"reverse": {"score": 0.5}}})
+    assert url == step_url(f"file://{tmp_path}/st", 10, "eval") and url.endswith("rollouts/eval-step-000010.parquet")
+    assert (file_name(10), parse_name(url), parse_name("val-step-000003.parquet")) == \
+        ("step-000010.parquet", ("eval", 10), ("val", 3))
+    assert parse_name("other-step-000001.parquet") is None and parse_name("notes.txt") is None
+    train = read_rollouts(f"file://{tmp_path}/st")  # the trained rows only (what replays read)
+    assert len(train) == 2 and (train.split == "train").all() and list(train.columns) == schema().names
+    ev = read_rollouts(f"file://{tmp_path}/st", split="eval")
+    assert list(ev.sample_id) == ["eval-reverse-0", "eval-reverse-1", "eval-tool_add-0"] and (ev.step == 10).all()
+    assert ev.behaviour_logprobs.isna().all() and list(ev.loss_mask[2])[-4:] == [0, 0, 0, 1]
+    assert [c["command"] for c in ev.calls[2]] == ["cat .answers"] and ev.calls[0] is None
+    both = read_rollouts(f"file://{tmp_path}/st", split=None)
+    assert sorted(both.split) == ["eval"] * 3 + ["train"] * 2
+    assert step_meta(f"file://{tmp_path}/st", 10, "eval") == {"step": 10, "split": "eval", "version": 10,
+                                                              "scores": {"reverse": {"score": 0.5}}}
+    with pytest.raises(FileNotFoundError, match="no val rollout records under"):
+        read_rollouts(f"file://{tmp_path}/st", split="val")
+    assert [n for n, _ in tracker.tables] == ["rollouts/reverse.json", "rollouts/eval_reverse.json",
+                                              "rollouts/eval_tool_add.json"]
+    assert tracker.traces == []  # (an eval sample logs no trace)
+    off = Recorder(RecordConfig(every=10, sample=0), f"file://{tmp_path}/off", Tracker())
+    assert off.record_eval(10, rows) is None and off.written == []
+
+
+def test_a_version_1_file_without_the_split_column_reads_as_train(tmp_path):
+    """Files written before `alloy.rollouts/2` have no `split` column: their rows read as "train", alone and beside
+    version-2 files."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from training.rollout_records import to_parquet
+
+    old = pa.schema([f for f in schema() if f.name != "split"], metadata={"schema": "alloy.rollouts/1"})
+    new = pq.read_table(io.BytesIO(to_parquet([row(3, 1), row(3, 2)])))
+    folder = tmp_path / "s" / "rollouts"
+    folder.mkdir(parents=True)
+    pq.write_table(new.drop(["split"]).cast(old), folder / "step-000003.parquet")
+    df = read_rollouts(str(tmp_path / "s"))
+    assert list(df.columns) == schema().names and list(df.split) == ["train", "train"]
+    assert list(df.sample_id) == ["s1", "s2"] and list(df.prompt_ids[0]) == [1, 2, 3]
+    Recorder(RecordConfig(every=1, sample=4), str(tmp_path / "s")).record(4, [row(4, 5)], lambda r: r)
+    assert list(read_rollouts(str(tmp_path / "s")).step) == [3, 3, 4]
+    assert pq.read_schema(folder / "step-000004.parquet").metadata[b"schema"] == b"alloy.rollouts/2"

@@ -34,9 +34,9 @@ def test_list_show_and_diff_a_run(tmp_path, capsys):
     write_run(f"file://{tmp_path}/run")
     assert main(["rollouts", "list", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["stage", "domain", "steps", "recorded", "rows", "mean", "reward", "prefix"]
-    assert [ln.split()[:6] for ln in out[1:]] == [["specialist", "reverse", "10..20", "(2)", "12", "0.250"],
-                                                 ["student", "tool_add", "10..20", "(2)", "12", "0.250"]]
+    assert out[0].split() == ["stage", "split", "domain", "steps", "recorded", "rows", "mean", "reward", "prefix"]
+    assert [ln.split()[:7] for ln in out[1:]] == [["specialist", "train", "reverse", "10..20", "(2)", "12", "0.250"],
+                                                 ["student", "train", "tool_add", "10..20", "(2)", "12", "0.250"]]
 
     assert main(["rollouts", "show", str(tmp_path / "run"), "--domain", "reverse", "--step", "20",
                  "--min-reward", "0.2", "--json"]) == 0
@@ -78,3 +78,48 @@ def test_list_on_s3(s3_bucket, capsys):
     assert main(["rollouts", "list", f"{s3_bucket}/run"]) == 0
     out = capsys.readouterr().out
     assert f"{s3_bucket}/run/specialist-reverse-0a1b2c" in out and f"{s3_bucket}/run/student-3d4e5f" in out
+
+
+def eval_scores(step: int) -> dict:
+    """What an evaluation at `step` kept of `tool_add` (`score_domains(keep=2)`): its first two prompts."""
+    from domains.evaluate import DomainScores, EvalSample
+
+    samples = [EvalSample(i, [ord(c) for c in f"q{i}"], [ord(c) for c in str(step + i)], "stop", 1.0 - i, 1.0 - i)
+               for i in range(2)]
+    return {"tool_add": DomainScores([1.0, 0.0, 1.0], [1.0, 0.0, 1.0], [False] * 3, samples=samples)}
+
+
+def test_eval_samples_listed_shown_and_diffed_by_split(tmp_path, capsys):
+    """An evaluation's sample (`Recorder.record_eval`: the same first prompts at every eval) beside the training
+    records: `--split` keeps one kind of row, and `diff --split eval` puts the same prompts of two evals side by
+    side; `diff` without it compares training steps."""
+    from training.rollout_records import eval_rows
+
+    url = f"file://{tmp_path}/run"
+    write_run(url)
+    rec = Recorder(RecordConfig(), f"{url}/student-3d4e5f")
+    for step in (0, 20):
+        rec.record_eval(step, eval_rows("student", step, step, eval_scores(step), lambda ids: "".join(map(chr, ids))))
+    assert main(["rollouts", "list", str(tmp_path / "run"), "--split", "eval"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split()[:7] for ln in out[1:]] == [["student", "eval", "tool_add", "0..20", "(2)", "4", "0.500"]]
+    assert main(["rollouts", "list", str(tmp_path / "run")]) == 0
+    assert [ln.split()[:2] for ln in capsys.readouterr().out.splitlines()[1:]] == \
+        [["specialist", "train"], ["student", "train"], ["student", "eval"]]
+
+    assert main(["rollouts", "show", str(tmp_path / "run"), "--split", "eval", "--step", "20", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["split"], r["sample_id"], r["response"]) for r in rows] == \
+        [("eval", "eval-tool_add-0", "20"), ("eval", "eval-tool_add-1", "21")]
+
+    assert main(["rollouts", "diff", str(tmp_path / "run"), "--split", "eval", "--steps", "0", "20", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["tool_add"]
+    assert d["0"]["rows"] == d["20"]["rows"] == 2
+    assert d["shared_prompts"] == [{"prompt": "q0", "0": ["0"], "20": ["20"]},
+                                   {"prompt": "q1", "0": ["1"], "20": ["21"]}]
+    assert main(["rollouts", "diff", str(tmp_path / "run"), "--steps", "10", "20", "--json"]) == 0  # train's
+    assert json.loads(capsys.readouterr().out)["tool_add"]["20"]["rows"] == 6
+    assert main(["rollouts", "diff", str(tmp_path / "run"), "--steps", "0", "20"]) == 2
+    assert "step 0 was not recorded (split train)" in capsys.readouterr().err
+    assert main(["rollouts", "show", str(tmp_path / "run"), "--split", "val"]) == 2
+    assert "--split val: no records of it" in capsys.readouterr().err
