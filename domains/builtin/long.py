@@ -36,6 +36,12 @@ class _LongAnswer(Domain):
         self.min_chars = MIN_ANSWER_CHARS + 4 * (self.difficulty - 1)
         self.max_answer_chars = self.min_chars + 3
 
+    def token_budget(self, tokenizer) -> int:
+        """The answer budget in tokens (`infra.chat.token_budget`), which the short domains take from the config's
+        `max_new_tokens` (16 in the demo): the longest answer plus 8 for EOS and format. An answer is printable ASCII,
+        so no tokenizer (char or byte-level BPE) needs more tokens than it has characters."""
+        return self.max_answer_chars + 8
+
 
 def step_credit(digits: str, response: str) -> float:
     """Partial credit of a running sum mod 10 (`prefix_mod`): step i is right when `response[i]` is

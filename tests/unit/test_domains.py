@@ -309,6 +309,18 @@ def test_hand_checked_answers():
     assert not is_balanced(")(") and not is_balanced("{]")
 
 
+def test_long_answer_domains_bring_their_own_token_budget(char_tokenizer):
+    from infra.chat import token_budget
+
+    for name in ("prefix_mod", "rle_expand", "record"):
+        for d in (1, 10):
+            dom = load_domain(name, difficulty=d)
+            longest = max(len(char_tokenizer(e.answer, add_special_tokens=False).input_ids)
+                          for e in dom.split("train", 300, seed=0))
+            assert longest < token_budget(dom, char_tokenizer, 16) == dom.max_answer_chars + 8  # not the default 16
+    assert token_budget(load_domain("reverse"), char_tokenizer, 16) == 16  # the short ones keep the config's
+
+
 def test_long_answer_partial_credit_by_hand():
     pmd, rlx, rec = load_domain("prefix_mod"), load_domain("rle_expand"), load_domain("record")
     ex = pmd.make("3528", "3808")
