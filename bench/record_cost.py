@@ -5,11 +5,14 @@ Question (issue 53): does recording slow training? Targets: the full record ≤ 
 
 Method: one demo specialist (`configs/demo.yaml`, its settings; `--domain`, default reverse) from a fresh `tiny`
 model (seed 0: no base SFT, which would not change what a record holds per row), trained `--steps` steps in its
-own process (`python -m teachers.specialist_main`) once per mode: `off` (`specialists.record.every=0`), `default`
+own process (`python -m teachers.specialist_main`) once per mode: `off` (`specialists.record.every=0` and
+`sample=0`: no evaluation samples either), `default`
 (the config's record settings), `full` (`specialists.record.full=true`). The recorder times itself
 (`rollout_records.seconds` in the trainer's summary: building the rows, decoding, Parquet, the storage write,
 MLflow off here): it runs in the step loop, between the update and the next step, so that time is added to the
-steps. cost = record seconds / the summed `step_s` of the run's steps (the same run: load cannot skew it).
+steps. cost = record seconds / the summed `step_s` of the run's steps (the same run: load cannot skew it). The
+evaluations' samples (since 4a877d5: the validations' and the final evaluation's first rows, `records.evals`) are
+written outside the steps, at evaluations, and are reported apart (files, bytes, seconds), not in the cost.
 The step-time medians of the three runs are reported beside it (separate runs: the machine's load moves them).
 
 `--check`: full ≤ 5% and default ≤ 1%.
@@ -31,7 +34,8 @@ import harness  # noqa: F401  (sys.path, quiet env)
 from harness import REPO, add_check, start_meta, verdict, write_outputs
 
 TARGETS = {"full": 0.05, "default": 0.01}
-MODES = {"off": ["specialists.record.every=0"], "default": [], "full": ["specialists.record.full=true"]}
+MODES = {"off": ["specialists.record.every=0", "specialists.record.sample=0"], "default": [],
+         "full": ["specialists.record.full=true"]}
 
 
 def run_mode(mode: str, args, init: Path, root: Path) -> dict:

@@ -283,6 +283,7 @@ def test_record_cost_shape(results):
     runs = r["runs"]
     assert [runs[m]["steps"] for m in ("off", "default", "full")] == [6, 6, 6]
     assert [runs[m]["records"]["files"] for m in ("off", "default", "full")] == [0, 1, 6]  # default: the last step
+    assert runs["off"]["records"]["evals"]["files"] == 0 < runs["default"]["records"]["evals"]["files"]
     assert runs["off"]["records"]["bytes"] == 0 < runs["default"]["records"]["bytes"] < runs["full"]["records"]["bytes"]
     for m in ("default", "full"):
         assert runs[m]["cost"] == pytest.approx(runs[m]["records"]["seconds"] / runs[m]["step_s_sum"], rel=1e-3)
