@@ -499,7 +499,10 @@ class Engine(WeightUpdates, StaticDecode):
             logits = self.model(input_ids=ids[:, None], attention_mask=seg.step_mask(self._sdpa),
                                 position_ids=pos[:, None], past_key_values=seg.cache, use_cache=True,
                                 logits_to_keep=1).logits[:, -1]
+        # the step's counters move together, before `_sample_and_check` finishes rows: a finished request's
+        # `on_done` may wake a reader of the counters (a bench) while this thread is still in the step
         self.steps += 1
+        self.decode_rows += B
         self.decode_segments += len(batch.segs)
         self.decode_holes += len(holes)
         alive, new = self._sample_and_check(batch.seqs, logits, skip=holes, params=self._params())
@@ -507,7 +510,6 @@ class Engine(WeightUpdates, StaticDecode):
         dead = {i for i, a in enumerate(alive) if not a} - holes
         if dead:
             self._drop_rows(dead)
-        self.decode_rows += B
 
     def _drop_rows(self, dead: set[int]) -> None:
         """Finished/aborted rows leave the batch lazily: they become holes of their segment (decoded along, their

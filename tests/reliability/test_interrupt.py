@@ -117,12 +117,20 @@ def check_killed_runs(root: Path, started: float, child: str) -> None:
 
 
 def check_checkpoints(root: Path) -> None:
-    """Every checkpoint directory under the run's storage is complete (a partial commit is hidden or absent)."""
+    """Every checkpoint directory under the run's storage is complete (a partial commit is hidden or absent), and
+    every rollout record beside them (`<prefix>/rollouts/*.parquet`, not a checkpoint: each file is renamed into
+    place whole, training/rollout_records.py) reads as Parquet."""
+    import pyarrow.parquet as pq
+
     storage = root / "smoke"
     prefixes = [p for p in storage.iterdir() if p.is_dir() and re.match(r"(base|specialist|student)-", p.name)]
     assert prefixes
     for prefix in prefixes:
         for info in list_checkpoints(f"file://{prefix}", "*"):
+            if info.name == "rollouts":
+                for f in (prefix / "rollouts").iterdir():
+                    assert f.suffix == ".parquet" and pq.read_metadata(f).num_rows > 0, f
+                continue
             assert info.complete, (info.url, info.reason)
 
 
