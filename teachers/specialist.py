@@ -210,7 +210,7 @@ class SpecialistTrainer:
         rewards = scores[self.domain.name].clean
         score, step, sel = float(np.mean(rewards)), self.state.step, self.state.selection
         self.recorder.record_eval(step, eval_rows("specialist", step, step, scores, self.tok.decode, split="val"),
-                                  split="val", meta={"version": step, "scores": {self.domain.name: {
+                                  meta={"version": step, "scores": {self.domain.name: {
                                       "score": score, "raw_score": float(np.mean(scores[self.domain.name].raw))}}})
         if sel.record(step, score):
             shutil.rmtree(self.best_dir, ignore_errors=True)

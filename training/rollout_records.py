@@ -242,14 +242,15 @@ class Recorder:
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def record_eval(self, step: int, rows: list[RolloutRow], *, split: str = "eval",
-                    meta: dict | None = None) -> str | None:
+    def record_eval(self, step: int, rows: list[RolloutRow], *, meta: dict | None = None) -> str | None:
         """Write an evaluation's sample (`rows`, from `eval_rows`: the evaluation kept `cfg.sample` episodes per
-        domain) as `<out_url>/rollouts/<split>-step-NNNNNN.parquet` with `meta` (the evaluation: version, scores),
-        and with a bound MLflow run its table, `rollouts/<split>_<domain>.json`. Always, unless `sample` is 0;
-        returns the file's URL, or None (nothing to record, or a failed write: logged, the caller goes on)."""
+        domain) as `<out_url>/rollouts/<split>-step-NNNNNN.parquet` (the rows' split) with `meta` (the evaluation:
+        version, scores), and with a bound MLflow run its table, `rollouts/<split>_<domain>.json`. Always, unless
+        `sample` is 0; returns the file's URL, or None (nothing to record, or a failed write: logged, the caller
+        goes on)."""
         if not self.cfg.sample or not rows:
             return None
+        split = rows[0].split
         t0 = time.perf_counter()
         try:
             url, size = self._write(step_url(self.out_url, step, split), rows,
