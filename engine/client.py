@@ -1,6 +1,7 @@
 """The one engine client: async HTTP to an SGLang-protocol server (Alloy's embedded server or real SGLang).
 
-Every caller (rollouts, teacher scoring, evaluation, the launcher's health checks) goes through `EngineClient`, so
+Every caller (rollouts, teacher scoring, evaluation, the launcher's health checks, reward-model scores on /classify,
+chat calls to any OpenAI-compatible URL) goes through `EngineClient`, so
 there is one place that owns the HTTP session, timeouts, retries and response validation.
 
 - One `aiohttp.ClientSession` per event loop, created lazily and reused by every request on that loop. A session
@@ -33,9 +34,9 @@ import orjson
 from engine import wire
 from engine.protocol import gc_paused
 from engine.responses import (  # noqa: F401  (re-exported: callers import them from the client)
-    EngineError, EngineRequestError, EngineResponseError, EngineUnavailable, Generation, ScoreResult, _binary_items,
-    parse_finish_reason, parse_generation, parse_generation_arrays, parse_score, parse_score_arrays, parse_score_batch,
-    parse_score_items,
+    ChatReply, EngineError, EngineRequestError, EngineResponseError, EngineUnavailable, Generation, ScoreResult,
+    _binary_items, parse_chat_reply, parse_classify, parse_finish_reason, parse_generation, parse_generation_arrays,
+    parse_score, parse_score_arrays, parse_score_batch, parse_score_items,
 )
 from infra.http import SessionPerLoop, run_sync  # noqa: F401  (run_sync is re-exported)
 
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "ALLOY_ENGINE_API_KEY"
 RETRY_STATUSES = frozenset({502, 503, 504})
+CHAT_RETRY_STATUSES = RETRY_STATUSES | {429}  # an external OpenAI-compatible API's rate limit is worth a retry too
+CLASSIFY_BATCH = 64  # inputs per /classify request (more are sent as several requests at once)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,14 +158,15 @@ class EngineClient:
 
     # -- transport ----------------------------------------------------------------------------------------------
     async def request(self, method: str, path: str, payload: dict | None = None, *, retries: int | None = None,
-                       timeout: float | None = None, data: bytes | None = None, accept: str | None = None) -> Any:
+                       timeout: float | None = None, data: bytes | None = None, accept: str | None = None,
+                       retry_statuses: frozenset[int] = RETRY_STATUSES) -> Any:
         """One raw protocol call with bounded retries (the typed methods all go through it). Returns the parsed JSON
         body, or the text when the body is not JSON. `retries`: None → the client's `max_retries` (0: one attempt,
         for a call that must not run twice). `timeout`: seconds for this call, None → the client's. `data`: a raw
         application/octet-stream body instead of `payload`'s JSON. `accept` = `wire.ACCEPT` asks for a binary
-        log-prob body, returned as its raw `bytes` (the server may still answer JSON). Raises `EngineRequestError`
-        on a status it does not retry (its `message`: the server's reason), `EngineUnavailable` once the retries
-        are spent."""
+        log-prob body, returned as its raw `bytes` (the server may still answer JSON). `retry_statuses`: the HTTP
+        statuses retried (502/503/504; a chat call adds 429). Raises `EngineRequestError` on a status it does not
+        retry (its `message`: the server's reason), `EngineUnavailable` once the retries are spent."""
         url = f"{self.base_url}{path}"
         retries = self.max_retries if retries is None else retries
         delays: list[float] | None = None  # drawn on the first retry (a fresh RNG per call costs an os.urandom)
@@ -189,7 +193,7 @@ class EngineClient:
                         body = None
                     if resp.status == 200:
                         return body if body is not None else raw.decode("utf-8", errors="replace")
-                    if resp.status not in RETRY_STATUSES:
+                    if resp.status not in retry_statuses:
                         self._counts["errors"] += 1
                         raise EngineRequestError(resp.status, _error_message(body, raw), url)
                     last = f"HTTP {resp.status}: {_error_message(body, raw)}"
@@ -317,6 +321,75 @@ class EngineClient:
             self._counts["errors"] += 1
             raise
         return out[0] if single else out
+
+    # -- reward models and chat models ---------------------------------------------------------------------------
+    async def classify_logits(self, inputs: Sequence[str] | Sequence[Sequence[int]], *,
+                              batch_size: int = CLASSIFY_BATCH) -> list[list[float]]:
+        """Each input's classification logits from a reward-model server's `POST /classify` (SGLang's native shape,
+        so the embedded server and a real SGLang `--is-embedding` server both answer): `inputs` all texts (str,
+        tokenized by the server) or all token-id lists. Sent `batch_size` inputs per request, the requests at
+        once; the answer in input order. Raises `EngineRequestError` if the server refuses (a generation server:
+        400), `EngineResponseError` on a malformed answer."""
+        items = list(inputs)
+        if not items:
+            return []
+        texts = all(isinstance(x, str) for x in items)
+        if not texts and not all(isinstance(x, (list, tuple)) and x and all(isinstance(t, int) for t in x)
+                                 for x in items):
+            raise ValueError("classify: inputs must be all strings or all non-empty lists of token ids")
+        if batch_size < 1:
+            raise ValueError(f"classify: batch_size must be >= 1, got {batch_size}")
+
+        async def one(chunk: list) -> list[list[float]]:
+            payload = {"text": chunk} if texts else {"input_ids": [list(map(int, x)) for x in chunk]}
+            body = await self.request("POST", "/classify", payload)
+            try:
+                return parse_classify(body, len(chunk))
+            except EngineResponseError:
+                self._counts["errors"] += 1
+                raise
+
+        chunks = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+        return [row for part in await asyncio.gather(*(one(c) for c in chunks)) for row in part]
+
+    async def classify(self, inputs: Sequence[str] | Sequence[Sequence[int]], *,
+                       batch_size: int = CLASSIFY_BATCH) -> list[float]:
+        """A reward model's score of each input: logit 0 of `classify_logits` (SGLang: `response["embedding"][0]`)."""
+        return [row[0] for row in await self.classify_logits(inputs, batch_size=batch_size)]
+
+    def _openai_url(self, path: str) -> str:
+        """`path` under the server's OpenAI API: `{base}/v1{path}`, or `{base}{path}` when the base URL already
+        ends in /v1 (as OpenAI-compatible URLs are often given)."""
+        return path if self.base_url.endswith("/v1") else f"/v1{path}"
+
+    async def chat(self, messages: Sequence[dict], *, model: str | None = None, max_tokens: int | None = 256,
+                   temperature: float = 0.0, top_p: float = 1.0, stop: str | Sequence[str] | None = None,
+                   seed: int | None = None, extra: dict | None = None) -> ChatReply:
+        """One non-streaming `POST /v1/chat/completions` ({role, content} messages → the first choice's text, its
+        finish_reason and the usage) on any OpenAI-compatible server: the embedded server (chat template applied
+        there), SGLang, vLLM or a hosted API. The API key goes as `Authorization: Bearer`. `model`: the served
+        model's name (None: "default"; the embedded server and SGLang answer whatever the name), `max_tokens`
+        None: the server's default. `extra`: more body fields as is. Retries 429 besides 502/503/504.
+        Raises `EngineRequestError` if refused (a reward-model server, a model without a chat template: 400
+        with the reason), `EngineResponseError` if the answer has no text."""
+        if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("chat: messages must be a non-empty list of {role, content} dicts")
+        payload: dict[str, Any] = {"model": model or "default", "messages": list(messages),
+                                   "temperature": float(temperature), "top_p": float(top_p), "stream": False}
+        if max_tokens is not None:
+            payload["max_tokens"] = int(max_tokens)
+        if stop:
+            payload["stop"] = [stop] if isinstance(stop, str) else [str(x) for x in stop]
+        if seed is not None:
+            payload["seed"] = int(seed)
+        payload.update(extra or {})
+        body = await self.request("POST", self._openai_url("/chat/completions"), payload,
+                                  retry_statuses=CHAT_RETRY_STATUSES)
+        try:
+            return parse_chat_reply(body)
+        except EngineResponseError:
+            self._counts["errors"] += 1
+            raise
 
     # -- control endpoints --------------------------------------------------------------------------------------
     async def health(self) -> bool:

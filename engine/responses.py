@@ -351,3 +351,50 @@ def _binary_items(raw: bytes, batch: int) -> list[tuple[dict, dict[str, np.ndarr
     if len(items) != batch:
         raise EngineResponseError(f"/generate returned {len(items)} results for a batch of {batch}")
     return items
+
+
+# -- /classify and OpenAI chat answers ------------------------------------------------------------------------------
+def parse_classify(body: Any, n: int) -> list[list[float]]:
+    """A `/classify` answer for a batch of `n` inputs (SGLang's shape: a list of `{"embedding": [logits...],
+    "meta_info"}`, in input order) → each input's logits (a reward model's score is entry 0). Raises
+    EngineResponseError on a wrong count, a missing or empty embedding, or a non-finite value."""
+    if not isinstance(body, list) or len(body) != n:
+        got = len(body) if isinstance(body, list) else type(body).__name__
+        raise EngineResponseError(f"/classify returned {got} results for a batch of {n}")
+    out = []
+    for i, obj in enumerate(body):
+        emb = obj.get("embedding") if isinstance(obj, dict) else None
+        if not isinstance(emb, list) or not emb or not all(_finite(x) for x in emb):
+            raise EngineResponseError(f"/classify result {i}: embedding must be a non-empty list of finite numbers, "
+                                      f"got {str(emb)[:100]}")
+        out.append([float(x) for x in emb])
+    return out
+
+
+@dataclass
+class ChatReply:
+    """One answer of an OpenAI-compatible `/v1/chat/completions` call (its first choice)."""
+
+    text: str
+    finish_reason: str | None  # "stop" | "length" | whatever the server says ("content_filter", "tool_calls", ...)
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    model: str | None
+
+
+def parse_chat_reply(body: Any) -> ChatReply:
+    """`{"choices": [{"message": {"content": str}, "finish_reason"}], "usage"?, "model"?}` → ChatReply. Raises
+    EngineResponseError when there is no choice or its content is not text (e.g. only tool calls)."""
+    try:
+        choice = body["choices"][0]
+        content = choice["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        raise EngineResponseError(f"chat answer without choices[0].message.content: {str(body)[:200]}") from None
+    if not isinstance(content, str):
+        raise EngineResponseError(f"chat answer's content is not text: {str(content)[:200]}")
+    use = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    count = lambda k: use.get(k) if isinstance(use.get(k), int) else None  # noqa: E731
+    fr = choice.get("finish_reason") if isinstance(choice, dict) else None
+    return ChatReply(text=content, finish_reason=fr if isinstance(fr, str) else None,
+                     prompt_tokens=count("prompt_tokens"), completion_tokens=count("completion_tokens"),
+                     model=body.get("model") if isinstance(body.get("model"), str) else None)

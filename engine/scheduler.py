@@ -77,6 +77,8 @@ class Engine(WeightUpdates, StaticDecode):
     the static decode path (a preallocated KV pool, fixed-shape steps, CUDA graphs) is `StaticDecode`'s;
     read-only properties once `ready` is set."""
 
+    is_generation = True  # /get_model_info (a reward model's `engine.reward_model.RewardModel` says False)
+
     def __init__(self, model_dir: str, *, max_running_requests: int = MAX_RUNNING_REQUESTS,
                  max_total_tokens: int = MAX_TOTAL_TOKENS, max_prefill_tokens: int = MAX_PREFILL_TOKENS, threads: int | None = None, weight_version: str = "default",
                  seed: int = 0, max_segments: int = 4, weights_buffer: str | None = None, device: str = "cpu",

@@ -1,4 +1,5 @@
-"""Alloy's embedded engine server: the SGLang native HTTP API (subset) over a HF causal LM on CPU or a CUDA GPU.
+"""Alloy's embedded engine server: the SGLang native HTTP API (subset) over a HF causal LM on CPU or a CUDA GPU, and
+its OpenAI-compatible endpoints; or, for a sequence-classification checkpoint, a reward model on SGLang's /classify.
 
     python -m engine.server --model DIR --port P [--host 127.0.0.1] [--api-key KEY] [--max-running-requests 256]
         [--max-total-tokens N] [--log-level info] [--weight-version V] [--threads T] [--weights-buffer PATH]
@@ -16,7 +17,12 @@ Endpoints (docs/architecture.md, "The engine protocol"): POST /generate, GET /he
 GET /get_model_info, GET /get_server_info, POST /update_weights_from_disk, POST /update_weights_from_buffer,
 POST /abort_request, POST /flush_cache, and SGLang's in-memory weight updates (engine/sglang_updates.py): POST
 /update_weights_from_tensor (CUDA IPC / shared-memory handles), POST /init_weights_update_group, POST
-/update_weights_from_distributed, POST /destroy_weights_update_group.
+/update_weights_from_distributed, POST /destroy_weights_update_group; OpenAI's POST /v1/chat/completions, POST
+/v1/completions and GET /v1/models (engine/openai_routes.py). A reward-model checkpoint (config architecture
+`...ForSequenceClassification`) is served instead on POST /classify and POST /v1/classify (engine/classify.py,
+engine/reward_model.py) beside /health*, /get_model_info (`is_generation: false`), /get_server_info and /v1/models;
+its /generate, /v1/chat/completions, /v1/completions and weight updates are 400 naming why (and a generation
+server's /classify likewise).
 The port is bound at once; /health and /health_generate answer 503 until the model is loaded (then 200), and
 /generate answers 503 meanwhile (clients retry 503). If the model fails to load, the process exits with status 1
 (as SGLang does), so a launcher sees the failure instead of a server that answers 503 forever.
@@ -48,9 +54,9 @@ import logging
 import os
 import resource
 import sys
-import threading
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -67,7 +73,13 @@ from engine.device import (DTYPE_ALIASES, DTYPE_CHOICES, DeviceError, check_devi
                            memory_info)
 from engine.request_guards import (BODY_BYTES_PER_SEQ, BODY_BYTES_PER_TOKEN, LIMITS, auth_middleware, body_limit_bytes,
                                    buffer_body, errors_middleware, is_loopback, json_body)
+from engine.classify import add_routes as add_classify_routes
+from engine.classify import checkpoint_architecture, is_classifier_checkpoint, refusal
+from engine.openai_routes import add_model_route
+from engine.openai_routes import add_routes as add_openai_routes
+from engine.reward_model import RewardModel
 from engine.scheduler import Engine, Seq
+from engine.seq_waits import WAKEUPS, resolver, run_seqs, seq_updates
 from engine.sglang_updates import add_routes as add_sglang_update_routes
 from infra.choices import (MAX_LOGPROB_ENTRIES, MAX_PREFILL_TOKENS, MAX_RUNNING_REQUESTS, MAX_TOTAL_TOKENS,
                            READ_TIMEOUT_S)
@@ -76,7 +88,6 @@ log = logging.getLogger("alloy.engine.server")
 
 ENGINE = web.AppKey("engine", Engine)
 TOKEN_TEXT = web.AppKey("token_text", dict)
-WAKEUPS = web.AppKey("wakeups", dict)
 HEALTH_CHECK_TIMEOUT_S = 20.0
 # max_running_requests: running sequences (default and its rationale in infra.choices); admission is
 # bounded by max_total_tokens (reserved prompt + max_new_tokens) anyway.
@@ -84,7 +95,7 @@ DEFAULTS = dict(max_running_requests=MAX_RUNNING_REQUESTS, max_total_tokens=MAX_
                 max_prefill_tokens=MAX_PREFILL_TOKENS, threads=None, weight_version="default", seed=0, max_body_mb=None,
                 max_seqs=4096, read_timeout_s=READ_TIMEOUT_S, weights_buffer=None, device="auto", dtype="auto",
                 mem_fraction_static=None, max_logprob_entries=MAX_LOGPROB_ENTRIES, weight_buffer_dirs=None,
-                decode_path=None, cuda_graph=None)
+                decode_path=None, cuda_graph=None, served_model_name=None)
 
 
 def _dumps(obj: Any) -> str:
@@ -98,65 +109,6 @@ def _engine_ready(request: web.Request) -> Engine:
             raise ProtocolError(f"the model failed to load: {engine.load_error}", status=503)
         raise ProtocolError("the server is still loading the model", status=503)
     return engine
-
-
-class _Wakeups:
-    """Resolves request futures on the event loop from the engine thread with one loop wake-up per burst: a
-    decode step that finishes 30 sequences schedules one callback, not 30 (each `call_soon_threadsafe` writes to
-    the loop's self-pipe and takes the GIL from the HTTP thread; per sequence it was ~10% of the engine thread's
-    time under APRIL's abort bursts)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._pending: list[asyncio.Future] = []
-        self._scheduled = False
-
-    def resolver(self, fut: asyncio.Future):
-        """A thread-safe `Seq.on_done` that resolves `fut`."""
-        def done(_seq: Seq) -> None:
-            with self._lock:
-                self._pending.append(fut)
-                if self._scheduled:
-                    return
-                self._scheduled = True
-            try:
-                self.loop.call_soon_threadsafe(self._flush)
-            except RuntimeError:  # loop already closed: nobody is waiting any more
-                pass
-        return done
-
-    def _flush(self) -> None:
-        with self._lock:
-            futs, self._pending, self._scheduled = self._pending, [], False
-        for f in futs:
-            if not f.done():
-                f.set_result(None)
-
-
-def _resolver(request: web.Request, fut: asyncio.Future):
-    """`Seq.on_done` for a future of this request's loop (the app's `_Wakeups`, made on first use)."""
-    box = request.app[WAKEUPS]
-    loop = asyncio.get_running_loop()
-    if box.get("w") is None or box["w"].loop is not loop:
-        box["w"] = _Wakeups(loop)
-    return box["w"].resolver(fut)
-
-
-def _all_done(request: web.Request, fut: asyncio.Future, seqs: list[Seq]):
-    """`Seq.on_done` for every sequence of one request: resolves `fut` (through `_resolver`) once all of `seqs` have
-    finished, so a batch wakes the event loop once, not once per burst of finished sequences (a sampled batch ends
-    over many decode steps). Counts distinct sequences (a repeated call changes nothing)."""
-    resolve = _resolver(request, fut)
-    lock, waiting = threading.Lock(), {id(s) for s in seqs}
-
-    def done(seq: Seq) -> None:
-        with lock:
-            waiting.discard(id(seq))
-            last = not waiting
-        if last:
-            resolve(seq)
-    return done
 
 
 def _limits(engine: Engine, app: web.Application) -> Limits:
@@ -180,16 +132,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     seqs = [Seq(spec) for spec in req.seqs]
     if req.stream:
         return await _stream(request, engine, req.is_single, seqs)
-    fut = asyncio.get_running_loop().create_future()
-    on_done = _all_done(request, fut, seqs)
-    for s in seqs:
-        s.on_done = on_done
-    engine.submit(seqs)
-    try:
-        await fut
-    except asyncio.CancelledError:  # client went away: free the batch slots
-        engine.abort_seqs(seqs, "client disconnected")
-        raise
+    await run_seqs(request, engine, seqs)
     tt = _token_text(request.app, engine)
     if wire.wants_binary(request.headers.get("Accept")) and not any(s.spec.return_text_in_logprobs for s in seqs):
         # packed float32/int32 log-probs (engine.wire), only for a client that asks; SGLang's JSON otherwise
@@ -208,31 +151,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _stream(request: web.Request, engine: Engine, is_single: bool, seqs: list[Seq]) -> web.StreamResponse:
     """SSE like SGLang: `data: {...}\\n\\n` chunks with the cumulative text/output_ids/meta_info of one sequence
     (with "index" for a batch), finish_reason null until its last chunk, then `data: [DONE]`."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def post(item):
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:
-            pass
-
-    for i, s in enumerate(seqs):
-        s.on_token = lambda _s, n, i=i: post((i, n))
-        s.on_done = lambda _s, i=i: post((i, None))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    engine.submit(seqs)
     tt = _token_text(request.app, engine)
-    remaining = len(seqs)
-    try:
-        while remaining:
-            items = [await queue.get()]
-            while not queue.empty():
-                items.append(queue.get_nowait())
-            latest: dict[int, int | None] = {}
-            for i, n in items:  # coalesce: only the newest state of each sequence is worth sending
-                latest[i] = None if (n is None or latest.get(i, 0) is None) else n
+    async with aclosing(seq_updates(engine, seqs)) as updates:  # closing it aborts what has not finished
+        async for latest in updates:
             for i, n in latest.items():
                 s = seqs[i]
                 obj = build_output(engine.tokenizer, s.spec, s.result, engine.weight_version,
@@ -240,11 +163,7 @@ async def _stream(request: web.Request, engine: Engine, is_single: bool, seqs: l
                 if not is_single:
                     obj["index"] = i
                 await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-                remaining -= n is None
-        await resp.write(b"data: [DONE]\n\n")
-    except (asyncio.CancelledError, ConnectionResetError):
-        engine.abort_seqs(seqs, "client disconnected")
-        raise
+    await resp.write(b"data: [DONE]\n\n")
     return resp
 
 
@@ -253,15 +172,22 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def health_generate(request: web.Request) -> web.Response:
-    """200 once a one-token greedy generation goes through the scheduler (as SGLang), 503 while loading/stuck."""
+    """200 once a one-token greedy generation goes through the scheduler (as SGLang), 503 while loading/stuck; on a
+    reward model, once a one-token input is scored."""
     engine = request.app[ENGINE]
     if not engine.ready.is_set():
         return web.Response(status=503)
+    if not engine.is_generation:
+        try:
+            await asyncio.wait_for(engine.score([(0,)]), HEALTH_CHECK_TIMEOUT_S)
+        except (asyncio.TimeoutError, RuntimeError):
+            return web.Response(status=503)
+        return web.Response(status=200)
     spec = SeqSpec(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=(0,),
                    sampling=SamplingSpec(max_new_tokens=1, temperature=0.0), logprob_start=0)
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
-    seq = Seq(spec, on_done=_resolver(request, fut))
+    seq = Seq(spec, on_done=resolver(request, fut))
     engine.submit([seq])
     try:
         await asyncio.wait_for(fut, HEALTH_CHECK_TIMEOUT_S)
@@ -273,9 +199,9 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def get_model_info(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
+    engine = request.app[ENGINE]  # is_generation: false for a reward model, as SGLang reports embedding models
     return web.json_response({"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
-                              "is_generation": True, "weight_version": engine.weight_version})
+                              "is_generation": engine.is_generation, "weight_version": engine.weight_version})
 
 
 def process_cpu_seconds() -> float:
@@ -286,6 +212,13 @@ def process_cpu_seconds() -> float:
 
 async def get_server_info(request: web.Request) -> web.Response:
     engine = _engine_ready(request)
+    if not engine.is_generation:  # a reward model (engine/reward_model.py): its batching limits and counters
+        return web.json_response({
+            "model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path, "version": "alloy-embedded",
+            "weight_version": engine.weight_version, "is_generation": False, **engine.server_info(),
+            "process_cpu_seconds": round(process_cpu_seconds(), 6), "device": str(engine.device),
+            "dtype": dtype_name(engine.dtype), "mem_fraction_static": engine.mem_fraction_static,
+            **memory_info(engine.device)})
     return web.json_response({
         "model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path, "weight_version": engine.weight_version,
         "max_running_requests": engine.max_running_requests, "max_total_tokens": engine.max_total_tokens,
@@ -401,7 +334,9 @@ async def flush_cache(request: web.Request) -> web.Response:
 def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Application:
     """The aiohttp app. `limits`: max_running_requests, max_total_tokens, max_prefill_tokens, threads,
     weight_version, seed, max_body_mb, max_seqs, device, dtype, mem_fraction_static, max_logprob_entries,
-    weight_buffer_dirs (defaults in DEFAULTS). The
+    weight_buffer_dirs, served_model_name (defaults in DEFAULTS). A checkpoint whose config names a
+    `...ForSequenceClassification` architecture is served as a reward model (engine/reward_model.py, /classify);
+    any other as a generation model (engine/scheduler.py, /generate and the OpenAI endpoints). The
     engine thread starts (and loads the model) on app startup. A device/dtype/fraction the engine cannot use raises
     `engine.device.DeviceError` here."""
     unknown = set(limits) - set(DEFAULTS)
@@ -411,12 +346,19 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
     cfg["body_limit"] = (int(cfg["max_body_mb"] * 2**20) if cfg["max_body_mb"] is not None
                          else body_limit_bytes(cfg["max_total_tokens"], cfg["max_seqs"]))
     cfg["buffer_dirs"] = buffer_dirs(cfg["weight_buffer_dirs"])
-    engine = Engine(str(model_dir), max_running_requests=cfg["max_running_requests"],
-                    max_total_tokens=cfg["max_total_tokens"], max_prefill_tokens=cfg["max_prefill_tokens"],
-                    threads=cfg["threads"], weight_version=cfg["weight_version"], seed=cfg["seed"],
-                    weights_buffer=cfg["weights_buffer"], device=cfg["device"], dtype=cfg["dtype"],
-                    mem_fraction_static=cfg["mem_fraction_static"], decode_path=cfg["decode_path"],
-                    cuda_graph=cfg["cuda_graph"])
+    reward = is_classifier_checkpoint(model_dir)  # a ...ForSequenceClassification checkpoint: /classify
+    if reward and cfg["weights_buffer"]:
+        raise DeviceError("--weights-buffer: a reward model's weights are not updated by buffers")
+    engine = (RewardModel(str(model_dir), max_total_tokens=cfg["max_total_tokens"],
+                          max_prefill_tokens=cfg["max_prefill_tokens"], threads=cfg["threads"],
+                          weight_version=cfg["weight_version"], device=cfg["device"], dtype=cfg["dtype"],
+                          mem_fraction_static=cfg["mem_fraction_static"]) if reward else
+              Engine(str(model_dir), max_running_requests=cfg["max_running_requests"],
+                     max_total_tokens=cfg["max_total_tokens"], max_prefill_tokens=cfg["max_prefill_tokens"],
+                     threads=cfg["threads"], weight_version=cfg["weight_version"], seed=cfg["seed"],
+                     weights_buffer=cfg["weights_buffer"], device=cfg["device"], dtype=cfg["dtype"],
+                     mem_fraction_static=cfg["mem_fraction_static"], decode_path=cfg["decode_path"],
+                     cuda_graph=cfg["cuda_graph"]))
     middlewares = [errors_middleware] + ([auth_middleware(api_key)] if api_key else [])
     app = web.Application(client_max_size=cfg["body_limit"], middlewares=middlewares)
     app[ENGINE] = engine
@@ -424,7 +366,6 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
     app[WAKEUPS] = {}
     app[LIMITS] = cfg
     for method in ("POST", "PUT"):
-        app.router.add_route(method, "/generate", generate)
         app.router.add_route(method, "/abort_request", abort_request)
     for method in ("GET", "POST"):
         app.router.add_route(method, "/flush_cache", flush_cache)
@@ -432,9 +373,30 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)
+    if reward:  # engine/classify.py; what needs a generation model is a 400 that says so
+        add_classify_routes(app, _engine_ready)
+        add_model_route(app, _engine_ready)
+        refuse = refusal(f"a reward model ({checkpoint_architecture(model_dir)})",
+                         "it scores inputs on POST /classify (or /v1/classify); generation and weight updates "
+                         "need a generation (causal LM) checkpoint")
+        for path in GENERATION_ONLY:
+            app.router.add_route("*", path, refuse)
+        return _with_lifecycle(app, engine)
+    for method in ("POST", "PUT"):
+        app.router.add_route(method, "/generate", generate)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/update_weights_from_buffer", update_weights_from_buffer)
     add_sglang_update_routes(app, _engine_ready)  # SGLang's tensor / distributed weight updates
+    add_openai_routes(app, _engine_ready, _limits)  # /v1/chat/completions, /v1/completions, /v1/models
+    refuse = refusal(f"a generation model ({checkpoint_architecture(model_dir) or 'causal LM'})",
+                     "/classify needs a sequence-classification (reward model) checkpoint")
+    for path in ("/classify", "/v1/classify"):
+        app.router.add_route("*", path, refuse)
+    return _with_lifecycle(app, engine)
+
+
+def _with_lifecycle(app: web.Application, engine) -> web.Application:
+    """Start the engine (and load the model) on app startup; abort and stop it on shutdown."""
 
     async def on_startup(_app):
         engine.start()
@@ -453,6 +415,12 @@ def build_app(model_dir: str, api_key: str | None = None, **limits) -> web.Appli
     return app
 
 
+# the paths of a generation server a reward-model server answers with a 400 naming why
+GENERATION_ONLY = ("/generate", "/v1/chat/completions", "/v1/completions", "/update_weights_from_disk",
+                   "/update_weights_from_buffer", "/update_weights_from_tensor", "/init_weights_update_group",
+                   "/update_weights_from_distributed", "/destroy_weights_update_group")
+
+
 def _default_threads() -> int:
     env = os.environ.get("OMP_NUM_THREADS", "")
     # One intra-op thread per spare core, keeping one core for the HTTP loop and tokenization: with every core in
@@ -464,7 +432,8 @@ def _default_threads() -> int:
 def main(argv: list[str] | None = None, prog: str = "python -m engine.server") -> None:
     """Run the server; `prog` is the name its --help and errors use (`alloy serve` from the CLI)."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="local HF causal LM dir (weights + tokenizer)")
+    p.add_argument("--model", required=True, help="local HF checkpoint dir (weights + tokenizer): a causal LM, or a "
+                   "sequence-classification reward model (served on /classify)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (except /health*); default: "
@@ -509,6 +478,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.server") -
                         "default, or $ALLOY_ENGINE_DECODE_PATH)")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="SGLang's name: run the static decode step eagerly instead of replaying captured CUDA graphs")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="SGLang's name: the model id /v1/models lists and the /v1 answers carry (default: --model)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -547,7 +518,7 @@ def _build_main_app(args) -> web.Application:
                     weights_buffer=args.weights_buffer, device=args.device, dtype=args.dtype,
                     mem_fraction_static=args.mem_fraction_static, max_logprob_entries=args.max_logprob_entries,
                     weight_buffer_dirs=args.weight_buffer_dirs, decode_path=args.decode_path,
-                    cuda_graph=False if args.disable_cuda_graph else None)
+                    cuda_graph=False if args.disable_cuda_graph else None, served_model_name=args.served_model_name)
 
 
 def _serve(app: web.Application, args) -> None:
