@@ -12,7 +12,8 @@ openai/serving_classify.py):
   tokenizer adds them). The answer is one object per input (a list, in order, for a batch):
   `{"embedding": [logit_0, ..., logit_{num_labels-1}], "meta_info": {"id", "finish_reason": {"type": "length",
   "length": 0}, "prompt_tokens", "completion_tokens": 0, "weight_version", "e2e_latency"}}`. A reward model's
-  score is `embedding[0]` (num_labels = 1). Cross-encoder pairs (`text` as a list of lists), images, audio and
+  score is `embedding[0]` (num_labels = 1): the head's output where HF's forward reads it (the last token that is
+  not the pad id; engine/reward_model.py says where that differs from SGLang). Cross-encoder pairs (`text` as a list of lists), images, audio and
   input embeddings are 400.
 - `POST /v1/classify` (vLLM 0.7's shape): `{"model"?, "input": str | [str] | [int] | [[int]]}` →
   `{"id": "classify-…", "object": "list", "created", "model", "data": [{"index", "label", "probs", "num_classes"}],

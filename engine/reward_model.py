@@ -2,10 +2,12 @@
 
 `python -m engine.server --model DIR` serves this instead of the generation engine when DIR's config names a
 `...ForSequenceClassification` architecture (`engine.classify.is_classifier_checkpoint`); its endpoints are
-engine/classify.py's. What it computes, per input: the classification head's logits at the input's last token
-(`num_labels` floats; a reward model has one), which is SGLang's LAST pooling for these models, and HF's
-`AutoModelForSequenceClassification` forward on the unpadded input (HF picks the last token that is not the pad
-token; the two agree unless the input itself ends with the pad id).
+engine/classify.py's. What it computes, per input: the classification head's logits (`num_labels` floats; a reward
+model has one) at the input's last token that is not the config's `pad_token_id` (`score_position`): exactly HF's
+`AutoModelForSequenceClassification` forward on the input, so what training/reward_main.py trained is what is
+served. SGLang reads the final token (LAST pooling); the two differ only for an input that ends with the pad id
+(a tokenizer whose pad is its EOS, scoring a response closed by EOS): such a model scores alike on both engines only
+if its pad id differs from the tokens its inputs end with.
 
 Batching: a request's inputs are sorted by length and cut into forwards of at most `max_batch` rows and
 `max_prefill_tokens` padded tokens (a single input longer than that runs alone); each forward is one right-padded
@@ -34,6 +36,14 @@ from infra.choices import MAX_PREFILL_TOKENS, MAX_TOTAL_TOKENS
 log = logging.getLogger("alloy.engine")
 
 MAX_BATCH = 64  # rows per forward (with `max_prefill_tokens` padded tokens, the bound on one forward's activations)
+
+
+def score_position(ids, pad_id: int | None) -> int:
+    """Where HF's sequence classifiers read the score: the last position whose id is not `pad_id` (0 when every id
+    is the pad id, as HF's argmax gives); the last position when the config has no pad id."""
+    if pad_id is None:
+        return len(ids) - 1
+    return next((i for i in range(len(ids) - 1, -1, -1) if ids[i] != pad_id), 0)
 
 
 def length_batches(lengths: list[int], max_batch: int, max_tokens: int) -> list[list[int]]:
@@ -125,6 +135,8 @@ class RewardModel:
         self.num_labels = int(cfg.num_labels)
         self.id2label = {int(k): str(v) for k, v in (getattr(cfg, "id2label", None) or {}).items()}
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.pad_token_id = getattr(text_cfg, "pad_token_id", None)
         self.context_len = int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
         with torch.inference_mode():
             self._forward([[0, 0]])  # warm-up: the first forward pays one-off allocation/dispatch costs
@@ -155,7 +167,8 @@ class RewardModel:
         return out  # type: ignore[return-value]
 
     def _forward(self, seqs: list[list[int]]) -> list[list[float]]:
-        """One right-padded forward of `seqs` → (len(seqs), num_labels) logits at each sequence's last token."""
+        """One right-padded forward of `seqs` → (len(seqs), num_labels) logits at each one's `score_position`."""
+        at = torch.tensor([score_position(s, getattr(self, "pad_token_id", None)) for s in seqs])
         n = torch.tensor([len(s) for s in seqs])
         L = int(n.max())
         ids = torch.zeros((len(seqs), L), dtype=torch.long)
@@ -165,7 +178,7 @@ class RewardModel:
             mask[r, :len(s)] = 1
         hidden = self.model.base_model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                        use_cache=False)[0]  # (B, L, H)
-        last = hidden[torch.arange(len(seqs), device=hidden.device), (n - 1).to(hidden.device)]  # (B, H)
+        last = hidden[torch.arange(len(seqs), device=hidden.device), at.to(hidden.device)]  # (B, H)
         return self._head(last).float().cpu().tolist()
 
     def server_info(self) -> dict:

@@ -3,8 +3,8 @@
 
 - SGLang's `/classify` shape: `text` (a str → one object, a list → a list), `input_ids` (a list → one object, a list
   of lists → a list), each `{"embedding": [logits], "meta_info": {"id", "finish_reason", "prompt_tokens", ...}}`;
-  scores equal HF's `AutoModelForSequenceClassification` forward on the same ids (1e-5, CPU float32); a batch
-  equals one-by-one; a 2-label model answers 2 logits and `/v1/classify` its softmax and label;
+  scores equal HF's `AutoModelForSequenceClassification` forward on the same ids (1e-5, CPU float32), an input
+  ending in pad ids included (read at its last non-pad token, as HF); a batch equals one-by-one; a 2-label model answers 2 logits and `/v1/classify` its softmax and label;
 - the guards: the API key (401), a bad body (400 naming the field), an input over the context (400), a body over
   the limit (413); /generate and /v1/chat/completions on it are 400 saying it is a reward model (and /classify on a
   generation server likewise); /get_model_info says `is_generation: false`;
@@ -104,6 +104,12 @@ def test_classify_shapes_match_sglang_and_hf(rm_server, hf_rm, rm_dir):
     assert status == 200 and [o["embedding"][0] for o in by_ids] == pytest.approx(
         [o["embedding"][0] for o in batch], abs=tol)
     assert len({round(o["embedding"][0], 4) for o in batch}) == len(TEXTS)  # scores that differ, not a constant
+    # an input ending with the pad id is read where HF reads it: the last token that is not the pad id
+    pad = hf_rm.config.pad_token_id
+    padded = ids[1] + [pad, pad]
+    status, out = post(rm_server, "/classify", {"input_ids": [padded, ids[2]]})
+    assert status == 200 and abs(out[0]["embedding"][0] - hf_scores(hf_rm, [padded])[0][0]) < tol
+    assert abs(out[0]["embedding"][0] - ref[1][0]) < tol
 
 
 def test_two_labels_and_v1_classify(tiny_model_dir, tmp_path):

@@ -170,6 +170,13 @@ def test_is_classifier_checkpoint(tmp_path):
     assert not is_classifier_checkpoint(tmp_path)
 
 
+def test_score_position_is_hf_pooling():
+    from engine.reward_model import score_position
+
+    assert score_position([5, 6, 7], None) == 2 and score_position([5, 6, 7], 0) == 2
+    assert score_position([5, 6, 0, 0], 0) == 1 and score_position([0, 0], 0) == 0  # all pad: HF's argmax gives 0
+
+
 def test_length_batches():
     from engine.reward_model import length_batches
 
