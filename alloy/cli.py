@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_rollouts_parser(sub)  # rollouts list | show | diff: a run's rollout records (training/rollout_records.py)
 
+    from alloy.rm_cmd import add_parser as add_rm_parser
+
+    add_rm_parser(sub)  # rm train: a reward model on preference pairs (training/reward_main.py)
+
     from alloy.stack import add_parsers as add_stack_parsers
 
     add_stack_parsers(sub)  # up, down, status (the local Prefect + MLflow stack) and teachers up|down|status

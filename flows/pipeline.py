@@ -1,4 +1,5 @@
-"""The Alloy pipeline as a Prefect flow: base → specialists (parallel) → teacher servers → distill → eval → report."""
+"""The Alloy pipeline as a Prefect flow: base → reward models (if configured) → specialists (parallel) → teacher servers →
+distill → eval → report."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +20,7 @@ from tasks.context import RunContext, open_context
 from tasks.evaluate import evaluate_stage
 from tasks.judge import judge_checkpoint, wants_judge_server
 from tasks.report import publish_report
+from tasks.reward_models import train_reward_models
 
 log = logging.getLogger("alloy")
 
@@ -59,6 +61,7 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
         if ctx.cfg.specialists.enabled and wants_judge_server(ctx):  # before the base stage, not after its SFT
             judge_checkpoint(ctx.cfg.specialists.guard)
         base_dir = train_base(ctx)
+        reward_models = train_reward_models(ctx, base_dir) if ctx.cfg.reward_models else {}
         # another worker's flow run (deployment modes) is handed storage URLs, never this run's local paths
         remote = StageMode.DEPLOYMENT in (ctx.cfg.specialists.mode, ctx.cfg.distill.mode)
         base_url = base_checkpoint_url(ctx) if remote else None
@@ -76,7 +79,9 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
             throughput=student["throughput"], guard=guard_totals(specs),
             artifacts={"student_checkpoint": student["student_checkpoint"],
                        "registered_model": student["registered_model"],
-                       "specialists": {d: s["checkpoint"] for d, s in specs.items()}},
+                       "specialists": {d: s["checkpoint"] for d, s in specs.items()},
+                       **({"reward_models": {n: {"checkpoint": s["checkpoint"], "val_accuracy": s["val_accuracy"]}
+                                             for n, s in reward_models.items()}} if reward_models else {})},
             resources=resources_of(ctx.resources.get("base"), list(specs.values()), student))
         status = "FINISHED"
         return report

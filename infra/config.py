@@ -30,11 +30,12 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 # The sections live in two modules (what every stage reads | the stages' own); every name is re-exported here, and
 # `from infra.config import X` is how the rest of the tree imports them.
 from infra.choices import Backend
+from infra.names import check_name
 from infra.config_shared import (ConfigError, DatasetConfig, DomainConfig, EngineConfig, EvalConfig, ModelConfig,
                                  RecordConfig, ResourcesConfig, RunConfig, Secret, TrackingConfig, TrainConfig, _problem, _Strict,
                                  ops_field)
-from infra.config_stages import (OPD_LOSSES, STAGE_WIDE, BaseConfig, DistillConfig, GuardConfig, SpecialistsConfig,
-                                 TeachersConfig)
+from infra.config_stages import (OPD_LOSSES, STAGE_WIDE, BaseConfig, DistillConfig, GuardConfig, RewardModelConfig,
+                                 SpecialistsConfig, TeachersConfig)
 from infra.secrets import is_secret
 from infra.tracking import flatten_config
 
@@ -42,7 +43,7 @@ __all__ = [
     # sections and their pieces (infra.config_shared, infra.config_stages)
     "ConfigError", "Secret", "ops_field", "OPD_LOSSES", "STAGE_WIDE", "RunConfig", "ModelConfig", "DatasetConfig",
     "DomainConfig", "TrainConfig", "BaseConfig", "EvalConfig", "TrackingConfig", "EngineConfig", "TeachersConfig",
-    "ResourcesConfig", "RecordConfig", "DistillConfig", "GuardConfig", "SpecialistsConfig",
+    "ResourcesConfig", "RecordConfig", "DistillConfig", "GuardConfig", "SpecialistsConfig", "RewardModelConfig",
     # this module: the whole config, fingerprints, loading, secrets
     "AlloyConfig", "result_settings", "apply_overrides", "format_validation_error", "config_from_dict", "load_config",
     "SECRET_ENV", "SECRET_OVERRIDES_ENV", "is_secret_override", "split_secret_overrides", "secret_overrides_env",
@@ -52,7 +53,7 @@ __all__ = [
 
 def result_settings(model_cls: type[BaseModel], data: Mapping) -> dict:
     """`data` (a dump of `model_cls`, or part of one) without its `ops_field`s, recursively (nested sections, lists
-    of them, and `specialists.per_domain` overrides, which are partial SpecialistsConfigs; an override left empty
+    and name → section mappings of them (`reward_models`), and `specialists.per_domain` overrides, which are partial SpecialistsConfigs; an override left empty
     is dropped): what a stage's fingerprint hashes."""
     out = {}
     for key, value in data.items():
@@ -67,7 +68,9 @@ def result_settings(model_cls: type[BaseModel], data: Mapping) -> dict:
             value = {d: kept for d, over in value.items() if (kept := result_settings(SpecialistsConfig, over))}
         else:
             sub = _model_in(field.annotation)
-            if sub is not None and isinstance(value, Mapping):
+            if sub is not None and getattr(field.annotation, "__origin__", None) is dict and isinstance(value, Mapping):
+                value = {k: result_settings(sub, v) if isinstance(v, Mapping) else v for k, v in value.items()}
+            elif sub is not None and isinstance(value, Mapping):
                 value = result_settings(sub, value)
             elif sub is not None and isinstance(value, list):
                 value = [result_settings(sub, v) if isinstance(v, Mapping) else v for v in value]
@@ -98,6 +101,9 @@ class AlloyConfig(_Strict):
     teachers: TeachersConfig = Field(default_factory=TeachersConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    reward_models: dict[str, RewardModelConfig] = Field(default_factory=dict, description=(
+        "name → a reward model trained on preference pairs after the base stage (docs/architecture.md, \"Reward "
+        "models\"); none by default. The name keys its checkpoint prefix `rm-<name>-<hash>`."))
 
     @model_validator(mode="after")
     def _unique_domains(self) -> "AlloyConfig":
@@ -111,6 +117,11 @@ class AlloyConfig(_Strict):
         unknown = sorted(set(self.specialists.per_domain) - set(names))
         if unknown:
             raise ValueError(f"specialists.per_domain names domains that are not configured: {unknown}")
+        for name in self.reward_models:
+            try:
+                check_name(name, "")
+            except ValueError as exc:
+                raise ValueError(f"reward_models: {name!r}: {exc}") from None
         return self
 
     @model_validator(mode="after")
@@ -125,6 +136,7 @@ class AlloyConfig(_Strict):
                 where = f"specialists.per_domain.{d}" if d in self.specialists.per_domain else "specialists"
                 checks += [(where, "policy_train", sc.policy_train, sc.steps),
                            (where, "critic_train", sc.critic_train, sc.steps)]
+        checks += [(f"reward_models.{n}", "train", rm.train, rm.steps) for n, rm in self.reward_models.items()]
         for where, name, t, steps in checks:
             if t.lr_schedule == "cosine" and t.warmup_steps >= max(steps, 1):
                 raise ValueError(f"{where}.{name}.warmup_steps={t.warmup_steps} must be below {where}.steps={steps} "
@@ -159,6 +171,8 @@ class AlloyConfig(_Strict):
         what is trained count: `ops_field`s (scheduling, logging, serving, credentials) are left out."""
         # python mode: secrets unmasked (JSON mode masks); the context drops unset dataset settings (DomainConfig._dump)
         data = result_settings(AlloyConfig, self.model_dump(context={"fingerprint": True}))
+        if not data.get("reward_models"):  # a config without reward models keys what it keyed before they existed
+            data.pop("reward_models", None)
         if sections:
             data = {k: data[k] for k in sections}
         for i, d in enumerate(self.domains if "domains" in data else ()):

@@ -129,6 +129,21 @@ class ModelConfig(_Strict):
         return v
 
 
+def check_data_file(v: str) -> str:
+    """A data file setting (a dataset domain's, a reward model's preference data): a local path must be an existing
+    file; a remote URL (s3://…) is read when the data loads."""
+    if not v.strip():
+        raise ValueError("must not be empty")
+    scheme = v.split("://", 1)[0] if "://" in v else ""
+    if scheme in ("", "file", "local"):
+        p = Path(v.split("://", 1)[1] if scheme else v).expanduser()
+        if not p.exists():
+            raise ValueError(f"no such file: {v}")
+        if not p.is_file():
+            raise ValueError(f"{v} is not a file")
+    return v
+
+
 class DatasetConfig(_Strict):
     """A dataset domain's file and columns (domains/README.md, "Dataset domains"): one row per example, split
     train/val/eval by the hash of the prompt."""
@@ -160,17 +175,7 @@ class DatasetConfig(_Strict):
     @field_validator("path")
     @classmethod
     def _local_file_exists(cls, v: str) -> str:
-        """A local path must be an existing file; a remote URL (s3://…) is read when the domains load."""
-        if not v.strip():
-            raise ValueError("must not be empty")
-        scheme = v.split("://", 1)[0] if "://" in v else ""
-        if scheme in ("", "file", "local"):
-            p = Path(v.split("://", 1)[1] if scheme else v).expanduser()
-            if not p.exists():
-                raise ValueError(f"no such file: {v}")
-            if not p.is_file():
-                raise ValueError(f"{v} is not a file")
-        return v
+        return check_data_file(v)
 
     def content_sha256(self, where: str = "dataset.path") -> str:
         """The sha256 of the file's bytes (read once per process: infra/datasets.py); a ConfigError naming `where`

@@ -12,7 +12,8 @@ from typing import Any, Literal, Mapping
 from pydantic import Field, ValidationError, field_validator, model_serializer, model_validator
 
 from infra.choices import StageMode, values
-from infra.config_shared import RecordConfig, Secret, TrainConfig, _problem, _Strict, ops_field
+from infra.choices import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_ROW_KB
+from infra.config_shared import RecordConfig, Secret, TrainConfig, _problem, _Strict, check_data_file, ops_field
 
 # The OPD losses `distill.loss` may name. They are implemented above infra (student/losses.py, which config must not
 # import); that registry is keyed by this tuple and refuses, at import, any name missing here or any name here
@@ -355,4 +356,64 @@ class SpecialistsConfig(_Strict):
                              "it: set specialists.max_staleness ≥ 1 (it is 0)")
         if self.val_every == 0 and (self.patience or self.stop_at is not None):
             raise ValueError("specialists.patience / specialists.stop_at need validations: set specialists.val_every > 0")
+        return self
+
+
+class RewardModelConfig(_Strict):
+    """One reward model (`reward_models.<name>`): a scalar head on an HF checkpoint trained with the Bradley–Terry
+    loss on preference pairs (training/reward_main.py, docs/architecture.md "Reward models"), after the base stage
+    and before the specialists; `alloy rm train` trains one alone. Its checkpoint prefix is keyed by these settings
+    (minus the ops ones), the preference files' contents, `model.chat_template`, the run seed when `seed` is null,
+    and the base's own key when it starts from the base."""
+    data: str = Field(..., description="The preference file: a local path or an fsspec URL (s3://…); .jsonl, .json, "
+                      ".parquet or .csv with one pair per row (columns `prompt`, `chosen`, `rejected`).")
+    val_data: str | None = Field(None, description="A separate held-out preference file (same columns). null: hold "
+                                 "out `val_fraction` of `data`'s prompts.")
+    val_fraction: float = Field(0.1, gt=0, lt=1, description="Without `val_data`: the share of `data`'s prompts held "
+                                "out for validation, chosen by a hash of the prompt (every pair of a prompt on one "
+                                "side; the same split for any seed or row order).")
+    prompt: str = Field("prompt", description="Column of the prompts.")
+    chosen: str = Field("chosen", description="Column of the preferred responses.")
+    rejected: str = Field("rejected", description="Column of the dispreferred responses.")
+    margin_column: str | None = Field(None, description="Column of a per-pair margin m ≥ 0 (the loss is "
+                                      "−log σ(r_chosen − r_rejected − m)); null: no margin.")
+    system: str | None = Field(None, description="System message the prompts are rendered with (chat templates), as "
+                               "the policy's domain renders them.")
+    init: str = Field("base", description="Where the model starts: `base` (the base stage's checkpoint) or a local "
+                      "HF causal-LM checkpoint directory; its body is loaded into an "
+                      "AutoModelForSequenceClassification with a new scalar head.")
+    steps: int = Field(200, ge=1, description="Optimizer steps, each on `train.micro_batch_size` × `train.grad_accum` "
+                       "pairs per rank.")
+    max_length: int = Field(512, ge=8, description="Tokens of one scored sequence (rendered prompt + response + end "
+                            "of turn); longer ones lose the start of the prompt.")
+    seed: int | None = Field(None, description="Seed of the head's initialisation and the pair order; null: run.seed.")
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(micro_batch_size=16))
+    val_every: int = ops_field(50, ge=1, description="Validate (held-out pair accuracy) every N steps, and at the end.")
+    checkpoint_every: int = ops_field(50, ge=1, description="Commit a resumable checkpoint every N steps.")
+    keep_checkpoints: int | None = ops_field(None, ge=1, description="Resumable checkpoints kept (null: 1 on a GPU, "
+                                             "2 on the CPU, as `distill.keep_checkpoints`).")
+    log_every: int = ops_field(25, ge=1, description="Log train metrics every N steps.")
+    threads: int | None = ops_field(None, ge=1, description="Torch threads of the trainer process (null: torch's "
+                                    "default).")
+    max_file_mb: float = ops_field(DEFAULT_MAX_FILE_MB, gt=0, description="Largest preference file read, in MiB.")
+    max_row_kb: float = ops_field(DEFAULT_MAX_ROW_KB, gt=0, description="Largest row, in KiB (the UTF-8 bytes of "
+                                  "the cells read).")
+
+    @field_validator("data", "val_data")
+    @classmethod
+    def _data_file(cls, v: str | None) -> str | None:
+        return v if v is None else check_data_file(v)
+
+    @field_validator("init")
+    @classmethod
+    def _init(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be `base` or a local HF checkpoint directory")
+        return v
+
+    @model_validator(mode="after")
+    def _columns(self) -> "RewardModelConfig":
+        cols = [self.prompt, self.chosen, self.rejected] + ([self.margin_column] if self.margin_column else [])
+        if len(set(cols)) != len(cols):
+            raise ValueError(f"prompt, chosen, rejected and margin_column must name different columns, got {cols}")
         return self

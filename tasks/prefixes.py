@@ -7,8 +7,11 @@ complete checkpoint. Kept free of heavy imports: `alloy run --dry-run` computes 
 from __future__ import annotations
 
 import hashlib
+import json
 
 from domains.compaction import compactions_of
+from infra.config import ConfigError, RewardModelConfig, result_settings
+from infra.datasets import DatasetLimitError, dataset_sha256
 from infra.names import check_name
 from infra.storage import join
 
@@ -51,3 +54,29 @@ def specialist_prefix_of(cfg, storage_url: str, domain: str) -> str:
 def student_prefix_of(cfg, storage_url: str) -> str:
     """Storage prefix of the student."""
     return join(storage_url, f"student-{cfg.fingerprint(*STUDENT_SECTIONS)[:10]}")
+
+
+def reward_model_prefix_of(cfg, storage_url: str, name: str) -> str:
+    """Storage prefix of the reward model `reward_models.<name>`: `rm-<name>-<hash>` of its own settings (ops fields
+    left out), the contents of its preference files, `model.chat_template` (how its text is rendered), the seed it
+    trains with (its own, else run.seed) and where it starts: the base's own key (`base_prefix`) for `init: base`,
+    else the checkpoint path. Another reward model's settings, and every other stage's, do not count."""
+    check_name(name, "reward model name")
+    rm = cfg.reward_models[name]
+    own = result_settings(RewardModelConfig, rm.model_dump())
+    own["seed"] = rm.seed if rm.seed is not None else cfg.run.seed
+    files = {}
+    for field in ("data", "val_data"):
+        path = getattr(rm, field)
+        if path is None:
+            continue
+        try:
+            files[field] = dataset_sha256(path, int(rm.max_file_mb * 2 ** 20))
+        except DatasetLimitError as exc:
+            raise ConfigError(f"reward_models.{name}.max_file_mb: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"reward_models.{name}.{field}: cannot read {path}: {type(exc).__name__}: {exc}") from exc
+    start = base_prefix(cfg, "").rsplit("/", 1)[-1] if rm.init == "base" else rm.init
+    key = json.dumps({"rm": own, "sha256": files, "chat_template": cfg.model.chat_template, "init": start},
+                     sort_keys=True)
+    return join(storage_url, f"rm-{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
