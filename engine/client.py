@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import numbers
 import os
 import random
 import urllib.parse
@@ -334,8 +335,8 @@ class EngineClient:
         if not items:
             return []
         texts = all(isinstance(x, str) for x in items)
-        if not texts and not all(isinstance(x, (list, tuple)) and x and all(isinstance(t, int) for t in x)
-                                 for x in items):
+        if not texts and not all(isinstance(x, Sequence) and not isinstance(x, str) and len(x)
+                                 and all(isinstance(t, numbers.Integral) for t in x) for x in items):
             raise ValueError("classify: inputs must be all strings or all non-empty lists of token ids")
         if batch_size < 1:
             raise ValueError(f"classify: batch_size must be >= 1, got {batch_size}")
