@@ -14,12 +14,13 @@ from infra import procs
 from training.worker import Worker, WorkerStopped, arg, stop_on_signals, write_json_atomic
 from student.distill_main import WORKER as STUDENT
 from training.base_main import WORKER as BASE
+from training.reward_main import WORKER as REWARD_MODEL
 from teachers.specialist_main import WORKER as SPECIALIST
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("worker", [BASE, SPECIALIST, STUDENT], ids=lambda w: w.module)
+@pytest.mark.parametrize("worker", [BASE, SPECIALIST, STUDENT, REWARD_MODEL], ids=lambda w: w.module)
 def test_the_command_a_task_builds_is_what_the_worker_parses(worker):
     own = {a.dest: f"v-{a.dest}" for a in worker.args}
     argv = worker.argv(config="c.yaml", set=["a=1", "b=2"], mlflow_run_id=None, result="r.json", **own)
