@@ -65,6 +65,21 @@ def positional_credit(answer: str, response: str, weight: float = 0.5) -> float:
     return weight * matches / longest
 
 
+def positional_marks(answer: str, response: str, weight: float = 0.5) -> list[float]:
+    """`positional_credit(answer, response.strip(), weight)`'s partial credit spread over the characters of the raw
+    `response` (`Domain.credit`): `weight / max(len(answer), len(stripped))` on each character of the stripped
+    response that equals `answer` at its position, 0 on the others and on the stripped whitespace. The marks sum to
+    the partial credit; on an exact answer to `weight` (the rest of its 1.0 is the terminal reward)."""
+    stripped = response.strip()
+    lead = len(response) - len(response.lstrip())
+    marks = [0.0] * len(response)
+    longest = max(len(answer), len(stripped))
+    for i, (a, r) in enumerate(zip(answer, stripped)):
+        if a == r:
+            marks[lead + i] = weight / longest
+    return marks
+
+
 def _clean_text(s: object) -> bool:
     """Non-empty printable ASCII without newlines (every character is one token of the char tokenizer)."""
     return isinstance(s, str) and len(s) > 0 and s.isascii() and s.isprintable()
@@ -116,6 +131,15 @@ class Domain(ABC):
     @abstractmethod
     def score(self, example: Example, response: str) -> float:
         """Reward of `response` (the raw completion text, without the prompt) in [0, 1]."""
+
+    def credit(self, example: Example, response: str) -> list[float] | None:
+        """Where in `response` its reward was earned, for domains whose partial credit comes from parts of the answer
+        (steps, positions, fields): one value per character of `response`, each ≥ 0, summing to at most
+        `score(example, response)`. The specialist trainer puts each value on the token that holds its character and
+        the rest of the score on the last token (`specialists.step_credit`, teachers/step_credit.py): the return of
+        a trajectory is unchanged, only when its parts arrive moves, which is what lets PPO tell which of 40 tokens
+        was wrong. None (the default): the whole reward arrives at the end."""
+        return None
 
     # -- shared behaviour -----------------------------------------------------------------------------------------
 

@@ -259,6 +259,11 @@ class SpecialistsConfig(_Strict):
     eps_clip_c: float | None = Field(None, gt=1, description="Dual-clip constant (> 1) or None.")
     value_clip: float | None = Field(0.2, gt=0, description="Value-loss clip around the rollout's "
                                                              "values (None: unclipped).")
+    step_credit: bool = Field(True, description="Domains that say where in an answer their partial credit was earned "
+                              "(Domain.credit: the long-answer built-ins' steps, positions and fields) get each part on "
+                              "the token that earned it and the rest of the reward on the last token, instead of the "
+                              "whole reward on the last token (teachers/step_credit.py). The return is the same; the "
+                              "advantages of early tokens are less noisy. Other domains are unaffected.")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE λ.")
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus in the policy loss.")

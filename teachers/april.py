@@ -123,6 +123,8 @@ class Sample:
     created_version: int = 0
     blocked_calls: int = 0  # tool calls the guard blocked, over every resume: reward 0 (domains.guard.guarded_reward)
     calls: list[dict] = field(default_factory=list)  # its tool calls as the env recorded them (`Partial.calls`)
+    # per output token: the part of its reward the domain placed there (teachers/step_credit.py); empty: all at the end
+    step_credit: list[float] = field(default_factory=list)
 
 
 @dataclass

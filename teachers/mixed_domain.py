@@ -57,5 +57,10 @@ class MixedDomain:
                            f"(mixed: {sorted(self.domains)})")
         return self.domains[example.domain].verify(example, response)
 
+    def credit(self, example: Example, response: str) -> list[float] | None:
+        """Where `example`'s own domain places its reward (`Domain.credit`), so mixed-domain RL gets the same
+        per-token credit as the specialists."""
+        return self.domains[example.domain].credit(example, response)
+
     def __repr__(self) -> str:
         return f"MixedDomain(name={self.name!r}, domains={list(self.domains.values())!r})"

@@ -154,18 +154,27 @@ def compute_gae_loop(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Te
 
 
 def token_rewards(terminal_reward: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
-                  kl_coef: float = 0.0) -> torch.Tensor:
-    """Per-token reward: r_t = −kl_coef·kl_t on every valid token, plus the task reward on the last valid token.
+                  kl_coef: float = 0.0, step_credit: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token reward: r_t = −kl_coef·kl_t on every valid token, plus the task reward R on the last valid token;
+    with `step_credit` c (the parts of R a domain places on the tokens that earned them, `Domain.credit`), c_t on
+    every valid token t and R − Σ_valid c on the last one:
 
-    Shapes: terminal_reward (B,), mask (B, T), kl (B, T) per-token KL(π‖π_ref) estimate (see ``kl_estimator``)
-    → rewards (B, T), 0 on padding. A row with no valid token is an error (its reward would silently vanish).
+        r_t = −kl_coef·kl_t + c_t + [t = last]·(R − Σ_s c_s)
+
+    so Σ_t r_t is the same with or without step credit (with γ = 1 the return of the whole trajectory is R either
+    way); only when its parts arrive moves, which lowers the variance of the early tokens' advantages. Credit on an
+    invalid (masked) position goes to the last token with the rest.
+
+    Shapes: terminal_reward (B,) the whole task reward R, mask (B, T), kl (B, T) per-token KL(π‖π_ref) estimate (see
+    ``kl_estimator``), step_credit (B, T) or None → rewards (B, T), 0 on padding. A row with no valid token is an
+    error (its reward would silently vanish).
     """
     if terminal_reward.shape != mask.shape[:1]:
         raise ValueError(f"token_rewards: terminal_reward has shape {tuple(terminal_reward.shape)}, "
                          f"expected ({mask.shape[0]},) to match mask {tuple(mask.shape)}")
     if kl is None and kl_coef != 0.0:
         raise ValueError(f"token_rewards: kl_coef={kl_coef} but kl is None")
-    check_shapes("token_rewards", "mask", mask, kl=kl)
+    check_shapes("token_rewards", "mask", mask, kl=kl, step_credit=step_credit)
     valid = _valid(mask)
     empty = (~valid.any(dim=1)).nonzero().flatten().tolist()
     if empty:
@@ -174,10 +183,15 @@ def token_rewards(terminal_reward: torch.Tensor, mask: torch.Tensor, kl: torch.T
     rewards = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     if kl is not None and kl_coef != 0.0:
         rewards = torch.where(valid, -kl_coef * kl.detach().to(dtype), rewards)
+    terminal = terminal_reward.detach().to(dtype)
+    if step_credit is not None:
+        placed = torch.where(valid, step_credit.detach().to(dtype), torch.zeros((), dtype=dtype))
+        rewards = rewards + placed
+        terminal = terminal - placed.sum(dim=1)
     T = mask.shape[1]
     last = T - 1 - valid.flip(dims=[1]).to(torch.int64).argmax(dim=1)  # (B,) index of the last valid token
     rows = torch.arange(mask.shape[0], device=mask.device)
-    rewards[rows, last] += terminal_reward.detach().to(dtype)
+    rewards[rows, last] += terminal
     return rewards
 
 

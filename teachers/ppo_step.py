@@ -15,7 +15,8 @@ So the last column is never valid, and the terminal reward sits on the position 
 
 The update (`ppo_update`) is the textbook recipe:
     old_logp, old_values  = forward(policy), forward(critic)                 no grad, before any update
-    r_t  = −kl_coef·KL_t (+ R on the last response token)                     ppo_math.token_rewards (KL: k1 vs ref)
+    r_t  = −kl_coef·KL_t (+ R on the last response token; with step credit c:  ppo_math.token_rewards (KL: k1 vs ref)
+           c_t on each token, R − Σc on the last)
     A, G = GAE(r, old_values; γ, λ);  A ← whiten(A)                           ppo_math.compute_gae / masked_whiten
     per epoch: policy  ℓ = clipped surrogate · TIS(old_logp vs rollout) − entropy_coef·H   → policy.step
                critic  ℓ = ½·max((clip(v) − G)², (v − G)²)                                 → critic.step
@@ -50,6 +51,7 @@ class PPOBatch:
     rollout_logprobs: torch.Tensor   # float, the engine's log-prob of the predicted token; 0 off-mask
     rewards: torch.Tensor | None     # (B,) float terminal task rewards, or None (pass them to ppo_update)
     sample_ids: list[str]
+    step_credit: torch.Tensor | None = None  # float, the part of the reward placed on each token (`Sample.step_credit`)
 
     @property
     def num_tokens(self) -> int:
@@ -73,12 +75,16 @@ def build_batch(samples: Sequence[Sample], pad_id: int, rewards: Sequence[float]
         if s.loss_mask and len(s.loss_mask) != len(s.output_ids):
             raise ValueError(f"build_batch: sample {i} ({s.sample_id}) has {len(s.loss_mask)} loss_mask entries "
                              f"for {len(s.output_ids)} output_ids")
+        if s.step_credit and len(s.step_credit) != len(s.output_ids):
+            raise ValueError(f"build_batch: sample {i} ({s.sample_id}) has {len(s.step_credit)} step_credit entries "
+                             f"for {len(s.output_ids)} output_ids")
     B = len(samples)
     T = max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, T), dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.float32)
     rollout = torch.zeros((B, T), dtype=torch.float32)
+    credit = torch.zeros((B, T), dtype=torch.float32) if any(s.step_credit for s in samples) else None
     for b, s in enumerate(samples):
         P, O = len(s.prompt_ids), len(s.output_ids)
         input_ids[b, :P + O] = torch.tensor(list(s.prompt_ids) + list(s.output_ids), dtype=torch.long)
@@ -87,9 +93,11 @@ def build_batch(samples: Sequence[Sample], pad_id: int, rewards: Sequence[float]
         loss_mask = s.loss_mask if s.loss_mask else [1] * O
         mask[b, P - 1:P + O - 1] = torch.tensor(loss_mask, dtype=torch.float32)
         rollout[b, P - 1:P + O - 1] = torch.tensor(s.output_logprobs, dtype=torch.float32)
+        if credit is not None and s.step_credit:
+            credit[b, P - 1:P + O - 1] = torch.tensor(s.step_credit, dtype=torch.float32)
     rollout = torch.where(mask != 0, rollout, torch.zeros(()))
     reward_t = None if rewards is None else torch.tensor([float(r) for r in rewards], dtype=torch.float32)
-    return PPOBatch(input_ids, attention_mask, mask, rollout, reward_t, [s.sample_id for s in samples])
+    return PPOBatch(input_ids, attention_mask, mask, rollout, reward_t, [s.sample_id for s in samples], credit)
 
 
 def _logits(model, batch: PPOBatch) -> torch.Tensor:
@@ -262,7 +270,8 @@ def ppo_update(policy, critic, batch: PPOBatch, rewards: torch.Tensor | Sequence
             critic, batch, v_groups and [g for g in v_groups if g])).cpu()
         kl = None if ref_logprobs is None else ppo_math.kl_estimator(old_logp, ref_logprobs.float().cpu(), "k1")
         # a fully masked batch: a rank without rows of the global batch (teachers/specialist.ppo_shard); it adds 0
-        r = ppo_math.token_rewards(rewards, mask, kl, kl_coef) if mask.any() else torch.zeros_like(mask)
+        r = (ppo_math.token_rewards(rewards, mask, kl, kl_coef, batch.step_credit) if mask.any()
+             else torch.zeros_like(mask))
         advantages, returns = ppo_math.compute_gae(r, old_values, mask, gamma, lam)
         advantages = ppo_math.masked_whiten(advantages, mask, sum_all=_sum_over_ranks(policy))
         # TIS: the rollout engine sampled the tokens; re-weight them towards the trainer's π_old

@@ -38,6 +38,9 @@ def samples_of(df) -> tuple[list[Sample], list[float]]:
                               r.domain, {}, r.finish_reason,
                               [int(x) for x in r.loss_mask] if r.loss_mask is not None else [1] * n,
                               int(r.weight_version), int(r.blocked_calls)))
+        credit = getattr(r, "step_credit", None)  # alloy.rollouts/3; null: the whole reward at the end
+        if credit is not None:
+            samples[-1].step_credit = [float(x) for x in credit]
         rewards.append(float(r.reward))
     return samples, rewards
 

@@ -4,6 +4,7 @@
         samples = rollout_step(...)                       teachers/rollout.py (APRIL, tools + guard)
         samples = ledger.filter_untrained(samples)        exactly once
         rewards = domain.verify(example, response)        a raising verifier gives 0 and is counted
+        attach_step_credit(domain, samples, rewards)      teachers/step_credit.py: parts of it on their tokens
         rows = expand(samples, rewards)                   teachers/compaction.py: a compacted episode's sub-traces
         ppo_update(policy, critic, batch(rows), rewards)  teachers/ppo_step.py (critic only during warm-up)
         push weights → engine (version k + 1); ledger += ids
@@ -48,6 +49,7 @@ from teachers.compaction import Compaction, counts, expand
 from teachers.ppo_step import build_batch, ppo_update, reduce_metrics, token_logprobs
 from teachers.rollout import PromptCursor, Roller, rollout_step
 from teachers.selection import Selection
+from teachers.step_credit import attach_step_credit
 
 log = logging.getLogger("alloy.specialist")
 BEST_DIR = "best-hf"  # the best-validating policy (HF dir), in the work dir and in every checkpoint
@@ -245,6 +247,8 @@ class SpecialistTrainer:
         samples = self.buffer.filter_untrained(samples)
         errors0, outcomes0 = self.domain.verifier_errors, verifier_outcomes(self.domain)
         rewards = sample_rewards(self.domain, samples, roller.text)  # a blocked call: 0
+        if sc.step_credit:  # where the domain says its reward was earned, on those tokens (teachers/step_credit.py)
+            attach_step_credit(self.domain, samples, rewards, self.tok, roller.stops)
         self.state.verifier_errors += self.domain.verifier_errors - errors0
         reward_counts = reward_outcome_counts(outcomes0, verifier_outcomes(self.domain))
         # compaction: each episode's sub-traces are its rows, each with the episode's reward (teachers/compaction.py)
@@ -303,7 +307,7 @@ class SpecialistTrainer:
                "push_s": push_s, "step_s": time.perf_counter() - t_step, "lag_mean": token_lag(rows, version),
                "train_tokens": float(sum(len(r.prompt_ids) + len(r.output_ids) for r in rows)),
                "samples": float(len(samples)), "response_tokens": float(sum(len(s.output_ids) for s in samples)),
-               "subtraces": float(len(rows)),
+               "subtraces": float(len(rows)), "step_credit_rows": float(sum(1 for r in rows if r.step_credit)),
                **{f"compaction_{k}": float(v) for k, v in b.compaction.items()},
                **{f"april_{k}": float(v) for k, v in april.items()},
                **{f"guard_{k}": float(guard.get(k, 0)) for k in ("tool_calls", "flagged", "blocked",
@@ -332,7 +336,8 @@ class SpecialistTrainer:
                           reward=float(reward), finish_reason=s.finish_reason, loss_mask=list(s.loss_mask) or None,
                           blocked_calls=s.blocked_calls,
                           tool_calls=count_tool_calls(response) if hasattr(self.domain, "env") else 0,
-                          calls=list(s.calls) or None, token_versions=list(s.token_versions))
+                          calls=list(s.calls) or None, token_versions=list(s.token_versions),
+                          step_credit=list(s.step_credit) or None)
 
     def _perf(self, rows: list[Sample], m: dict, train_s: float) -> dict:
         """This step's `perf/train_tokens_per_s` (positions of the rows over the update's time) and `perf/mfu` (one

@@ -49,6 +49,9 @@ Columns (`SCHEMA`, version `SCHEMA_VERSION` in the file's metadata; a list colum
     blocked_calls       tool calls the guard blocked in the episode
     tool_calls          tool calls in the response (`domains.tools.count_tool_calls`; 0 for a plain domain)
     token_versions      the weights version of each response token (a resumed partial's are older: APRIL)
+    step_credit         the part of the reward the update placed on each response token (teachers/step_credit.py;
+                        the rest on the last token); null = the whole reward on the last token. Added in
+                        `alloy.rollouts/3` (older files read as null)
     teacher_topk_ids,   the teacher's top-k ids and log-probs at each response token (the student's rows with a
     teacher_topk_logprobs  top-k loss; null otherwise)
     calls               the episode's tool calls as the env recorded them: command, output, executed, guard_allowed,
@@ -73,7 +76,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 log = logging.getLogger("alloy")
 
-SCHEMA_VERSION = "alloy.rollouts/2"  # /2: the `split` column (a /1 file reads as split "train")
+SCHEMA_VERSION = "alloy.rollouts/3"  # /2: the `split` column (a /1 file reads as split "train"); /3: `step_credit`
 FOLDER = "rollouts"
 TRAIN, SPLITS = "train", ("train", "val", "eval")
 TABLE_COLUMNS = ["step", "domain", "sample_id", "staleness", "reward", "finish_reason", "blocked_calls", "tool_calls",
@@ -107,6 +110,7 @@ class RolloutRow:
     teacher_topk_ids: list[list[int]] | None = None
     teacher_topk_logprobs: list[list[float]] | None = None
     split: str = TRAIN
+    step_credit: list[float] | None = None
 
 
 def schema():
@@ -126,6 +130,7 @@ def schema():
                                       ("guard_allowed", pa.bool_()), ("rules", pa.list_(pa.string())),
                                       ("exit_code", pa.int32())]))),
         ("token_versions", ints), ("teacher_topk_ids", pa.list_(ints)), ("teacher_topk_logprobs", pa.list_(floats)),
+        ("step_credit", pa.list_(pa.float64())),
     ], metadata={"schema": SCHEMA_VERSION})
 
 

@@ -13,14 +13,18 @@ so RL has room above an under-trained base. Difficulty d lengthens the answer (`
 * `record` — a structured record to fill: named fields from positional values, credit per field.
 
 Reward: exact match of `response.strip()` = 1.0; otherwise partial credit weighted 0.5 (below any exact answer),
-divided by the longer of the two lengths so extra or missing output counts as wrong.
+divided by the longer of the two lengths so extra or missing output counts as wrong. Each domain also says where in
+the answer its credit was earned (`credit`: per step, position or field), so the specialist's PPO gets it on the
+tokens that earned it (`specialists.step_credit`): with the whole reward on the last of 40+ tokens, PPO from a
+`tiny` base did not move these domains in 400 steps (docs/results.md#long).
 """
 from __future__ import annotations
 
 import random
+import re
 from typing import ClassVar
 
-from domains.base import Domain, Example, positional_credit
+from domains.base import Domain, Example, positional_credit, positional_marks
 from domains.builtin.text import LOWER, _word
 
 MIN_ANSWER_CHARS = 40  # issue 56: a long answer is at least this many tokens
@@ -43,49 +47,72 @@ class _LongAnswer(Domain):
         return self.max_answer_chars + 8
 
 
-def step_credit(digits: str, response: str) -> float:
-    """Partial credit of a running sum mod 10 (`prefix_mod`): step i is right when `response[i]` is
-    `(response[i-1] + digits[i]) % 10` (`response[-1]` read as 0), whatever the steps before it were, so a single slip
-    costs one step; `PARTIAL` × right steps / max(len(digits), len(response)). A non-digit is a wrong step, and the
-    step after it is read from 0."""
-    longest = max(len(digits), len(response))
-    if longest == 0:
-        return 0.0
-    prev, right = 0, 0
-    for d, r in zip(digits, response):
-        if r not in "0123456789":  # str.isdigit would let "²" through to int()
+def step_marks(digits: str, response: str, modulus: int = 10) -> list[float]:
+    """`prefix_mod`'s partial credit per character of the raw `response` (`Domain.credit`): step i of the stripped
+    response is right when it is `(previous step + digits[i]) % modulus` (the step before the first read as 0),
+    whatever the steps before it were, so a single slip costs one step; a right step earns
+    `PARTIAL / max(len(digits), len(stripped))` on its character. A character that is not a digit below `modulus`
+    is a wrong step, and the step after it is read from 0."""
+    stripped = response.strip()
+    lead = len(response) - len(response.lstrip())
+    marks = [0.0] * len(response)
+    longest = max(len(digits), len(stripped))
+    prev = 0
+    for i, (d, r) in enumerate(zip(digits, stripped)):
+        if r not in "0123456789"[:modulus]:  # str.isdigit would let "²" through to int()
             prev = 0
             continue
-        right += int(r) == (prev + int(d)) % 10
+        if int(r) == (prev + int(d)) % modulus:
+            marks[lead + i] = PARTIAL / longest
         prev = int(r)
-    return PARTIAL * right / longest
+    return marks
+
+
+def step_credit(digits: str, response: str, modulus: int = 10) -> float:
+    """Partial credit of a running sum (`prefix_mod`): the sum of `step_marks`, `PARTIAL` × right steps / the
+    longer length."""
+    return sum(step_marks(digits, response, modulus))
 
 
 class PrefixMod(_LongAnswer):
-    """`pmd:3528...=` → `3851...`: after each digit, the sum of the digits so far modulo 10 (3, 3+5 = 8,
-    8+2 = 10 → 0, 0+8 = 8: `3808` for `3528`). As many digits in as out: 40 to 43 at d = 1, 4 more per difficulty
-    step. Partial credit per step (`step_credit`)."""
+    """`pmd:1201...=` → `1001...`: after each digit, the sum of the digits so far modulo `modulus` (3 by default,
+    digits 0-2: 1, 1+2 = 3 → 0, 0+0 = 0, 0+1 = 1: `1001` for `1201`; `modulus: 10` with digits 0-9 is the
+    decimal running sum, which the tiny presets do not learn). As many digits in as out: 40 to 43 at d = 1, 4 more
+    per difficulty step. Partial credit per step (`step_marks`), placed on each step's token (`credit`)."""
 
     name, tag = "prefix_mod", "pmd"
-    description = "Running digit sum modulo 10 after each digit of a 40+ digit string (40 to 43 at d = 1)."
+    description = "Running digit sum modulo 3 (param modulus) after each digit of a 40+ digit string (40 to 43 at d = 1)."
+    defaults: ClassVar[dict] = {"modulus": 3}
 
-    @staticmethod
-    def running(digits: str) -> str:
+    def setup(self) -> None:
+        super().setup()
+        m = self.params["modulus"]
+        if isinstance(m, bool) or not isinstance(m, int) or not 2 <= m <= 10:
+            raise ValueError(f"domain {self.name!r}: param modulus must be an int in [2, 10], got {m!r}")
+        self.modulus = m
+
+    def running(self, digits: str) -> str:
         out, total = [], 0
         for d in digits:
-            total = (total + int(d)) % 10
+            total = (total + int(d)) % self.modulus
             out.append(str(total))
         return "".join(out)
 
     def generate(self, rng: random.Random) -> Example:
-        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(self.min_chars, self.max_answer_chars)))
+        alphabet = "0123456789"[:self.modulus]
+        digits = "".join(rng.choice(alphabet) for _ in range(rng.randint(self.min_chars, self.max_answer_chars)))
         return self.make(digits, self.running(digits))
 
+    def digits(self, example: Example) -> str:
+        return example.prompt[len(self.tag) + 1:-1]
+
     def score(self, example: Example, response: str) -> float:
-        response = response.strip()
-        if response == example.answer:
+        if response.strip() == example.answer:
             return 1.0
-        return step_credit(example.prompt[len(self.tag) + 1:-1], response)
+        return step_credit(self.digits(example), response, self.modulus)
+
+    def credit(self, example: Example, response: str) -> list[float]:
+        return step_marks(self.digits(example), response, self.modulus)
 
 
 class RleExpand(_LongAnswer):
@@ -112,6 +139,9 @@ class RleExpand(_LongAnswer):
 
     def score(self, example: Example, response: str) -> float:
         return positional_credit(example.answer, response.strip(), weight=PARTIAL)
+
+    def credit(self, example: Example, response: str) -> list[float]:
+        return positional_marks(example.answer, response, weight=PARTIAL)
 
 
 class Record(_LongAnswer):
@@ -151,3 +181,14 @@ class Record(_LongAnswer):
             return 1.0
         want, got = self.fields(example.answer), self.fields(response)
         return PARTIAL * sum(w == g for w, g in zip(want, got)) / max(len(want), len(got), 1)
+
+    def credit(self, example: Example, response: str) -> list[float]:
+        """Each right field's credit on its last character (the fields found as `fields` finds them)."""
+        want = self.fields(example.answer)
+        got = list(re.finditer(r"[^| ]+", response.strip()))
+        lead = len(response) - len(response.lstrip())
+        marks = [0.0] * len(response)
+        for w, g in zip(want, got):
+            if w == g.group():
+                marks[lead + g.end() - 1] = PARTIAL / max(len(want), len(got), 1)
+        return marks

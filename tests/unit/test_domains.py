@@ -78,7 +78,7 @@ ORACLES = {
     "interleave": _interleave,
     "dedupe": _dedupe,
     # long answers: written apart from the domains' code (itertools / re), each on its own reading of the format
-    "prefix_mod": lambda b: "".join(str(t % 10) for t in itertools.accumulate(int(c) for c in b)),
+    "prefix_mod": lambda b: "".join(str(t % 3) for t in itertools.accumulate(int(c) for c in b)),
     "rle_expand": lambda b: "".join(c * int(n) for c, n in re.findall(r"([a-z])(\d)", b)),
     "record": lambda b: "|".join(f"name:{n} age:{a} city:{c}" for n, a, c in (r.split(",") for r in b.split(";"))),
 }
@@ -297,7 +297,7 @@ def test_hand_checked_answers():
         "case_swap": ("aBcD", "AbCd"), "caesar": ("1:abz", "bca"), "count_char": ("a:abcab", "2"),
         "brackets": ("([)]", "no"), "rotate": ("abcd", "bcda"), "swap_pairs": ("abcde", "badce"),
         "interleave": ("abc,xyz", "axbycz"), "dedupe": ("aabccca", "abca"),
-        "prefix_mod": ("3528", "3808"), "rle_expand": ("a3b2c4", "aaabbcccc"),
+        "prefix_mod": ("1201", "1001"), "rle_expand": ("a3b2c4", "aaabbcccc"),
         "record": ("ann,7,rome;bob,12,oslo", "name:ann age:7 city:rome|name:bob age:12 city:oslo"),
     }
     for name, (body, answer) in cases.items():
@@ -323,6 +323,14 @@ def test_long_answer_domains_bring_their_own_token_budget(char_tokenizer):
 
 def test_long_answer_partial_credit_by_hand():
     pmd, rlx, rec = load_domain("prefix_mod"), load_domain("rle_expand"), load_domain("record")
+    ex = pmd.make("1201", "1001")  # modulus 3 (the default): 1, 1+2 = 3 → 0, 0+0 = 0, 0+1 = 1
+    assert pmd.verify(ex, "1001") == 1.0
+    # "1021": 1 ok; 0 = (1+2)%3 ok; 2 ≠ (0+0)%3 = 0 wrong; 1 ≠ (2+1)%3 = 0 wrong → 2 of 4
+    assert pmd.verify(ex, "1021") == pytest.approx(0.5 * 2 / 4)
+    assert pmd.verify(ex, "1301") == pytest.approx(0.5 * 3 / 4)  # 3 is no digit mod 3: wrong, the next reads from 0
+    with pytest.raises(ValueError, match="modulus"):
+        load_domain("prefix_mod", params={"modulus": 11})
+    pmd = load_domain("prefix_mod", params={"modulus": 10})  # the decimal running sum
     ex = pmd.make("3528", "3808")
     assert pmd.verify(ex, " 3808\n") == 1.0
     # "3897": 3 = 0+3 ok; 8 = 3+5 ok; 9 ≠ (8+2)%10 = 0 wrong; 7 = (9+8)%10 ok (it follows from the slip) → 3 of 4
@@ -336,6 +344,40 @@ def test_long_answer_partial_credit_by_hand():
     assert rec.verify(ex, "name:ann age:7 city:rome|name:bob age:13 city:oslo") == pytest.approx(0.5 * 5 / 6)
     assert rec.verify(ex, "name:ann age:7 city:rome") == pytest.approx(0.5 * 3 / 6)  # a record missing
     assert rec.verify(ex, "name:bob age:12 city:oslo|name:ann age:7 city:rome") == 0.0  # fields out of place
+
+
+def test_long_answer_credit_by_hand():
+    """`Domain.credit`: where each domain's partial credit was earned, per character of the raw response."""
+    pmd = load_domain("prefix_mod", params={"modulus": 10})
+    ex = pmd.make("3528", "3808")
+    q = 0.5 / 4
+    assert pmd.credit(ex, "3897") == [q, q, 0.0, q]  # the slip's own step earns nothing
+    assert pmd.credit(ex, " 38x8") == [0.0, q, q, 0.0, q]  # leading space: no step
+    assert pmd.credit(ex, "3808") == [q] * 4  # an exact answer: 0.5 in marks, the other 0.5 at the end
+    rlx = load_domain("rle_expand")
+    ex = rlx.make("a3b2", "aaabb")
+    # stripped "aabb" vs "aaabb": a, a right, b ≠ a, b = b; 0.5 / 5 each; the newline earns nothing
+    assert rlx.credit(ex, "aabb\n") == pytest.approx([0.1, 0.1, 0.0, 0.1, 0.0])
+    rec = load_domain("record")
+    ex = rec.make("ann,7,rome;bob,12,oslo", "name:ann age:7 city:rome|name:bob age:12 city:oslo")
+    resp = "name:ann age:9 city:rome"  # fields 1 and 3 right of max(6, 3) = 6
+    marks = rec.credit(ex, resp)
+    assert [i for i, m in enumerate(marks) if m] == [7, 23] and marks[7] == marks[23] == pytest.approx(0.5 / 6)
+
+
+@pytest.mark.parametrize("name", ["prefix_mod", "rle_expand", "record"])
+def test_long_answer_credit_sums_to_the_partial_score(name):
+    dom = load_domain(name, difficulty=2)
+    for ex in dom.split("train", 100, seed=3):
+        for resp in (ex.answer, f" {ex.answer}\n", ex.answer[3:], ex.answer[::-1], ex.answer[:-2] + "x|", "", "9 9"):
+            marks = dom.credit(ex, resp)
+            assert len(marks) == len(resp) and min(marks, default=0.0) >= 0.0
+            score = dom.verify(ex, resp)
+            assert sum(marks) == pytest.approx(0.5 if score == 1.0 else score, abs=1e-12), (resp, score)
+
+
+def test_short_domains_keep_the_terminal_reward():
+    assert load_domain("reverse").credit(load_domain("reverse").make("ab", "ba"), "ba") is None
 
 
 def test_positional_partial_credit_by_hand():

@@ -89,6 +89,21 @@ def test_token_rewards_terminal_on_last_valid_minus_kl():
     close(token_rewards(t([1.0, 0.5]), mask), [[0, 0, 1.0], [0, 0.5, 0]])
 
 
+def test_token_rewards_step_credit_moves_the_reward_not_its_sum():
+    # row 0: R = 0.5 with credit 0.1, 0.2 on tokens 0, 1 → 0.1, 0.2, and 0.5 − 0.3 = 0.2 on the last.
+    # row 1: R = 0.4, credit 0.3 on token 2, which is masked → it joins the terminal: 0, 0.4 on the last valid.
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    credit = t([[0.1, 0.2, 0.0], [0.0, 0.0, 0.3]])
+    r = token_rewards(t([0.5, 0.4]), mask, step_credit=credit)
+    close(r, [[0.1, 0.2, 0.2], [0.0, 0.4, 0.0]])
+    close(r.sum(dim=1), [0.5, 0.4])
+    # with the KL term: −0.05 per valid token on top
+    r = token_rewards(t([0.5, 0.4]), mask, kl=torch.full((2, 3), 0.1, dtype=D), kl_coef=0.5, step_credit=credit)
+    close(r, [[0.05, 0.15, 0.15], [-0.05, 0.35, 0.0]])
+    with pytest.raises(ValueError, match="step_credit has shape"):
+        token_rewards(t([0.5, 0.4]), mask, step_credit=t([[0.1, 0.2]]))
+
+
 def test_token_rewards_errors():
     with pytest.raises(ValueError, match="rows \\[1\\]"):
         token_rewards(t([1.0, 1.0]), t([[1, 0], [0, 0]]))

@@ -286,14 +286,16 @@ def test_a_version_1_file_without_the_split_column_reads_as_train(tmp_path):
 
     from training.rollout_records import to_parquet
 
-    old = pa.schema([f for f in schema() if f.name != "split"], metadata={"schema": "alloy.rollouts/1"})
+    old = pa.schema([f for f in schema() if f.name not in ("split", "step_credit")],
+                    metadata={"schema": "alloy.rollouts/1"})
     new = pq.read_table(io.BytesIO(to_parquet([row(3, 1), row(3, 2)])))
     folder = tmp_path / "s" / "rollouts"
     folder.mkdir(parents=True)
-    pq.write_table(new.drop(["split"]).cast(old), folder / "step-000003.parquet")
+    pq.write_table(new.drop(["split", "step_credit"]).cast(old), folder / "step-000003.parquet")
     df = read_rollouts(str(tmp_path / "s"))
     assert list(df.columns) == schema().names and list(df.split) == ["train", "train"]
+    assert df.step_credit.isna().all()  # /3's column: null (the whole reward at the end) in an older file
     assert list(df.sample_id) == ["s1", "s2"] and list(df.prompt_ids[0]) == [1, 2, 3]
     Recorder(RecordConfig(every=1, sample=4), str(tmp_path / "s")).record(4, [row(4, 5)], lambda r: r)
     assert list(read_rollouts(str(tmp_path / "s")).step) == [3, 3, 4]
-    assert pq.read_schema(folder / "step-000004.parquet").metadata[b"schema"] == b"alloy.rollouts/2"
+    assert pq.read_schema(folder / "step-000004.parquet").metadata[b"schema"] == b"alloy.rollouts/3"
