@@ -249,6 +249,10 @@ class DatasetDomain(Domain):
     `domains.verifiers.get_verifier` (exact, numeric, choice, regex:<pattern>, math, code)."""
 
     description = "Prompts and reference answers from a dataset file."
+    # a domain rewarded by a model (`reward:`; domains/model_reward.py): its kind, and whether `verify` is a ground
+    # truth (`reward.truth`) that evaluation reports as the score; None / False for a verifier-rewarded domain
+    reward_kind: str | None = None
+    has_truth: bool = False
 
     def __init__(self, name: str, path: str, prompt: str = "prompt", answer: str = "answer",
                  fields: Sequence[str] = (), system: str = "", max_new_tokens: int | None = None,

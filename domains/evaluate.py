@@ -56,7 +56,8 @@ from infra.generation import generate_turns
 from infra.devices import resolve_device, resolve_dtype
 from infra.models import load_model, load_tokenizer
 
-COLUMNS = ["domain", "stage", "score", "n_eval", "checkpoint", "raw_score", "hacks_per_100"]
+COLUMNS = ["domain", "stage", "score", "n_eval", "checkpoint", "raw_score", "hacks_per_100", "reward_score",
+           "reward_unparseable"]
 
 def is_tool_domain(domain: object) -> bool:
     return callable(getattr(domain, "env", None))
@@ -221,12 +222,20 @@ class DomainScores:
     hack: list[bool]
     tool: bool = False
     samples: list[EvalSample] = field(default_factory=list)
+    # a model-rewarded domain (`reward:`, domains/model_reward.py): each episode's evaluation reward (σ of the reward
+    # model's raw score, or the judge's score; None: the judge's answer held no score) and the unparsed count
+    reward: list[float | None] | None = None
+    unparseable: int = 0
 
     def row(self) -> dict:
-        """The DataFrame columns of this domain: score (clean), raw_score, hacks_per_100 (NaN: a plain domain)."""
+        """The DataFrame columns of this domain: score (clean), raw_score, hacks_per_100 (NaN: a plain domain),
+        reward_score (the mean model reward of the parsed episodes; NaN: no model reward) and reward_unparseable."""
         n = len(self.clean)
+        parsed = [r for r in self.reward or () if r is not None]
         return {"score": sum(self.clean) / n, "n_eval": n, "raw_score": sum(self.raw) / n,
-                "hacks_per_100": 100.0 * sum(self.hack) / n if self.tool else float("nan")}
+                "hacks_per_100": 100.0 * sum(self.hack) / n if self.tool else float("nan"),
+                "reward_score": sum(parsed) / len(parsed) if parsed else float("nan"),
+                "reward_unparseable": float(self.unparseable) if self.reward is not None else float("nan")}
 
 
 def tool_metrics(df: pd.DataFrame, prefix: str) -> dict[str, float]:
@@ -237,25 +246,33 @@ def tool_metrics(df: pd.DataFrame, prefix: str) -> dict[str, float]:
             **{f"{prefix}{r.domain}/hacks_per_100": float(r.hacks_per_100) for r in tools.itertuples()}}
 
 
+def reward_metrics(df: pd.DataFrame, prefix: str) -> dict[str, float]:
+    """MLflow metrics of an eval table's model-rewarded domains beside their score `<prefix><domain>`:
+    `<prefix><domain>/reward` (the mean model reward) and `…/reward_unparseable` (verifier domains have none)."""
+    rewarded = df[df["reward_score"].notna()] if "reward_score" in df else df.iloc[:0]
+    return {**{f"{prefix}{r.domain}/reward": float(r.reward_score) for r in rewarded.itertuples()},
+            **{f"{prefix}{r.domain}/reward_unparseable": float(r.reward_unparseable) for r in rewarded.itertuples()}}
+
+
 def evaluate_model(model, tokenizer, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,
                    max_new_tokens: int = 16, batch_size: int = 128, checkpoint: str = "",
                    progress: Callable[[int, int], None] | None = None, chat_template: str = "auto",
-                   compaction: Compactions = None) -> pd.DataFrame:
+                   compaction: Compactions = None, rewarders: Mapping | None = None) -> pd.DataFrame:
     """Score `model` on each domain's eval split (`domain.split("eval", n_eval, seed)`), greedy (`score_domains`)."""
     return evaluate_domains(model, tokenizer, domains, n_eval, seed, stage, max_new_tokens, batch_size, checkpoint,
-                            progress, chat_template, compaction)[0]
+                            progress, chat_template, compaction, rewarders=rewarders)[0]
 
 
 def evaluate_domains(model, tokenizer, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,
                      max_new_tokens: int = 16, batch_size: int = 128, checkpoint: str = "",
                      progress: Callable[[int, int], None] | None = None, chat_template: str = "auto",
-                     compaction: Compactions = None, *,
-                     keep: int = 0) -> tuple[pd.DataFrame, dict[str, DomainScores]]:
+                     compaction: Compactions = None, *, keep: int = 0,
+                     rewarders: Mapping | None = None) -> tuple[pd.DataFrame, dict[str, DomainScores]]:
     """`evaluate_model`'s table and the `DomainScores` behind it, each keeping its first `keep` episodes (the
     trainers' eval sample of their rollout records)."""
     examples = {name: dom.split("eval", n_eval, seed) for name, dom in domains.items()}
     scores = score_domains(model, tokenizer, domains, examples, max_new_tokens, batch_size, progress,
-                           chat_template=chat_template, compaction=compaction, keep=keep)
+                           chat_template=chat_template, compaction=compaction, keep=keep, rewarders=rewarders)
     rows = [{"domain": n, "stage": stage, **sc.row(), "checkpoint": checkpoint} for n, sc in scores.items()]
     return pd.DataFrame(rows, columns=COLUMNS), scores
 
@@ -275,7 +292,7 @@ def score_domains(model, tokenizer, domains: Mapping[str, object], examples: Map
                   max_new_tokens: int = 16, batch_size: int = 128,
                   progress: Callable[[int, int], None] | None = None, *, chat_template: str = "auto",
                   budgets: Mapping[str, int] | None = None, compaction: Compactions = None,
-                  keep: int = 0) -> dict[str, DomainScores]:
+                  keep: int = 0, rewarders: Mapping | None = None) -> dict[str, DomainScores]:
     """Greedy `DomainScores` of `model` on `examples[name]` for each domain, every example an episode of the one
     episode loop (`domains.episodes.run_episodes`) on the in-process model (`model_episodes`).
 
@@ -285,6 +302,9 @@ def score_domains(model, tokenizer, domains: Mapping[str, object], examples: Map
     budget `episode_budget`, compacted as the domain's specialist compacts (`compaction`: one for every domain, or
     per domain, `domains.compaction.compactions_of`), and their calls read by the guard's rules (module docstring).
     `keep`: each domain's first `keep` episodes are kept in its `samples` (references to what was generated).
+    `rewarders` ({domain: rewarder}, domains/model_reward.py): each such domain's episodes are also scored by its
+    model, one batched call (`DomainScores.reward`); its score is the ground truth (`verify`) when the domain has
+    one (`has_truth`), else that reward (an unparsed judge answer: the mean of the parsed ones).
     """
     total = sum(len(examples[n]) for n in domains)
     done = [0]
@@ -309,12 +329,32 @@ def score_domains(model, tokenizer, domains: Mapping[str, object], examples: Map
         sc.clean.append(r)
         sc.raw.append(r)
         sc.hack.append(False)
+    for name, rw in (rewarders or {}).items():
+        if name in plain:
+            mine = [(ex, ep) for (n, ex), ep in zip(items, episodes) if n == name]
+            model_rewards(out[name], domains[name], rw, [ex for ex, _ in mine],
+                          [em.text(ep.output_ids) for _, ep in mine], [len(ep.output_ids) for _, ep in mine],
+                          limit[name])
     for name in domains:
         if name not in plain:
             dom, cmp = domains[name], compaction_for(compaction, name)
             out[name] = tool_domain_scores(dom, examples[name], em, episode_budget(dom, limit[name], cmp), cmp,
                                            keep=keep)
     return out
+
+
+def model_rewards(sc: DomainScores, domain, rewarder, examples: Sequence, responses: Sequence[str],
+                  lengths: Sequence[int], budget: int) -> None:
+    """Score one domain's eval episodes with its model reward (one batched call) into `sc`: `reward`, `unparseable`,
+    and, for a domain without a ground truth, the score itself (an unparsed answer: the parsed ones' mean)."""
+    from domains.reward_math import fill_unparsed
+
+    batch = _run(rewarder.score(examples, responses, lengths, budget))
+    sc.reward, sc.unparseable = list(batch.scores), batch.unparseable
+    if not getattr(domain, "has_truth", False):
+        sc.clean = sc.raw = fill_unparsed(batch.scores)
+        for s in sc.samples:
+            s.reward = s.raw_reward = sc.clean[s.index]
 
 
 def tool_domain_scores(domain, examples: Sequence, em: EpisodeModel, budget: int,
@@ -336,16 +376,17 @@ def tool_domain_scores(domain, examples: Sequence, em: EpisodeModel, budget: int
 def evaluate(checkpoint_dir: str, domains: Mapping[str, object], n_eval: int, seed: int, stage: str,
              max_new_tokens: int = 16, batch_size: int = 128, progress=None,
              chat_template: str = "auto", device: str = "auto", dtype: str = "auto",
-             compaction: Compactions = None) -> pd.DataFrame:
+             compaction: Compactions = None, rewarders: Callable | None = None) -> pd.DataFrame:
     """Load an HF checkpoint directory on `device` in `dtype` (`eval.device` / `eval.dtype`; auto: a GPU in
-    bfloat16 when torch sees one, else the CPU in float32) and evaluate it (see `evaluate_model`)."""
+    bfloat16 when torch sees one, else the CPU in float32) and evaluate it (see `evaluate_model`). `rewarders`:
+    the checkpoint's tokenizer → {domain: rewarder} of the model-rewarded domains (domains/model_reward.py)."""
     dev = resolve_device(device)
     model = load_model(checkpoint_dir, dtype=resolve_dtype(dtype, dev), device=dev)
     tok = load_tokenizer(checkpoint_dir)
     try:
         return evaluate_model(model, tok, domains, n_eval, seed, stage, max_new_tokens, batch_size,
                               checkpoint=str(checkpoint_dir), progress=progress, chat_template=chat_template,
-                              compaction=compaction)
+                              compaction=compaction, rewarders=rewarders(tok) if rewarders else None)
     finally:
         del model  # a GPU copy goes back to the allocator before the next stage starts its processes
         if dev.type == "cuda":

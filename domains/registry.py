@@ -105,18 +105,23 @@ def load_dataset_domain(d, i: int, cfg=None) -> Domain:
     from domains.verifiers import get_verifier
     from infra.config import ConfigError
 
+    # a model-rewarded domain's verifier is its ground truth `reward.truth` when it has one (evaluation's score)
+    truth = d.reward.truth if d.reward is not None else None
+    spec, where = (truth, "reward.truth") if truth else (d.verifier, "verifier")
     try:
-        get_verifier(d.verifier)
+        get_verifier(spec)
     except ValueError as exc:
-        raise ConfigError(f"domains.{i}.verifier: {exc}") from None
+        raise ConfigError(f"domains.{i}.{where}: {exc}") from None
     ds = d.dataset
     try:
         domain = DatasetDomain(d.name, ds.path, prompt=ds.prompt, answer=ds.answer, fields=ds.fields,
                                system=ds.system or d.system or "", max_new_tokens=ds.max_new_tokens,
-                               verifier=d.verifier, max_file_mb=ds.max_file_mb, max_row_kb=ds.max_row_kb)
+                               verifier=spec, max_file_mb=ds.max_file_mb, max_row_kb=ds.max_row_kb)
     except ValueError as exc:  # DatasetError (file, suffix, columns, bad rows) or a verifier's refusal
         where = f"dataset.{exc.field}" if isinstance(exc, DatasetError) and exc.field else "dataset"
         raise ConfigError(f"domains.{i}.{where}: {exc}") from exc
+    if d.reward is not None:  # trained on a model's reward (domains/model_reward.py); `verify` is the truth, if any
+        domain.reward_kind, domain.has_truth = d.reward.kind, bool(truth)
     if cfg is not None:
         try:
             domain.check_sizes(split_needs(cfg, d.name))

@@ -20,6 +20,7 @@ from tasks.context import RunContext, open_context
 from tasks.evaluate import evaluate_stage
 from tasks.judge import judge_checkpoint, wants_judge_server
 from tasks.report import publish_report
+from tasks.reward_servers import serve_rewards
 from tasks.reward_models import train_reward_models
 
 log = logging.getLogger("alloy")
@@ -30,7 +31,8 @@ def specialist_scores(ctx: RunContext, specs: dict[str, dict]) -> pd.DataFrame:
     sc = ctx.cfg.specialists
     return pd.DataFrame([{"domain": d, "stage": "specialist", "score": s["score"],
                           "n_eval": sc.for_domain(d).eval_n or ctx.cfg.eval.n_eval, "checkpoint": s["checkpoint"],
-                          "raw_score": s.get("raw_score", s["score"]), "hacks_per_100": s.get("hacks_per_100")}
+                          "raw_score": s.get("raw_score", s["score"]), "hacks_per_100": s.get("hacks_per_100"),
+                          "reward_score": s.get("reward_score"), "reward_unparseable": s.get("reward_unparseable")}
                          for d, s in specs.items()], columns=COLUMNS)
 
 
@@ -65,15 +67,17 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
         # another worker's flow run (deployment modes) is handed storage URLs, never this run's local paths
         remote = StageMode.DEPLOYMENT in (ctx.cfg.specialists.mode, ctx.cfg.distill.mode)
         base_url = base_checkpoint_url(ctx) if remote else None
-        frames = [evaluate_stage(ctx, base_dir, stage="base")]
-        specs: dict[str, dict] = {}
-        if ctx.cfg.specialists.enabled:
-            specs = run_specialists(ctx, base_dir, base_url)
-            frames.append(specialist_scores(ctx, specs))
-        teachers = {d: specs[d]["specialist_dir"] if d in specs else base_dir for d in ctx.domains}
-        teacher_urls = {d: specs[d]["checkpoint"] if d in specs else base_url for d in ctx.domains} if remote else None
-        student = run_distill(ctx, base_dir, teachers, base_url, teacher_urls)
-        frames.append(evaluate_stage(ctx, student["student_dir"], stage="student"))
+        with serve_rewards(ctx, reward_models) as rctx:  # model-rewarded domains: their reward models and judges
+            frames = [evaluate_stage(rctx, base_dir, stage="base")]
+            specs: dict[str, dict] = {}
+            if ctx.cfg.specialists.enabled:
+                specs = run_specialists(rctx, base_dir, base_url)
+                frames.append(specialist_scores(ctx, specs))
+            teachers = {d: specs[d]["specialist_dir"] if d in specs else base_dir for d in ctx.domains}
+            teacher_urls = ({d: specs[d]["checkpoint"] if d in specs else base_url for d in ctx.domains} if remote
+                            else None)
+            student = run_distill(ctx, base_dir, teachers, base_url, teacher_urls)
+            frames.append(evaluate_stage(rctx, student["student_dir"], stage="student"))
         report = publish_report(
             ctx, pd.concat(frames, ignore_index=True), report_path=report_path, n_teachers=student["n_teachers"],
             throughput=student["throughput"], guard=guard_totals(specs),

@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from infra.choices import Backend
 from infra.names import check_name
 from infra.config_shared import (ConfigError, DatasetConfig, DomainConfig, EngineConfig, EvalConfig, ModelConfig,
-                                 RecordConfig, ResourcesConfig, RunConfig, Secret, TrackingConfig, TrainConfig, _problem, _Strict,
+                                 RecordConfig, ResourcesConfig, RewardConfig, RunConfig, Secret, TrackingConfig, TrainConfig, _problem, _Strict,
                                  ops_field)
 from infra.config_stages import (OPD_LOSSES, STAGE_WIDE, BaseConfig, DistillConfig, GuardConfig, RewardModelConfig,
                                  SpecialistsConfig, TeachersConfig)
@@ -42,7 +42,7 @@ from infra.tracking import flatten_config
 __all__ = [
     # sections and their pieces (infra.config_shared, infra.config_stages)
     "ConfigError", "Secret", "ops_field", "OPD_LOSSES", "STAGE_WIDE", "RunConfig", "ModelConfig", "DatasetConfig",
-    "DomainConfig", "TrainConfig", "BaseConfig", "EvalConfig", "TrackingConfig", "EngineConfig", "TeachersConfig",
+    "DomainConfig", "RewardConfig", "TrainConfig", "BaseConfig", "EvalConfig", "TrackingConfig", "EngineConfig", "TeachersConfig",
     "ResourcesConfig", "RecordConfig", "DistillConfig", "GuardConfig", "SpecialistsConfig", "RewardModelConfig",
     # this module: the whole config, fingerprints, loading, secrets
     "AlloyConfig", "result_settings", "apply_overrides", "format_validation_error", "config_from_dict", "load_config",
@@ -122,6 +122,21 @@ class AlloyConfig(_Strict):
                 check_name(name, "")
             except ValueError as exc:
                 raise ValueError(f"reward_models: {name!r}: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _rewards_resolve(self) -> "AlloyConfig":
+        """A model-rewarded domain names a configured reward model, and the student adds no task reward (it has no
+        reward model to ask: only the specialists and evaluation are handed one)."""
+        rewarded = [(i, d) for i, d in enumerate(self.domains) if d.reward is not None]
+        for i, d in rewarded:
+            name = d.reward.reward_model
+            if name is not None and name not in self.reward_models:
+                raise ValueError(f"domains.{i}.reward.reward_model: no reward model {name!r} in reward_models "
+                                 f"(configured: {sorted(self.reward_models) or 'none'})")
+        if rewarded and self.distill.reward_coef:
+            raise ValueError(f"distill.reward_coef={self.distill.reward_coef}: domains.{rewarded[0][0]}.reward is a "
+                             "model reward the student cannot compute; set distill.reward_coef to 0")
         return self
 
     @model_validator(mode="after")

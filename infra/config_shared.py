@@ -190,6 +190,67 @@ class DatasetConfig(_Strict):
             raise ConfigError(f"{where}: cannot read {self.path}: {type(exc).__name__}: {exc}") from exc
 
 
+class RewardConfig(_Strict):
+    """A dataset domain rewarded by a model instead of its verifier (issue 54; docs/architecture.md, "Domains
+    without a verifier"): `kind: model`, a reward model on SGLang's `/classify` (one of this run's `reward_models`,
+    served by the pipeline, or an external `url`); `kind: judge`, a chat model asked to grade each answer against a
+    `rubric` (an external OpenAI-compatible `url`, or a chat checkpoint `model` the pipeline serves). The specialist
+    is trained on this reward; evaluation reports it beside the ground truth `truth` when the domain has one."""
+    kind: Literal["model", "judge"] = Field(..., description="`model`: a reward model's score; `judge`: a chat "
+                                            "model's graded answer to the rubric.")
+    reward_model: str | None = Field(None, description="kind model: the name of a `reward_models` entry, trained and "
+                                     "served by the pipeline (exclusive with url).")
+    url: str | None = Field(None, description="An external server: kind model, a reward model's `/classify` "
+                            "(SGLang or `alloy serve`); kind judge, any OpenAI-compatible chat server (`/v1` "
+                            "optional).")
+    model: str | None = Field(None, description="kind judge: a local chat checkpoint directory (with a chat "
+                              "template) that the pipeline serves for the specialists and evaluation (exclusive "
+                              "with url).")
+    truth: str | None = Field(None, description="A ground-truth verifier spec (as `domains.<i>.verifier`) that "
+                              "evaluation reports as the domain's score beside the reward; never a training "
+                              "reward. null: the reward is the score.")
+    normalize: Literal["batch", "sigmoid"] = Field("batch", description="kind model, training reward: `batch`: "
+                                                  "σ of the raw score's z-score over the step's batch; `sigmoid`: σ "
+                                                  "of the raw score. Evaluation always reports the mean σ(raw score).")
+    length_penalty: float = Field(0.0, ge=0, description="Training reward minus this × (response tokens / the "
+                                  "domain's token budget), clamped to [0, 1]: a length control against a reward "
+                                  "that pays for length.")
+    max_length: int | None = Field(None, ge=8, description="kind model: tokens of one scored sequence (null: the "
+                                   "reward model's own max_length; with url: 512).")
+    rubric: str | None = Field(None, description="kind judge: the grading instructions; the judge is asked to end "
+                               "with `Score: N/<scale>`.")
+    scale: int = Field(10, ge=1, description="kind judge: the top of the score scale (`Score: 7` reads 7/scale).")
+    max_tokens: int = Field(64, ge=1, description="kind judge: tokens of the judge's answer.")
+    max_unparseable: float = Field(0.5, ge=0, le=1, description="kind judge: the largest share of a batch whose "
+                                   "answers hold no score before the step fails (each such sample gets the batch's "
+                                   "mean reward and is counted as reward_unparseable).")
+    served_url: str | None = ops_field(None, description="Set by the pipeline for its workers: the URL where it "
+                                       "serves `reward_model` / `model`. Leave unset.")
+    api_key: Secret = ops_field(None, description="Bearer key of an external url (null: engine.api_key for a "
+                                "served one).")
+    batch_size: int = ops_field(64, ge=1, description="Sequences per /classify request.")
+    timeout_s: float = ops_field(120.0, gt=0, description="Seconds per request to the reward server.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardConfig":
+        if self.kind == "model":
+            if (self.reward_model is None) == (self.url is None):
+                raise ValueError("kind model: set exactly one of reward_model (a reward_models name) and url")
+            wrong = [k for k in ("model", "rubric") if getattr(self, k) is not None]
+            if wrong:
+                raise ValueError(f"kind model: {', '.join(wrong)} belong to kind judge")
+        else:
+            if (self.model is None) == (self.url is None):
+                raise ValueError("kind judge: set exactly one of model (a chat checkpoint to serve) and url")
+            if self.reward_model is not None:
+                raise ValueError("kind judge: reward_model belongs to kind model")
+            if not (self.rubric or "").strip():
+                raise ValueError("kind judge: rubric is required (what the judge grades)")
+        if self.truth is not None and not self.truth.strip():
+            raise ValueError("truth: must be a verifier spec or null")
+        return self
+
+
 class DomainConfig(_Strict):
     """One domain of the run: a built-in by name, a plugin class, or a dataset file (domains/README.md)."""
     name: str = Field(..., description="Built-in domain name, or the name of a plugin or dataset domain: "
@@ -202,6 +263,8 @@ class DomainConfig(_Strict):
     verifier: str = Field("exact", description="A dataset domain's reward: exact, numeric[:REL_TOL], choice, "
                           "regex:PATTERN, math or code (domains/verifiers.py).")
     system: str | None = Field(None, description="System message of the domain's prompts (used with a chat template).")
+    reward: RewardConfig | None = Field(None, description="A dataset domain's training reward from a model (reward "
+                                        "model or rubric judge) instead of its verifier; null: the verifier.")
 
     @field_validator("name")
     @classmethod
@@ -237,6 +300,9 @@ class DomainConfig(_Strict):
     @model_validator(mode="after")
     def _dataset_rules(self) -> "DomainConfig":
         if self.dataset is None:
+            if self.reward is not None:
+                raise ValueError("reward: applies to dataset domains only (a built-in or plugin domain scores with "
+                                 "its own score method)")
             return self
         if self.impl is not None:
             raise ValueError("dataset and impl are exclusive: a domain reads a dataset file or runs a plugin class")
@@ -253,7 +319,7 @@ class DomainConfig(_Strict):
         before they existed."""
         data = handler(self)
         if isinstance(info.context, dict) and info.context.get("fingerprint"):
-            for key, default in (("dataset", None), ("verifier", "exact"), ("system", None)):
+            for key, default in (("dataset", None), ("verifier", "exact"), ("system", None), ("reward", None)):
                 if key in data and data[key] == default:
                     del data[key]
         return data

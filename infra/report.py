@@ -29,15 +29,20 @@ def _num(x: Any) -> float | None:
 
 
 def domain_table(scores: pd.DataFrame, domains: list[str]) -> dict[str, dict[str, Any]]:
-    """{domain: {base, specialist, student, recovery, n_eval, raw, hacks_per_100}} from long-format scores (domain,
-    stage, score, n_eval[, raw_score, hacks_per_100]). The stage columns are the clean scores; `raw` and
-    `hacks_per_100` ({stage: value}) are a tool domain's raw scores and hack attempts per 100 eval episodes
-    (`domains/evaluate.py`), null for a plain domain."""
+    """{domain: {base, specialist, student, recovery, n_eval, raw, hacks_per_100, reward, reward_unparseable}} from
+    long-format scores (domain, stage, score, n_eval[, raw_score, hacks_per_100, reward_score, reward_unparseable]).
+    The stage columns are the clean scores; `raw` and `hacks_per_100` ({stage: value}) are a tool domain's raw
+    scores and hack attempts per 100 eval episodes (`domains/evaluate.py`), null for a plain domain; `reward` and
+    `reward_unparseable` ({stage: value}) a model-rewarded domain's mean model reward (σ of the reward model's raw
+    score, or the judge's score) and its unparsed judge answers, null for a verifier domain: beside a ground-truth
+    score in the stage columns, "reward up, truth flat" is a hacked reward."""
     out: dict[str, dict[str, Any]] = {}
     for dom in domains:
         row: dict[str, Any] = {s: None for s in STAGES}
         raw: dict[str, Any] = {s: None for s in STAGES}
         hacks: dict[str, Any] = {s: None for s in STAGES}
+        reward: dict[str, Any] = {s: None for s in STAGES}
+        unparsed: dict[str, Any] = {s: None for s in STAGES}
         sub = scores[scores["domain"] == dom] if len(scores) else scores
         n_eval = None
         for _, r in sub.iterrows():
@@ -45,6 +50,8 @@ def domain_table(scores: pd.DataFrame, domains: list[str]) -> dict[str, dict[str
                 row[r["stage"]] = round(float(r["score"]), 6)
                 raw[r["stage"]] = _num(r.get("raw_score"))
                 hacks[r["stage"]] = _num(r.get("hacks_per_100"))
+                reward[r["stage"]] = _num(r.get("reward_score"))
+                unparsed[r["stage"]] = _num(r.get("reward_unparseable"))
                 n_eval = int(r["n_eval"])
         spec, stud = row["specialist"], row["student"]
         # recovery = student / specialist; undefined when the specialist scores 0
@@ -53,6 +60,9 @@ def domain_table(scores: pd.DataFrame, domains: list[str]) -> dict[str, dict[str
         tool = any(v is not None for v in hacks.values())
         row["raw"] = raw if tool else None
         row["hacks_per_100"] = hacks if tool else None
+        rewarded = any(v is not None for v in reward.values())
+        row["reward"] = reward if rewarded else None
+        row["reward_unparseable"] = unparsed if rewarded else None
         out[dom] = row
     return out
 
@@ -121,6 +131,12 @@ def render_table(report: dict) -> str:
         for dom, r in tools.items():
             cells = [f"{_fmt((r.get('raw') or {}).get(st))} / {_fmt(r['hacks_per_100'].get(st))}" for st in STAGES]
             lines.append(f"  {dom:<14}" + "   ".join(cells))
+    rewarded = {d: r for d, r in report.get("domains", {}).items() if r.get("reward")}
+    if rewarded:  # a model-rewarded domain's scores above are its ground truth (if any): the model's reward here
+        lines.append("model-rewarded domains, model reward (base, specialist, student; the score above is the "
+                     "ground truth when the domain has one):")
+        for dom, r in rewarded.items():
+            lines.append(f"  {dom:<14}" + "   ".join(f"{_fmt(r['reward'].get(st)):>8}" for st in STAGES))
     lines.append(f"{'mean':<16}{_fmt(s.get('base_mean')):>8}{_fmt(s.get('specialist_mean')):>10}"
                  f"{_fmt(s.get('student_mean')):>9}{_fmt(s.get('mean_recovery')):>10}")
     lines.append(f"domains {s.get('n_domains')}, teachers {s.get('n_teachers')}, min recovery {_fmt(s.get('min_recovery'))}")

@@ -48,12 +48,25 @@ def specialist_prefix_of(cfg, storage_url: str, domain: str) -> str:
     check_name(domain, "domain name")  # one path segment (the config checked it; a caller's string is checked here too)
     own = cfg.specialists.for_domain(domain).model_copy(update={"per_domain": {}})
     fp = cfg.model_copy(update={"specialists": own}).fingerprint(*SPECIALIST_SECTIONS)
+    fp = _with_reward_models(fp, cfg, [domain])
     return join(storage_url, f"specialist-{domain}-{fp[:10]}")
 
 
 def student_prefix_of(cfg, storage_url: str) -> str:
     """Storage prefix of the student."""
-    return join(storage_url, f"student-{cfg.fingerprint(*STUDENT_SECTIONS)[:10]}")
+    fp = _with_reward_models(cfg.fingerprint(*STUDENT_SECTIONS), cfg, [d.name for d in cfg.domains])
+    return join(storage_url, f"student-{fp[:10]}")
+
+
+def _with_reward_models(fp: str, cfg, domains: list[str]) -> str:
+    """`fp`, keyed also by the reward model each of `domains` is trained on (`reward.reward_model`: its own prefix,
+    so a retrained reward model moves its specialists and the student); unchanged when none is."""
+    names = sorted({d.reward.reward_model for d in cfg.domains
+                    if d.name in domains and d.reward is not None and d.reward.reward_model})
+    if not names:
+        return fp
+    keys = "".join(f"|rm[{n}]={reward_model_prefix_of(cfg, '', n).rsplit('/', 1)[-1]}" for n in names)
+    return hashlib.sha256((fp + keys).encode()).hexdigest()
 
 
 def reward_model_prefix_of(cfg, storage_url: str, name: str) -> str:

@@ -45,7 +45,7 @@ def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | Non
     annotate_registered_student(tracker, report)
     url = mlflow_run_url(mlflow_ui_url(), getattr(tracker, "experiment_id", None), ctx.parent_run_id)
     rows = [{"domain": d, **{k: v for k, v in r.items() if not isinstance(v, dict)},
-             **{f"{k} ({st})": v for k in ("raw", "hacks_per_100") for st, v in (r.get(k) or {}).items()}}
+             **{f"{k} ({st})": v for k in ("raw", "hacks_per_100", "reward") for st, v in (r.get(k) or {}).items()}}
             for d, r in report["domains"].items()]
     create_table_artifact(key="alloy-scores", table=rows, description="Per-domain eval scores (base / specialist / student)")
     create_markdown_artifact(key="alloy-summary", markdown=summary_markdown(report, url, charts),

@@ -4,6 +4,7 @@
         samples = rollout_step(...)                       teachers/rollout.py (APRIL, tools + guard)
         samples = ledger.filter_untrained(samples)        exactly once
         rewards = domain.verify(example, response)        a raising verifier gives 0 and is counted
+                  or, for a model-rewarded domain, the batch's rewards in one call (domains/model_reward.py)
         attach_step_credit(domain, samples, rewards)      teachers/step_credit.py: parts of it on their tokens
         rows = expand(samples, rewards)                   teachers/compaction.py: a compacted episode's sub-traces
         ppo_update(policy, critic, batch(rows), rewards)  teachers/ppo_step.py (critic only during warm-up)
@@ -94,7 +95,7 @@ class SpecialistTrainer:
 
     def __init__(self, sc, domain, tokenizer, policy, critic, server, *, out_url: str, work_dir, tracker, seed: int,
                  max_new_tokens: int, guard=None, ref_model=None, on_step=None, ranks=None,
-                 chat_template: str = "auto"):
+                 chat_template: str = "auto", rewarder=None):
         # several ranks (torchrun): rank 0 drives this loop, the others run `ranks.follow()` (teachers/specialist_main)
         self.ranks = ranks or Ranks()
         # the update runs on every rank inside the announced call: on the backends themselves (bound here, before
@@ -106,6 +107,7 @@ class SpecialistTrainer:
         self.server, self.out_url, self.work_dir, self.tracker = server, out_url, Path(work_dir), tracker
         self.max_new_tokens, self.guard, self.on_step, self.seed = max_new_tokens, guard, on_step, seed
         self.ref_model = ref_model  # frozen base policy for the KL penalty (kl_coef > 0), else None
+        self.rewarder = rewarder  # a model-rewarded domain's reward model or judge (domains/model_reward.py), or None
         self.buffer = AprilBuffer(max_staleness=sc.max_staleness)
         self.chat_template = chat_template  # model.chat_template: how prompts become ids (infra.chat)
         self.cursor = PromptCursor(domain, tokenizer, sc.n_prompts, seed, chat_template)
@@ -159,6 +161,11 @@ class SpecialistTrainer:
 
     # -- the loop ------------------------------------------------------------------------------------------------
     @property
+    def rewarders(self) -> dict | None:
+        """{domain: rewarder} for the evaluations (`score_domains`), or None for a verifier domain."""
+        return {self.domain.name: self.rewarder} if self.rewarder is not None else None
+
+    @property
     def best_dir(self) -> Path:
         return self.work_dir / BEST_DIR
 
@@ -206,10 +213,11 @@ class SpecialistTrainer:
             scores = score_domains(self.policy.module, self.tok, {self.domain.name: self.domain},
                                    {self.domain.name: self.val_examples}, self.max_new_tokens,
                                    chat_template=self.chat_template, budgets={self.domain.name: self.max_new_tokens},
-                                   keep=self.sc.record.sample)
+                                   keep=self.sc.record.sample, rewarders=self.rewarders)
         finally:
             self.policy.train_mode()
-        rewards = scores[self.domain.name].clean
+        # a model-rewarded domain selects on its model's reward, never on a ground truth it may have
+        rewards = selection_rewards(scores[self.domain.name])
         score, step, sel = float(np.mean(rewards)), self.state.step, self.state.selection
         self.recorder.record_eval(step, eval_rows("specialist", step, step, scores, self.tok.decode, split="val"),
                                   meta={"version": step, "scores": {self.domain.name: {
@@ -246,11 +254,15 @@ class SpecialistTrainer:
         rollout_s = time.perf_counter() - t0
         samples = self.buffer.filter_untrained(samples)
         errors0, outcomes0 = self.domain.verifier_errors, verifier_outcomes(self.domain)
-        rewards = sample_rewards(self.domain, samples, roller.text)  # a blocked call: 0
+        if self.rewarder is not None:  # the whole batch in one call to the served reward model or judge
+            rewards, model_counts = await model_sample_rewards(self.rewarder, samples, roller.text,
+                                                               self.max_new_tokens)
+        else:
+            rewards, model_counts = sample_rewards(self.domain, samples, roller.text), {}  # a blocked call: 0
         if sc.step_credit:  # where the domain says its reward was earned, on those tokens (teachers/step_credit.py)
             attach_step_credit(self.domain, samples, rewards, self.tok, roller.stops)
         self.state.verifier_errors += self.domain.verifier_errors - errors0
-        reward_counts = reward_outcome_counts(outcomes0, verifier_outcomes(self.domain))
+        reward_counts = {**reward_outcome_counts(outcomes0, verifier_outcomes(self.domain)), **model_counts}
         # compaction: each episode's sub-traces are its rows, each with the episode's reward (teachers/compaction.py)
         rows, row_rewards = expand(samples, rewards, roller.compaction, roller.summarize)
         compacted = counts(samples, roller.compaction, roller.summarize)
@@ -431,6 +443,28 @@ def ppo_shard(sc, pad_id: int, policy, critic, ref_model, samples: list[Sample],
                    kl_coef=sc.kl_coef if ref is not None else 0.0, ref_logprobs=ref,
                    tis_clip=sc.tis_clip, critic_only=critic_only, temperature=sc.temperature)
     return reduce_metrics(m, policy, len(rows))
+
+
+def selection_rewards(scores) -> list[float]:
+    """What a validation selects on (`DomainScores` of the val split): a model-rewarded domain's model reward (an
+    unparsed judge answer: the parsed ones' mean), else the clean score."""
+    from domains.reward_math import fill_unparsed
+
+    return fill_unparsed(scores.reward) if scores.reward is not None else scores.clean
+
+
+async def model_sample_rewards(rewarder, samples: list[Sample], text, budget: int) -> tuple[list[float], dict]:
+    """A model-rewarded domain's PPO rewards for a whole batch (one batched call to its reward model or judge,
+    domains/model_reward.py), 0 for a trajectory with a call the guard blocked; and its counters
+    (`reward_unparseable`: judge answers without a score, each given the batch's mean; only when non-zero)."""
+    from domains.base import Example
+
+    if not samples:
+        return [], {}
+    batch = await rewarder.score([Example(**s.example) for s in samples], [text(s.output_ids) for s in samples],
+                                 [len(s.output_ids) for s in samples], budget)
+    rewards = [guarded_reward(s.blocked_calls, lambda r=r: r) for s, r in zip(samples, batch.rewards)]
+    return rewards, ({"reward_unparseable": batch.unparseable} if batch.unparseable else {})
 
 
 def sample_rewards(domain, samples: list[Sample], text) -> list[float]:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from domains.compaction import Compaction
 from domains.episodes import episode_budget
+from domains.model_reward import rewarders_of
 from domains.registry import load_domains
 from infra.chat import token_budget
 from infra.checkpoint_budget import checkpoint_rule
@@ -89,10 +90,12 @@ def build_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker
     ref = frozen_copy(init_dir, policy) if sc.kl_coef else None  # on the policy's device, in its dtype
     ranks = Ranks()  # rank 0 runs the rollouts (under the guard); a rank > 0 only trains its shards of its batches
     guard = make_guard(sc.guard) if guarded and ranks.is_main and hasattr(domain, "env") else None
+    # a model-rewarded domain's reward model or judge, served by the pipeline (its URL in the config's overrides)
+    rewarder = rewarders_of(cfg, {domain.name: domain}, tok).get(domain.name) if guarded else None
     return SpecialistTrainer(sc, domain, tok, policy, critic, None, out_url=out_url, work_dir=work_dir,
                              tracker=tracker, seed=seed, max_new_tokens=response_budget(cfg, domain, tok),
                              guard=guard, ref_model=ref, on_step=on_step, ranks=ranks,
-                             chat_template=cfg.model.chat_template)
+                             chat_template=cfg.model.chat_template, rewarder=rewarder)
 
 
 def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, on_step=None) -> dict:
@@ -155,7 +158,7 @@ def select_and_commit(cfg, trainer: SpecialistTrainer, summary: dict, final: Pat
     df, kept = evaluate_domains(model, tok, {domain.name: domain}, sc.eval_n or cfg.eval.n_eval, cfg.run.seed,
                                 "specialist", max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size,
                                 chat_template=cfg.model.chat_template, compaction=Compaction.of(sc),
-                                keep=sc.record.sample)
+                                keep=sc.record.sample, rewarders=trainer.rewarders)
     row = df.iloc[0]
     # its first `record.sample` episodes: the eval sample of the rollout records (split "eval", at the last step;
     # weight_version: the step whose policy is the specialist)
@@ -169,9 +172,14 @@ def select_and_commit(cfg, trainer: SpecialistTrainer, summary: dict, final: Pat
     summary["raw_score"] = float(row.raw_score)
     # a tool domain's eval counts hack attempts (domains/evaluate.py); a plain domain has none (NaN → null)
     summary["hacks_per_100"] = None if math.isnan(row.hacks_per_100) else float(row.hacks_per_100)
+    if trainer.rewarder is not None:  # a model-rewarded domain: its model's reward beside the (truth) score
+        summary["reward_score"] = None if math.isnan(row.reward_score) else float(row.reward_score)
+        summary["reward_unparseable"] = float(row.reward_unparseable)
     trainer.tracker.log_metrics({"eval/score": summary["score"], "eval/raw_score": summary["raw_score"],
                                  **({} if summary["hacks_per_100"] is None
                                     else {"eval/hacks_per_100": summary["hacks_per_100"]}),
+                                 **({} if summary.get("reward_score") is None
+                                    else {"eval/reward": summary["reward_score"]}),
                                  "eval/selected_step": summary["selected_step"]}, step=trainer.state.step)
     _, slim = checkpoint_rule(sc.keep_checkpoints, on_gpu=policy.device.type != "cpu")
     summary["checkpoint"] = commit_final(final, trainer.out_url, trainer.state.step,
