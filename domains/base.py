@@ -65,21 +65,6 @@ def positional_credit(answer: str, response: str, weight: float = 0.5) -> float:
     return weight * matches / longest
 
 
-def positional_marks(answer: str, response: str, weight: float = 0.5) -> list[float]:
-    """`positional_credit(answer, response.strip(), weight)`'s partial credit spread over the characters of the raw
-    `response` (`Domain.credit`): `weight / max(len(answer), len(stripped))` on each character of the stripped
-    response that equals `answer` at its position, 0 on the others and on the stripped whitespace. The marks sum to
-    the partial credit; on an exact answer to `weight` (the rest of its 1.0 is the terminal reward)."""
-    stripped = response.strip()
-    lead = len(response) - len(response.lstrip())
-    marks = [0.0] * len(response)
-    longest = max(len(answer), len(stripped))
-    for i, (a, r) in enumerate(zip(answer, stripped)):
-        if a == r:
-            marks[lead + i] = weight / longest
-    return marks
-
-
 def _clean_text(s: object) -> bool:
     """Non-empty printable ASCII without newlines (every character is one token of the char tokenizer)."""
     return isinstance(s, str) and len(s) > 0 and s.isascii() and s.isprintable()

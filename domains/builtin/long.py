@@ -9,7 +9,7 @@ so RL has room above an under-trained base. Difficulty d lengthens the answer (`
 * `prefix_mod` — a worked multi-step computation whose intermediate results are checked: the running digit sum
   modulo 10 after each digit. A step is right when it follows from the step before it (`step_credit`), so one slip
   does not zero every later step.
-* `rle_expand` — a long sequence produced step by step: run-length expansion, positional credit.
+* `rle_expand` — a long sequence produced step by step: run-length expansion, credit per run.
 * `record` — a structured record to fill: named fields from positional values, credit per field.
 
 Reward: exact match of `response.strip()` = 1.0; otherwise partial credit weighted 0.5 (below any exact answer),
@@ -24,7 +24,7 @@ import random
 import re
 from typing import ClassVar
 
-from domains.base import Domain, Example, positional_credit, positional_marks
+from domains.base import Domain, Example
 from domains.builtin.text import LOWER, _word
 
 MIN_ANSWER_CHARS = 40  # issue 56: a long answer is at least this many tokens
@@ -118,7 +118,10 @@ class PrefixMod(_LongAnswer):
 class RleExpand(_LongAnswer):
     """`rlx:a3b2c4=` → `aaabbcccc`: each letter repeated its count (2 to 5) times, run after run, until the answer
     is 40 to 43 characters at d = 1 (the last count is cut to fit; 4 more per difficulty step). Neighbouring runs use
-    different letters. Positional partial credit (`positional_credit`)."""
+    different letters. Credit per run: `PARTIAL` × runs right in place (run i of the response, a maximal run of one
+    character, has run i's letter and count) / the larger run count, on each right run's last character. Per run,
+    not per position: a miscounted run costs that run, where positional credit would also take every later
+    position, shifted by one (a tiny base miscounts by one in most answers, and PPO did not learn from positions)."""
 
     name, tag = "rle_expand", "rlx"
     description = "Expand a run-length code (letter, count 2-5) into a 40+ character string (40 to 43 at d = 1)."
@@ -137,11 +140,24 @@ class RleExpand(_LongAnswer):
             total += n
         return self.make("".join(f"{c}{n}" for c, n in runs), "".join(c * n for c, n in runs))
 
+    @staticmethod
+    def runs(text: str) -> list[tuple[str, int, int]]:
+        """The maximal runs of one character in `text`: (character, length, index of its last character)."""
+        return [(m.group(1), len(m.group()), m.end() - 1) for m in re.finditer(r"(.)\1*", text, re.S)]
+
     def score(self, example: Example, response: str) -> float:
-        return positional_credit(example.answer, response.strip(), weight=PARTIAL)
+        if response.strip() == example.answer:
+            return 1.0
+        return sum(self.credit(example, response))
 
     def credit(self, example: Example, response: str) -> list[float]:
-        return positional_marks(example.answer, response, weight=PARTIAL)
+        want, got = self.runs(example.answer), self.runs(response.strip())
+        lead = len(response) - len(response.lstrip())
+        marks = [0.0] * len(response)
+        for (wc, wn, _), (gc, gn, end) in zip(want, got):
+            if (wc, wn) == (gc, gn):
+                marks[lead + end] = PARTIAL / max(len(want), len(got))
+        return marks
 
 
 class Record(_LongAnswer):

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 NAMES = sorted(BUILTIN)
 PARTIAL = {"binary", "reverse", "copy", "sort_digits", "case_swap", "caesar", "rotate", "swap_pairs", "interleave",
-           "dedupe", "rle_expand", "prefix_mod"}  # positional partial credit (prefix_mod: per step, the same here)
+           "dedupe", "prefix_mod"}  # positional partial credit (prefix_mod: per step, the same here)
 
 
 def _body(prompt: str) -> str:
@@ -159,6 +159,9 @@ def test_right_answer_scores_one_and_wrong_scores_less(name, samples):
         wrong = dom.verify(ex, _wrong(ex.answer))
         if name in PARTIAL:  # one of L characters wrong: 0.5 * (L-1) / L
             assert wrong == pytest.approx(0.5 * (len(ex.answer) - 1) / len(ex.answer), abs=1e-12)
+        elif name == "rle_expand":  # the last run split in two (…gg → …g0): R-1 of max(R, R+1) runs right
+            runs = len(load_domain(name).runs(ex.answer))
+            assert wrong == pytest.approx(0.5 * (runs - 1) / (runs + 1), abs=1e-12)
         elif name == "record":  # one of F fields wrong (the last city): 0.5 * (F-1) / F
             fields = len(ex.answer.replace("|", " ").split(" "))
             assert wrong == pytest.approx(0.5 * (fields - 1) / fields, abs=1e-12)
@@ -339,7 +342,8 @@ def test_long_answer_partial_credit_by_hand():
     assert pmd.verify(ex, "38x8") == pytest.approx(0.5 * 3 / 4)  # x wrong; the next step reads from 0: 8 = 0+8 ok
     assert pmd.verify(ex, "0000") == 0.0
     ex = rlx.make("a3b2", "aaabb")
-    assert rlx.verify(ex, "aaabb") == 1.0 and rlx.verify(ex, "aaab") == pytest.approx(0.5 * 4 / 5)
+    assert rlx.verify(ex, "aaabb") == 1.0 and rlx.verify(ex, "aaab") == pytest.approx(0.5 * 1 / 2)  # run b short
+    assert rlx.verify(ex, "aabbb") == 0.0 and rlx.verify(ex, "aaabbc") == pytest.approx(0.5 * 2 / 3)  # an extra run
     ex = rec.make("ann,7,rome;bob,12,oslo", "name:ann age:7 city:rome|name:bob age:12 city:oslo")
     assert rec.verify(ex, "name:ann age:7 city:rome|name:bob age:13 city:oslo") == pytest.approx(0.5 * 5 / 6)
     assert rec.verify(ex, "name:ann age:7 city:rome") == pytest.approx(0.5 * 3 / 6)  # a record missing
@@ -356,8 +360,8 @@ def test_long_answer_credit_by_hand():
     assert pmd.credit(ex, "3808") == [q] * 4  # an exact answer: 0.5 in marks, the other 0.5 at the end
     rlx = load_domain("rle_expand")
     ex = rlx.make("a3b2", "aaabb")
-    # stripped "aabb" vs "aaabb": a, a right, b ≠ a, b = b; 0.5 / 5 each; the newline earns nothing
-    assert rlx.credit(ex, "aabb\n") == pytest.approx([0.1, 0.1, 0.0, 0.1, 0.0])
+    # stripped "aabb" vs "aaabb": runs (a, 2) ≠ (a, 3), (b, 2) right: 0.5 / 2 on its last character
+    assert rlx.credit(ex, " aabb\n") == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.25, 0.0])
     rec = load_domain("record")
     ex = rec.make("ann,7,rome;bob,12,oslo", "name:ann age:7 city:rome|name:bob age:12 city:oslo")
     resp = "name:ann age:9 city:rome"  # fields 1 and 3 right of max(6, 3) = 6

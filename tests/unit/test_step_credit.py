@@ -47,19 +47,19 @@ def test_valid_credit_rules():
 def test_attach_and_token_rewards_keep_the_reward(tok):
     rlx = load_domain("rle_expand")
     ex = rlx.make("a3b2", "aaabb")
-    near = _sample(tok, rlx, ex, "aabb")  # stripped "aabb" vs "aaabb": positions 0, 1, 3 right, 0.5 / 5 each
+    near = _sample(tok, rlx, ex, "aabb")  # runs (a, 2) wrong, (b, 2) right: 0.5 / 2 on its last character
     exact = _sample(tok, rlx, ex, "aaabb", loss_mask=[1] * 6)  # an all-ones mask is a single turn
     blocked = _sample(tok, rlx, ex, "aaabb", blocked_calls=1)
     rewards = [rlx.verify(ex, "aabb"), 1.0, 0.0]
     assert attach_step_credit(rlx, [near, exact, blocked], rewards, tok, tok.eos_token_id) == 2
-    assert near.step_credit == pytest.approx([0.1, 0.1, 0.0, 0.1, 0.0])  # the EOS: nothing
-    assert exact.step_credit == pytest.approx([0.1] * 5 + [0.0]) and blocked.step_credit == []
+    assert near.step_credit == pytest.approx([0.0, 0.0, 0.0, 0.25, 0.0])  # the EOS: nothing
+    assert exact.step_credit == pytest.approx([0, 0, 0.25, 0, 0.25, 0]) and blocked.step_credit == []
     batch = build_batch([near, exact, blocked], tok.pad_token_id, rewards)
     r = token_rewards(batch.rewards, batch.mask, step_credit=batch.step_credit)
-    assert r.sum(dim=1).tolist() == pytest.approx([0.3, 1.0, 0.0])
+    assert r.sum(dim=1).tolist() == pytest.approx([0.25, 1.0, 0.0])
     P = len(near.prompt_ids)  # output token j is predicted at P - 1 + j; the last (EOS) gets the rest
-    assert r[0, P - 1:P + 4].tolist() == pytest.approx([0.1, 0.1, 0.0, 0.1, 0.0])
-    assert r[1, P - 1:P + 5].tolist() == pytest.approx([0.1] * 5 + [0.5])
+    assert r[0, P - 1:P + 4].tolist() == pytest.approx([0.0, 0.0, 0.0, 0.25, 0.0])
+    assert r[1, P - 1:P + 5].tolist() == pytest.approx([0, 0, 0.25, 0, 0.25, 0.5])
     assert torch.count_nonzero(r[2]) == 0
 
 
