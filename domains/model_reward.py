@@ -14,7 +14,7 @@ training, σ(raw) for evaluation), then the length control. `JudgeRewarder`: one
 its answer's last "Score: N/M" is the reward (`parse_judge_score`). An answer without one is an error that is
 counted (`RewardBatch.unparseable`, the specialist's `guard_reward_unparseable`), never a 0: in training the
 sample gets the mean reward of the batch's parsed ones (no preference either way), in evaluation it is left out of
-the mean; a batch over `max_unparseable` unparsed fails the step (`RewardError`): a judge that ignores the format
+the mean; a batch over `max_unparseable` unparsed (or with none parsed) fails the step (`RewardError`): a judge that ignores the format
 would otherwise train the policy on noise. Every call goes through the one HTTP client, `engine.client.EngineClient`,
 opened and closed per batch (each evaluation runs its own event loop).
 """
@@ -123,7 +123,7 @@ class JudgeRewarder:
                 parsed.append(None)
                 first_error = first_error or str(exc)
         bad = sum(v is None for v in parsed)
-        if bad and bad > self.max_unparseable * len(parsed):
+        if bad and (bad == len(parsed) or bad > self.max_unparseable * len(parsed)):
             raise RewardError(f"judge {self.url}: {bad} of {len(parsed)} answers hold no score (over "
                               f"reward.max_unparseable={self.max_unparseable}); first: {first_error}")
         rewards = length_penalized(fill_unparsed(parsed), lengths, budget, self.length_penalty)
