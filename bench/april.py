@@ -210,11 +210,11 @@ class DemoCursor:
         return out
 
 
-def demo_domains() -> list[tuple[str, int]]:
-    """(name, difficulty) of every domain of configs/demo.yaml, and its specialists' batch size."""
+def demo_domains(config: str = "demo.yaml") -> list[tuple[str, int]]:
+    """(name, difficulty) of every domain of configs/demo.yaml (or another of configs/)."""
     import yaml
 
-    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "configs" / config).read_text())
     return [(d["name"], int(d.get("difficulty", 1))) for d in cfg["domains"]]
 
 

@@ -3,6 +3,7 @@
     python bench/merge_baselines.py --out bench/results/merge_baselines.json [--domains sort_digits,max_list:3,caesar]
         [--rl-steps 40] [--distill-steps 60] [--batch 64] [--base-steps 150] [--quick]
     python bench/merge_baselines.py --demo [--seeds 0,1,2] [--fresh]     # → bench/results/merge_baselines_demo.json
+    python bench/merge_baselines.py --long [--seeds 0,1,2,3,4]           # → bench/results/merge_baselines_long.json
 
 `--demo`: configs/demo.yaml's 12 domains (their difficulties), a base as the demo's was until 11-28 (1000 fixed SFT
 steps on 2000 demonstrations per domain: the committed results' setting; the demo now stops its base at a validation
@@ -12,6 +13,11 @@ refuses, naming them; `--fresh` reruns), so a crash or Ctrl-C loses at most the 
 summarises the seeds (`merge_stats.py`: per arm the mean over domains with a Student-t 95% interval over seeds,
 per-domain intervals, forgetting, OPD's paired difference to each arm), `<out>.md` is its table, `<out>.png` the arms
 × domains chart, also logged with the summary to an MLflow run (experiment `alloy-bench`).
+
+`--long` (issue 56): configs/long.yaml's six domains, three of them long-answer (answers of 40+ tokens:
+domains/builtin/long.py, each domain sampling and evaluated within its own token budget), S = 200 (the long ones learn
+slowly), Sd = 300, the base and offline_kd as `--demo`'s, seeds 0-4. The specialists' PPO gets the long domains'
+step credit (`specialists.step_credit`, on by default), and so does mixed RL (each row's credit from its own domain).
 
 One tiny base (a fresh `tiny` model, plain-torch SFT on the domains' demonstrations, stopped early so RL has room)
 is every arm's start. The arms (each worker is a fresh process; PPO is `teachers.specialist_main.run_specialist`,
@@ -63,6 +69,11 @@ from merge_stats import ARMS as SUMMARY_ARMS  # noqa: E402  (the summary's arm n
 from trl_compare import accuracy  # noqa: E402
 
 FINAL_ARMS = ("opd", "offline", "mixed_rl", "sequential_rl")
+
+
+def preset_of(args) -> str | None:
+    """"demo" / "long" (`--demo`, `--long`: a config's domains and that preset's settings), or None."""
+    return "demo" if args.demo else "long" if getattr(args, "long", False) else None
 
 
 def parse_domains(text: str) -> list[dict]:
@@ -161,6 +172,7 @@ def worker_offline(spec: dict, work: Path) -> dict:
     import torch
 
     from distill_fixtures import sft_plain
+    from infra.chat import token_budget
     from infra.generation import generate_batch
     from infra.models import load_model, load_tokenizer
 
@@ -174,8 +186,9 @@ def worker_offline(spec: dict, work: Path) -> dict:
         exs = [pool[j % len(pool)] for j in range(n)]
         torch.manual_seed(spec["seed"] + i)
         greedy = spec.get("offline_sampling", "sample") == "greedy"
+        budget = token_budget(dom, tok, spec["max_new_tokens"])  # a long-answer domain's own, as OPD samples with
         outs = generate_batch(load_model(spec["teachers"][name]).eval(), tok, [e.prompt for e in exs],
-                              spec["max_new_tokens"], batch_size=128, greedy=greedy, temperature=1.0)
+                              budget, batch_size=128, greedy=greedy, temperature=1.0)
         pairs += [(e.prompt, o) for e, o in zip(exs, outs)]
         reward[name] = statistics.fmean(dom.verify(e, o) for e, o in zip(exs, outs))
         tokens += sum(len(tok(o, add_special_tokens=False).input_ids) for o in outs)
@@ -389,7 +402,7 @@ def run_seed(args, seed: int, out: Path, argv: list[str]) -> dict:
     agg = aggregate(names, base_scores, runs)
     result = {"bench": "merge_baselines",
               "command": " ".join(["python bench/merge_baselines.py"] + argv),
-              "quick": args.quick, "demo": args.demo, "meta": meta,
+              "quick": args.quick, "demo": args.demo, "preset": preset_of(args), "meta": meta,
               "shared_machine_note": "2 cores shared with other agents' jobs; per-run load averages in runs[]",
               "config": {k: v for k, v in spec.items() if k not in ("base", "root", "teachers")} | {
                   "jobs": args.jobs, "base_steps": args.base_steps, "n_train": args.n_train,
@@ -480,7 +493,7 @@ def log_to_mlflow(result: dict, fig, runs_root: Path) -> str:
     from infra.tracking import Tracker
 
     tr = Tracker(runs_root=runs_root, experiment="alloy-bench")
-    run_id = tr.start_parent("merge_baselines_demo" if result["demo"] else "merge_baselines",
+    run_id = tr.start_parent(f"merge_baselines_{result['preset']}" if result.get("preset") else "merge_baselines",
                              tags={"bench": "merge_baselines", "n_seeds": result["n_seeds"]})
     tr.log_params({"n_seeds": result["n_seeds"], "n_domains": result["n_domains"], "seeds": result["seeds"],
                    **{f"equal_compute.{k}": v for k, v in result["config"]["equal_compute"].items()}})
@@ -505,7 +518,7 @@ def summarize_seeds(args, out: Path, seeds: list[int], per_seed: list[dict], arg
                              "rerun it with --fresh or pool only like runs")
     summary = summarize([r["aggregate"] for r in per_seed], names)
     result = {"bench": "merge_baselines", "command": " ".join(["python bench/merge_baselines.py"] + argv),
-              "quick": args.quick, "demo": args.demo, "meta": meta, "n_seeds": len(seeds), "n_domains": len(names),
+              "quick": args.quick, "demo": args.demo, "preset": preset_of(args), "meta": meta, "n_seeds": len(seeds), "n_domains": len(names),
               "seeds": seeds, "domains": names, "seed_files": [seed_path(out, s).name for s in seeds],
               "config": {k: v for k, v in per_seed[0]["config"].items() if k != "seed"},
               "interval": "Student-t 95% over seeds: mean ± t(n−1)·sd/√n of the per-seed mean over domains",
@@ -526,15 +539,20 @@ def summarize_seeds(args, out: Path, seeds: list[int], per_seed: list[dict], arg
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="result JSON (default bench/results/merge_baselines[_demo].json)")
+    p.add_argument("--out", default=None, help="result JSON (default bench/results/merge_baselines[_demo|_long].json)")
     p.add_argument("--domains", default="sort_digits,max_list:3,caesar", help="name[:difficulty],...")
-    p.add_argument("--demo", action="store_true",
-                   help="configs/demo.yaml's 12 domains with the --demo defaults below (seeds 0,1,2)")
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--demo", action="store_true",
+                        help="configs/demo.yaml's 12 domains with the --demo defaults below (seeds 0,1,2)")
+    preset.add_argument("--long", action="store_true",
+                        help="configs/long.yaml's 6 domains (3 long-answer) with the --long defaults below (seeds 0-4)")
     p.add_argument("--seeds", default=None, help="comma-separated; several seeds write one file per seed "
                    "(<out>_seed<K>.json, reused when present: --fresh reruns) and a summary with 95%% intervals")
     p.add_argument("--fresh", action="store_true", help="rerun seeds whose per-seed file exists")
-    p.add_argument("--rl-steps", type=int, default=None, help="PPO steps of each specialist (S; 40, --demo 50)")
-    p.add_argument("--distill-steps", type=int, default=None, help="OPD / offline student updates (Sd; 60, --demo 144)")
+    p.add_argument("--rl-steps", type=int, default=None, help="PPO steps of each specialist (S; 40, --demo 50, "
+                   "--long 200)")
+    p.add_argument("--distill-steps", type=int, default=None, help="OPD / offline student updates (Sd; 60, --demo 144, "
+                   "--long 300)")
     p.add_argument("--batch", type=int, default=64, help="prompts per step, every arm (B)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--rl-lr", type=float, default=1e-3)
@@ -569,21 +587,24 @@ def main(argv: list[str] | None = None) -> int:
     meta = start_meta()
     demo = {"rl_steps": 50, "distill_steps": 144, "base_steps": 1000, "n_train": 2000, "offline_sampling": "greedy"}
     plain = {"rl_steps": 40, "distill_steps": 60, "base_steps": 150, "n_train": 1000, "offline_sampling": "sample"}
-    for k, v in (demo if args.demo else plain).items():
+    presets = {"demo": demo, "long": {**demo, "rl_steps": 200, "distill_steps": 300}}
+    preset = preset_of(args)
+    for k, v in presets.get(preset, plain).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.demo:
+    if preset:
         from april import demo_domains
 
-        args.keep = args.keep or str(REPO / "runs" / "merge_baselines_demo")
-        args.domains = ",".join(f"{n}:{d}" for n, d in demo_domains())
-    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else ([0, 1, 2] if args.demo else [args.seed])
+        args.keep = args.keep or str(REPO / "runs" / f"merge_baselines_{preset}")
+        args.domains = ",".join(f"{n}:{d}" for n, d in demo_domains(f"{preset}.yaml"))
+    default_seeds = {"demo": [0, 1, 2], "long": [0, 1, 2, 3, 4]}.get(preset, [args.seed])
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else default_seeds
     if args.quick:
         args.domains = ",".join(args.domains.split(",")[:2])
         args.rl_steps, args.distill_steps, args.batch, args.max_new_tokens = 2, 2, 8, 8
         args.base_steps, args.n_train, args.eval_n, args.n_prompts, args.critic_warmup = 10, 100, 10, 50, 0
         args.jobs = 4
-    out = Path(args.out or REPO / f"bench/results/merge_baselines{'_demo' if args.demo else ''}.json")
+    out = Path(args.out or REPO / f"bench/results/merge_baselines{f'_{preset}' if preset else ''}.json")
     D = len(parse_domains(args.domains))
     if (D * args.rl_steps + args.distill_steps) % D:
         raise SystemExit(f"C/B = D·S + Sd = {D * args.rl_steps + args.distill_steps} must be divisible by D = {D} "
@@ -592,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # as every worker: two threads on two shared, busy cores mostly wait for each other
     exit_on_sigterm()
-    if not args.seeds and not args.demo:  # one seed, one file (the 3-domain results of issue 7)
+    if not args.seeds and not preset:  # one seed, one file (the 3-domain results of issue 7)
         return verdict("merge_baselines", run_seed(args, seeds[0], out, argv)["target"]["met"], args.check)
     per_seed, plan = [], plan_of(args)
     for s in seeds:
