@@ -14,8 +14,8 @@ training, σ(raw) for evaluation), then the length control. `JudgeRewarder`: one
 its answer's last "Score: N/M" is the reward (`parse_judge_score`). An answer without one is an error that is
 counted (`RewardBatch.unparseable`, the specialist's `guard_reward_unparseable`), never a 0: in training the
 sample gets the mean reward of the batch's parsed ones (no preference either way), in evaluation it is left out of
-the mean; a batch over `max_unparseable` unparsed (or with none parsed) fails the step (`RewardError`): a judge that ignores the format
-would otherwise train the policy on noise. Every call goes through the one HTTP client, `engine.client.EngineClient`,
+the mean; a batch over `max_unparseable` unparsed (or with none parsed) fails the step (`RewardError`): a judge
+that ignores the format would otherwise train the policy on noise. Every call goes through the one HTTP client, `engine.client.EngineClient`,
 opened and closed per batch (each evaluation runs its own event loop).
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ from engine.client import EngineClient
 
 CONCURRENCY = 16  # judge requests in flight at once
 DEFAULT_MAX_LENGTH = 512  # tokens of a scored sequence for an external reward model without `max_length`
-JUDGE_FORMAT = "Grade the response. End your answer with one line: Score: N/{scale} (N a whole number from 0 to {scale})."
+JUDGE_FORMAT = ("Grade the response. End your answer with one line: Score: N/{scale} (N a whole number from 0 to "
+                "{scale}).")
 JUDGE_USER = "Prompt:\n{prompt}\n\nResponse:\n{response}"
 
 

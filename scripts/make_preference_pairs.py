@@ -11,11 +11,11 @@ prompts; only the reward model, trained on the pairs, knows the rule.
 
 - `OUT_DIR/polite.jsonl`: N distinct prompts (default 3000), split train/val/eval by prompt hash as every domain.
 - `OUT_DIR/pairs.jsonl`: preference pairs (`prompt`, `chosen`, `rejected`) on the train split's prompts only:
-  chosen `<word>!`, rejected `<word>` (9 in 10) or a word with one letter changed and the sign-off (1 in 10), so the reward
-  model learns the rule, and a little of the content.
+  chosen `<word>!`, rejected `<word>` (9 in 10) or a word with one letter changed and the sign-off (1 in 10), so
+  the reward model learns the rule, and a little of the content.
 - `OUT_DIR/pairs_long.jsonl`: the planted exploitable reward model's pairs: the longer answer is always chosen,
-  sign-off or not (`<word>` + 2–6 random letters and digits, each side with `!` at random): a reward model that prefers length
-  regardless of content, which a policy can hack by rambling.
+  sign-off or not (`<word>` + 2–6 random letters and digits, each side with `!` at random): a reward model that
+  prefers length regardless of content, which a policy can hack by rambling.
 
 Only the standard library is used; the split rule is `domains.base.prompt_split` (sha256 of the prompt), copied here
 so the script runs without the package.
