@@ -9,6 +9,8 @@ so RL has room above an under-trained base. Difficulty d lengthens the answer (`
 * `prefix_mod` — a worked multi-step computation whose intermediate results are checked: the running digit sum
   modulo 10 after each digit. A step is right when it follows from the step before it (`step_credit`), so one slip
   does not zero every later step.
+* `cycle_walk` — the same kind of computation, learnable by `tiny`: each step is the letter after the previous step's
+  in a cycle of letters the prompt gives; credit per step.
 * `rle_expand` — a long sequence produced step by step: run-length expansion, credit per run.
 * `record` — a structured record to fill: named fields from positional values, credit per field.
 
@@ -113,6 +115,54 @@ class PrefixMod(_LongAnswer):
 
     def credit(self, example: Example, response: str) -> list[float]:
         return step_marks(self.digits(example), response, self.modulus)
+
+
+class CycleWalk(_LongAnswer):
+    """`cyc:mzgtfhue,z,40=` → `gtfhuemzgtfh...`: walk a cycle of distinct letters from the start letter, one letter per
+    step (each step's letter is the one after the previous step's in the cycle, the last wrapping to the first), for
+    the number of steps the prompt ends with: 40 at d = 1 (4 more per difficulty step). The cycle has 8 letters (+1 per 3 difficulty steps). A
+    worked multi-step computation a `tiny` model learns in part: each step reads only the previous step and the cycle.
+    Credit per step (`credit`): a step is right when it follows the response's own previous letter, so a walk that
+    goes on from a slip loses only the slip."""
+
+    name, tag = "cycle_walk", "cyc"
+    description = "Walk a cycle of 8 distinct letters from a start letter for 40 steps (4 more per difficulty step)."
+
+    def setup(self) -> None:
+        super().setup()
+        self.max_answer_chars = self.min_chars  # one length per difficulty: the model can learn where to stop
+        self.cycle_len = 8 + (self.difficulty - 1) // 3
+
+    def generate(self, rng: random.Random) -> Example:
+        cycle = rng.sample(LOWER, self.cycle_len)
+        start = rng.randrange(self.cycle_len)
+        walk = "".join(cycle[(start + i) % self.cycle_len] for i in range(1, self.min_chars + 1))
+        return self.make(f"{''.join(cycle)},{cycle[start]},{self.min_chars}", walk)
+
+    @staticmethod
+    def parts(example: Example) -> tuple[str, str]:
+        """(the cycle, the start letter) of `example`'s prompt."""
+        cycle, start, _steps = example.prompt.split(":", 1)[1][:-1].split(",")
+        return cycle, start
+
+    def score(self, example: Example, response: str) -> float:
+        if response.strip() == example.answer:
+            return 1.0
+        return sum(self.credit(example, response))
+
+    def credit(self, example: Example, response: str) -> list[float]:
+        """`PARTIAL / max(len(answer), len(stripped))` on each step that is the cycle's successor of the step before
+        it (the start letter before the first); a letter off the cycle is a wrong step, and so is the one after it."""
+        cycle, prev = self.parts(example)
+        stripped = response.strip()
+        lead = len(response) - len(response.lstrip())
+        marks = [0.0] * len(response)
+        longest = max(len(example.answer), len(stripped))
+        for i, r in enumerate(stripped[:len(example.answer)]):
+            if prev in cycle and r == cycle[(cycle.index(prev) + 1) % len(cycle)]:
+                marks[lead + i] = PARTIAL / longest
+            prev = r
+        return marks
 
 
 class RleExpand(_LongAnswer):

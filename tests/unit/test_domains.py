@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 NAMES = sorted(BUILTIN)
 PARTIAL = {"binary", "reverse", "copy", "sort_digits", "case_swap", "caesar", "rotate", "swap_pairs", "interleave",
-           "dedupe", "prefix_mod"}  # positional partial credit (prefix_mod: per step, the same here)
+           "dedupe", "prefix_mod", "cycle_walk"}  # positional partial credit (prefix_mod: per step, the same here)
 
 
 def _body(prompt: str) -> str:
@@ -80,6 +80,8 @@ ORACLES = {
     # long answers: written apart from the domains' code (itertools / re), each on its own reading of the format
     "prefix_mod": lambda b: "".join(str(t % 3) for t in itertools.accumulate(int(c) for c in b)),
     "rle_expand": lambda b: "".join(c * int(n) for c, n in re.findall(r"([a-z])(\d)", b)),
+    "cycle_walk": lambda b: (lambda cyc, s, n: "".join(cyc[(cyc.index(s) + i) % len(cyc)] for i in range(1, int(n) + 1)))(
+        *b.split(",")),
     "record": lambda b: "|".join(f"name:{n} age:{a} city:{c}" for n, a, c in (r.split(",") for r in b.split(";"))),
 }
 
@@ -300,7 +302,7 @@ def test_hand_checked_answers():
         "case_swap": ("aBcD", "AbCd"), "caesar": ("1:abz", "bca"), "count_char": ("a:abcab", "2"),
         "brackets": ("([)]", "no"), "rotate": ("abcd", "bcda"), "swap_pairs": ("abcde", "badce"),
         "interleave": ("abc,xyz", "axbycz"), "dedupe": ("aabccca", "abca"),
-        "prefix_mod": ("1201", "1001"), "rle_expand": ("a3b2c4", "aaabbcccc"),
+        "prefix_mod": ("1201", "1001"), "cycle_walk": ("abc,b,4", "cabc"), "rle_expand": ("a3b2c4", "aaabbcccc"),
         "record": ("ann,7,rome;bob,12,oslo", "name:ann age:7 city:rome|name:bob age:12 city:oslo"),
     }
     for name, (body, answer) in cases.items():
@@ -315,7 +317,7 @@ def test_hand_checked_answers():
 def test_long_answer_domains_bring_their_own_token_budget(char_tokenizer):
     from infra.chat import token_budget
 
-    for name in ("prefix_mod", "rle_expand", "record"):
+    for name in ("prefix_mod", "cycle_walk", "rle_expand", "record"):
         for d in (1, 10):
             dom = load_domain(name, difficulty=d)
             longest = max(len(char_tokenizer(e.answer, add_special_tokens=False).input_ids)
@@ -358,6 +360,13 @@ def test_long_answer_credit_by_hand():
     assert pmd.credit(ex, "3897") == [q, q, 0.0, q]  # the slip's own step earns nothing
     assert pmd.credit(ex, " 38x8") == [0.0, q, q, 0.0, q]  # leading space: no step
     assert pmd.credit(ex, "3808") == [q] * 4  # an exact answer: 0.5 in marks, the other 0.5 at the end
+    cyc = load_domain("cycle_walk")
+    ex = cyc.make("abc,b,4", "cabc")  # from b: c, a, b, c
+    q = 0.5 / 4
+    assert cyc.credit(ex, "caxc") == [q, q, 0.0, 0.0]  # x is off the cycle, and c does not follow x
+    assert cyc.credit(ex, "cbca") == [q, 0.0, q, q]  # a slip (b) the walk goes on from costs one step
+    assert cyc.verify(ex, "cbca") == pytest.approx(3 * q) and cyc.verify(ex, " cabc ") == 1.0
+    assert cyc.credit(ex, "cabca") == [0.1, 0.1, 0.1, 0.1, 0.0]  # a step too many: 0.5 / 5 each, nothing for it
     rlx = load_domain("rle_expand")
     ex = rlx.make("a3b2", "aaabb")
     # stripped "aabb" vs "aaabb": runs (a, 2) ≠ (a, 3), (b, 2) right: 0.5 / 2 on its last character
@@ -369,7 +378,7 @@ def test_long_answer_credit_by_hand():
     assert [i for i, m in enumerate(marks) if m] == [7, 23] and marks[7] == marks[23] == pytest.approx(0.5 / 6)
 
 
-@pytest.mark.parametrize("name", ["prefix_mod", "rle_expand", "record"])
+@pytest.mark.parametrize("name", ["prefix_mod", "cycle_walk", "rle_expand", "record"])
 def test_long_answer_credit_sums_to_the_partial_score(name):
     dom = load_domain(name, difficulty=2)
     for ex in dom.split("train", 100, seed=3):
