@@ -115,7 +115,7 @@ def rl_cfg(spec: dict, root: Path, steps: int, n_prompts: int):
         "domains": spec["domains"], "eval": {"n_eval": spec["eval_n"], "max_new_tokens": spec["max_new_tokens"]},
         "specialists": {"steps": steps, "batch_size": B, "over_sampling": 1.0, "ppo_epochs": r["ppo_epochs"],
                         "lam": r["lam"], "kl_coef": r["kl_coef"], "critic_warmup_steps": r["warmup"],
-                        "n_prompts": n_prompts, "max_new_tokens": spec["max_new_tokens"], "eval_n": 10,
+                        "n_prompts": n_prompts, "eval_n": 10,  # the budget: each domain's own, else the eval's
                         "checkpoint_every": max(steps, 1), "log_every": max(steps, 1),
                         "policy_train": train, "critic_train": train}})
 
@@ -550,17 +550,18 @@ def main(argv: list[str] | None = None) -> int:
                    "(<out>_seed<K>.json, reused when present: --fresh reruns) and a summary with 95%% intervals")
     p.add_argument("--fresh", action="store_true", help="rerun seeds whose per-seed file exists")
     p.add_argument("--rl-steps", type=int, default=None, help="PPO steps of each specialist (S; 40, --demo 50, "
-                   "--long 200)")
+                   "--long 300)")
     p.add_argument("--distill-steps", type=int, default=None, help="OPD / offline student updates (Sd; 60, --demo 144, "
                    "--long 300)")
     p.add_argument("--batch", type=int, default=64, help="prompts per step, every arm (B)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--rl-lr", type=float, default=1e-3)
     p.add_argument("--distill-lr", type=float, default=2e-3)
-    p.add_argument("--lam", type=float, default=1.0, help="GAE lambda (1: A = R − V, robust to a young critic)")
+    p.add_argument("--lam", type=float, default=None, help="GAE lambda (1: A = R − V, robust to a young critic; "
+                   "--long 0.95, as configs/long.yaml)")
     p.add_argument("--kl-coef", type=float, default=0.05)
-    p.add_argument("--critic-warmup", type=int, default=3)
-    p.add_argument("--ppo-epochs", type=int, default=4)
+    p.add_argument("--critic-warmup", type=int, default=None, help="critic-only first steps (3; --long 20)")
+    p.add_argument("--ppo-epochs", type=int, default=None, help="optimizer steps per batch (4; --long 1)")
     p.add_argument("--n-prompts", type=int, default=2000, help="train prompts per domain")
     p.add_argument("--base-steps", type=int, default=None,
                    help="base SFT steps (150, --demo 1000: the demo's base until it stopped by score)")
@@ -585,9 +586,12 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, json.loads(Path(args.spec).read_text()), Path(args.result))
         return 0
     meta = start_meta()
-    demo = {"rl_steps": 50, "distill_steps": 144, "base_steps": 1000, "n_train": 2000, "offline_sampling": "greedy"}
-    plain = {"rl_steps": 40, "distill_steps": 60, "base_steps": 150, "n_train": 1000, "offline_sampling": "sample"}
-    presets = {"demo": demo, "long": {**demo, "rl_steps": 200, "distill_steps": 300}}
+    ppo = {"lam": 1.0, "ppo_epochs": 4, "critic_warmup": 3}
+    demo = {"rl_steps": 50, "distill_steps": 144, "base_steps": 1000, "n_train": 2000, "offline_sampling": "greedy", **ppo}
+    plain = {"rl_steps": 40, "distill_steps": 60, "base_steps": 150, "n_train": 1000, "offline_sampling": "sample", **ppo}
+    # the long-answer specialists as configs/long.yaml trains them (4 epochs of lam 1 drove them below their base)
+    presets = {"demo": demo, "long": {**demo, "rl_steps": 300, "distill_steps": 300, "lam": 0.95, "ppo_epochs": 1,
+                                      "critic_warmup": 20}}
     preset = preset_of(args)
     for k, v in presets.get(preset, plain).items():
         if getattr(args, k) is None:
