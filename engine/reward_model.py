@@ -31,6 +31,7 @@ import torch
 
 from engine.device import (check_mem_fraction, dtype_name, limit_memory, memory_budget_error, oom_message,
                            resolve_device, resolve_dtype)
+from infra.batch_groups import token_budget_groups
 from infra.choices import MAX_PREFILL_TOKENS, MAX_TOTAL_TOKENS
 
 log = logging.getLogger("alloy.engine")
@@ -44,21 +45,6 @@ def score_position(ids, pad_id: int | None) -> int:
     if pad_id is None:
         return len(ids) - 1
     return next((i for i in range(len(ids) - 1, -1, -1) if ids[i] != pad_id), 0)
-
-
-def length_batches(lengths: list[int], max_batch: int, max_tokens: int) -> list[list[int]]:
-    """Indices of the inputs grouped into forwards: by increasing length (little padding), each group at most
-    `max_batch` rows and at most `max_tokens` padded tokens (rows × its longest input), one row at least."""
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-        if cur and (len(cur) >= max_batch or lengths[i] * (len(cur) + 1) > max_tokens):
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        groups.append(cur)
-    return groups
 
 
 class RewardModel:
@@ -154,7 +140,7 @@ class RewardModel:
         lengths = [len(x) for x in inputs]
         out: list[list[float] | None] = [None] * len(inputs)
         with torch.inference_mode():
-            for group in length_batches(lengths, self.max_batch, self.max_prefill_tokens):
+            for group in token_budget_groups(lengths, self.max_prefill_tokens, max_rows=self.max_batch):
                 rows = self._forward([list(inputs[i]) for i in group])
                 for i, row in zip(group, rows):
                     out[i] = row

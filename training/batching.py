@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from infra.batch_groups import token_budget_groups  # noqa: F401 (the trainers' cut; the engine's reward model's too)
+
 MAX_BUCKETS = 4  # forward calls per micro-batch at most, in both trainers (each bucket is one more forward call)
 
 
@@ -37,32 +39,6 @@ def length_sorted_split(lengths: Sequence[int], parts: int) -> list[list[int]]:
         out.append(order[start:start + size])
         start += size
     return out
-
-
-def token_budget_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Row indices sorted by length (stable) and cut, greedily in that order, into consecutive groups whose padded
-    size len(group) × its longest row stays ≤ `max_tokens`; a row longer than `max_tokens` is a group of its own.
-    Token-budget micro-batches: each group is one forward and backward, so a step's peak activation memory follows
-    the budget, not the batch, and rows of similar length share a group (little padding).
-
-    Greedy gives the fewest groups of any cut of the sorted order: a group's padded size is (its rows) × (its last
-    row), so dropping a group's first rows keeps it within the budget, and by induction the k-th greedy group ends
-    no earlier than the k-th group of any other cut.
-    Example: lengths [5, 2, 9, 3], max_tokens 8 → sorted 2, 3, 5, 9 → [[1, 3], [0], [2]] (2·3 = 6 ≤ 8, then
-    3·5 = 15 > 8; 2·9 > 8; 9 > 8 alone)."""
-    if max_tokens < 1:
-        raise ValueError(f"token_budget_groups: max_tokens must be >= 1, got {max_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:  # ascending: the row added is the group's longest
-        if cur and (len(cur) + 1) * lengths[i] > max_tokens:
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        groups.append(cur)
-    return groups
 
 
 def length_buckets(lengths: Sequence[int], max_buckets: int = 4, min_saving: float = 0.05) -> list[list[int]]:

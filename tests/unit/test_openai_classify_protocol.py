@@ -178,7 +178,10 @@ def test_score_position_is_hf_pooling():
 
 
 def test_length_batches():
-    from engine.reward_model import length_batches
+    from infra.batch_groups import token_budget_groups
+
+    def length_batches(lengths, max_batch, max_tokens):  # the reward-model server's cut
+        return token_budget_groups(lengths, max_tokens, max_rows=max_batch)
 
     lengths = [5, 1, 3, 9, 2, 2]
     groups = length_batches(lengths, max_batch=2, max_tokens=100)
