@@ -4,6 +4,8 @@ else CPU in float32), and the CUDA memory budget of a server that shares its GPU
 `mem_fraction_static`)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from infra.devices import ALIASES as DTYPE_ALIASES  # noqa: F401
@@ -33,6 +35,25 @@ def check_mem_fraction(fraction: float | None) -> float | None:
     if not isinstance(fraction, (int, float)) or not 0.0 < float(fraction) <= 1.0:
         raise DeviceError(f"mem_fraction_static must be a fraction in (0, 1], got {fraction!r}")
     return float(fraction)
+
+
+def enter_device(device: torch.device, threads: int | None, fraction: float | None) -> None:
+    """Before a server loads its model: this process's torch threads (`threads`, None: torch's default), the current
+    CUDA device and its allocator cap (`limit_memory`)."""
+    if threads:
+        torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    limit_memory(device, fraction)
+
+
+@contextlib.contextmanager
+def oom_as_error(device: torch.device, fraction: float | None):
+    """A CUDA out-of-memory while loading becomes a RuntimeError that says what to change (`oom_message`)."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        raise RuntimeError(oom_message(device, fraction, e)) from None
 
 
 def limit_memory(device: torch.device, fraction: float | None) -> None:

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from engine.device import (check_mem_fraction, dtype_name, limit_memory, memory_budget_error, oom_message,
+from engine.device import (check_mem_fraction, dtype_name, enter_device, memory_budget_error, oom_as_error,
                            resolve_device, resolve_dtype)
 from infra.batch_groups import token_budget_groups
 from infra.choices import MAX_PREFILL_TOKENS, MAX_TOTAL_TOKENS
@@ -98,17 +98,11 @@ class RewardModel:
         from infra.models import placement_kwargs
         from infra.tokenizer import load_tokenizer
 
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        limit_memory(self.device, self.mem_fraction_static)
+        enter_device(self.device, self.threads, self.mem_fraction_static)
         self.tokenizer = load_tokenizer(self.model_path)
-        try:
+        with oom_as_error(self.device, self.mem_fraction_static):
             model = AutoModelForSequenceClassification.from_pretrained(
                 self.model_path, dtype=self.dtype, **placement_kwargs(self.device))
-        except torch.cuda.OutOfMemoryError as e:
-            raise RuntimeError(oom_message(self.device, self.mem_fraction_static, e)) from None
         model.eval()
         head = getattr(model, "score", None)
         if not isinstance(head, torch.nn.Module) or model.base_model is model:

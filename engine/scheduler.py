@@ -38,7 +38,7 @@ import torch
 from engine.batching import prefill_group, width_segments
 from engine.cuda_graphs import cuda_graph_default
 from engine.decode import FusedDecoder
-from engine.device import (check_mem_fraction, dtype_name, limit_memory, memory_budget_error, oom_message,
+from engine.device import (check_mem_fraction, dtype_name, enter_device, memory_budget_error, oom_as_error,
                            resolve_device, resolve_dtype)
 from engine.kv_cache import BatchKVCache
 from engine.native_model import engine_model, fused_decode
@@ -201,16 +201,10 @@ class Engine(WeightUpdates, StaticDecode):
     def _load_initial(self) -> None:
         from infra.tokenizer import load_tokenizer
 
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        limit_memory(self.device, self.mem_fraction_static)
+        enter_device(self.device, self.threads, self.mem_fraction_static)
         self.tokenizer = load_tokenizer(self.model_path)
-        try:
+        with oom_as_error(self.device, self.mem_fraction_static):
             self._load_on_device()
-        except torch.cuda.OutOfMemoryError as e:
-            raise RuntimeError(oom_message(self.device, self.mem_fraction_static, e)) from None
         budget = memory_budget_error(self.device, self.mem_fraction_static)
         if budget is not None:
             raise RuntimeError(budget)
