@@ -8,7 +8,9 @@
   the model's reward beside it;
 - `JudgeRewarder` on the embedded engine serving the `qwen2_bpe_dir` chat model (format and errors, not quality):
   the rubric goes as the system message, the answers come back as text, a batch without a score is a RewardError
-  that counts them; a judge URL that is a reward-model server is the server's 400.
+  that counts them; a judge URL that is a reward-model server is the server's 400;
+- `serve_rewards` serving a judge's `reward.model` checkpoint for a block, its URL in the context's config and
+  worker overrides, the server stopped after.
 """
 from __future__ import annotations
 
@@ -164,3 +166,29 @@ def test_judge_format_and_errors(chat_server, rm_server, polite):
     wrong = JudgeRewarder(rm_server.url, "Is it polite?")
     with pytest.raises(EngineRequestError, match="400"):
         asyncio.run(wrong.score(exs[:1], ["abc!"], [1], 8))
+
+
+def test_the_pipeline_serves_a_judge_checkpoint(qwen2_bpe_dir, polite, tmp_path):
+    """`reward.model` (a chat checkpoint) served by tasks/reward_servers.py under a Supervisor for the block: the
+    context's config and overrides carry its URL, the judge answers there, and the server is gone after."""
+    from domains.model_reward import rewarders_of
+    from engine.client import EngineClient
+    from tasks.context import RunContext
+    from tasks.reward_servers import serve_rewards
+
+    cfg = config(polite, {"kind": "judge", "model": str(qwen2_bpe_dir), "rubric": "Is it polite?", "max_tokens": 4})
+    ctx = RunContext(cfg=cfg, config_path="c.yaml", overrides=["x.y=1"], work_dir=tmp_path, storage_url="",
+                     tracker=None, parent_run_id=None, domains=load_domains(cfg))
+    with serve_rewards(ctx, {}) as rctx:
+        url = rctx.cfg.domains[0].reward.served_url
+        assert url and rctx.overrides == ["x.y=1", f"domains.0.reward.served_url={url}"]
+        assert ctx.cfg.domains[0].reward.served_url is None  # the caller's config is left as it was
+        judge = rewarders_of(rctx.cfg, rctx.domains, None)["polite"]
+        exs = rctx.domains["polite"].split("train", 2, 0)
+        assert len(asyncio.run(judge.answers(exs, ["abc!", "abc"]))) == 2
+
+    async def healthy() -> bool:
+        async with EngineClient(url, max_retries=0) as client:
+            return await client.health()
+
+    assert not asyncio.run(healthy())
