@@ -152,7 +152,14 @@ def test_every_shipped_config_validates(name, tmp_path):
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         mod.write_datasets(tmp_path / "data", rows=50)
+        # preference.yaml's rows and pairs: scripts/make_preference_pairs.py
+        spec = importlib.util.spec_from_file_location("make_pairs", path.parents[1] / "scripts" / "make_preference_pairs.py")
+        pairs = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pairs)
+        pairs.main([str(tmp_path / "data"), "--rows", "50", "--pairs", "20"])
         overrides += [f"domains.{i}.dataset.path={tmp_path / 'data' / Path(p).name}" for i, p in datasets.items()]
+        overrides += [f"reward_models.{n}.data={tmp_path / 'data' / Path(rm['data']).name}"
+                      for n, rm in (raw.get("reward_models") or {}).items()]
     cfg = load_config(path, overrides)
     for d in cfg.domain_names():
         cfg.specialists.for_domain(d)  # per-domain overrides merge into valid settings
