@@ -56,8 +56,9 @@ class ModelRewarder:
 
     def __init__(self, url: str, tokenizer, *, api_key: str | None = None, system: str = "",
                  chat_template: str = "auto", max_length: int = DEFAULT_MAX_LENGTH, normalize: str = "batch",
-                 length_penalty: float = 0.0, batch_size: int = 64, timeout_s: float = 120.0):
+                 length_penalty: float = 0.0, length_free: int = 0, batch_size: int = 64, timeout_s: float = 120.0):
         self.url, self.tok, self._api_key = url, tokenizer, api_key
+        self.length_free = length_free
         self.system, self.chat_template, self.max_length = system, chat_template, max_length
         self.normalize, self.length_penalty = normalize, length_penalty
         self.batch_size, self.timeout_s = batch_size, timeout_s
@@ -75,7 +76,8 @@ class ModelRewarder:
         ids = [self.input_ids(ex.prompt, r) for ex, r in zip(examples, responses)]
         async with EngineClient(self.url, api_key=self._api_key, timeout=self.timeout_s) as client:
             raw = await client.classify(ids, batch_size=self.batch_size)
-        rewards = length_penalized(normalized(raw, self.normalize), lengths, budget, self.length_penalty)
+        rewards = length_penalized(normalized(raw, self.normalize), lengths, budget, self.length_penalty,
+                                   self.length_free)
         return RewardBatch(rewards, [sigmoid(r) for r in raw], list(raw))
 
 
@@ -85,10 +87,12 @@ class JudgeRewarder:
     kind = "judge"
 
     def __init__(self, url: str, rubric: str, *, api_key: str | None = None, scale: int = 10, max_tokens: int = 64,
-                 max_unparseable: float = 0.5, length_penalty: float = 0.0, timeout_s: float = 120.0,
+                 max_unparseable: float = 0.5, length_penalty: float = 0.0, length_free: int = 0,
+                 timeout_s: float = 120.0,
                  model: str | None = None):
         self.url, self.rubric, self._api_key, self.scale = url, rubric, api_key, scale
         self.max_tokens, self.max_unparseable, self.length_penalty = max_tokens, max_unparseable, length_penalty
+        self.length_free = length_free
         self.timeout_s, self.model = timeout_s, model
 
     def __repr__(self) -> str:
@@ -127,7 +131,7 @@ class JudgeRewarder:
         if bad and (bad == len(parsed) or bad > self.max_unparseable * len(parsed)):
             raise RewardError(f"judge {self.url}: {bad} of {len(parsed)} answers hold no score (over "
                               f"reward.max_unparseable={self.max_unparseable}); first: {first_error}")
-        rewards = length_penalized(fill_unparsed(parsed), lengths, budget, self.length_penalty)
+        rewards = length_penalized(fill_unparsed(parsed), lengths, budget, self.length_penalty, self.length_free)
         return RewardBatch(rewards, parsed, list(parsed), unparseable=bad)
 
 
@@ -156,9 +160,9 @@ def rewarders_of(cfg, domains: Mapping[str, object], tokenizer) -> dict[str, Rew
                                         system=(rm.system or "") if rm is not None else system,
                                         chat_template=cfg.model.chat_template, max_length=max_length,
                                         normalize=rc.normalize, length_penalty=rc.length_penalty,
-                                        batch_size=rc.batch_size, timeout_s=rc.timeout_s)
+                                        length_free=rc.length_free, batch_size=rc.batch_size, timeout_s=rc.timeout_s)
         else:
             out[d.name] = JudgeRewarder(url, rc.rubric, api_key=key, scale=rc.scale, max_tokens=rc.max_tokens,
                                         max_unparseable=rc.max_unparseable, length_penalty=rc.length_penalty,
-                                        timeout_s=rc.timeout_s)
+                                        length_free=rc.length_free, timeout_s=rc.timeout_s)
     return out

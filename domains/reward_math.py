@@ -13,7 +13,9 @@ whitens its advantages anyway); a batch whose scores are all equal (std 0) gets 
 signal. Evaluation needs a number comparable across stages (base, specialist, student are scored in separate
 batches), so it uses the fixed σ(r): its mean moves only when the scores do.
 
-Length control: u − λ · (tokens / budget), clamped to [0, 1]; λ = `reward.length_penalty`.
+Length control: u − λ · max(0, tokens − free) / budget, clamped to [0, 1]; λ = `reward.length_penalty`, free =
+`reward.length_free` (tokens an answer may take at no charge: a reward model that pays for length is then held
+back only where answers outgrow what the task needs, not on every token of a right answer).
 """
 from __future__ import annotations
 
@@ -55,14 +57,16 @@ def normalized(raw: Sequence[float], how: str) -> list[float]:
     raise ValueError(f"normalize must be 'batch' or 'sigmoid', got {how!r}")
 
 
-def length_penalized(rewards: Sequence[float], lengths: Sequence[int], budget: int, penalty: float) -> list[float]:
-    """Each reward minus `penalty` × (its response's tokens / `budget`), clamped to [0, 1]; unchanged at penalty 0."""
+def length_penalized(rewards: Sequence[float], lengths: Sequence[int], budget: int, penalty: float,
+                     free: int = 0) -> list[float]:
+    """Each reward minus `penalty` × (its response's tokens beyond `free`) / `budget`, clamped to [0, 1]; unchanged
+    at penalty 0."""
     if len(rewards) != len(lengths):
         raise ValueError(f"length_penalized: {len(rewards)} rewards for {len(lengths)} lengths")
     if penalty == 0:
         return list(rewards)
     b = max(int(budget), 1)
-    return [min(1.0, max(0.0, r - penalty * n / b)) for r, n in zip(rewards, lengths)]
+    return [min(1.0, max(0.0, r - penalty * max(0, n - free) / b)) for r, n in zip(rewards, lengths)]
 
 
 # "Score: 7/10", "score = 0.8", "**Score:** 7 out of 10", "Rating: 3/5"; the last such mention decides

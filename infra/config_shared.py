@@ -212,9 +212,11 @@ class RewardConfig(_Strict):
     normalize: Literal["batch", "sigmoid"] = Field("batch", description="kind model, training reward: `batch`: "
                                                   "σ of the raw score's z-score over the step's batch; `sigmoid`: σ "
                                                   "of the raw score. Evaluation always reports the mean σ(raw score).")
-    length_penalty: float = Field(0.0, ge=0, description="Training reward minus this × (response tokens / the "
-                                  "domain's token budget), clamped to [0, 1]: a length control against a reward "
-                                  "that pays for length.")
+    length_penalty: float = Field(0.0, ge=0, description="Training reward minus this × (response tokens beyond "
+                                  "length_free) / the domain's token budget, clamped to [0, 1]: a length control "
+                                  "against a reward that pays for length.")
+    length_free: int = Field(0, ge=0, description="Response tokens the length penalty does not charge (what a right "
+                             "answer needs), so it holds back only answers longer than the task asks for.")
     max_length: int | None = Field(None, ge=8, description="kind model: tokens of one scored sequence (null: the "
                                    "reward model's own max_length; with url: 512).")
     rubric: str | None = Field(None, description="kind judge: the grading instructions; the judge is asked to end "

@@ -42,6 +42,8 @@ def test_length_penalty_by_hand():
     # budget 20, penalty 0.5: 0.9 − 0.5·10/20 = 0.65; 0.2 − 0.5·20/20 = −0.3 → clamped to 0
     assert length_penalized([0.9, 0.2], [10, 20], 20, 0.5) == pytest.approx([0.65, 0.0])
     assert length_penalized([0.9, 0.2], [10, 20], 20, 0.0) == [0.9, 0.2]  # off: unchanged
+    # 12 tokens free: 10 pays nothing, 20 pays 0.5 · 8 / 20 = 0.2
+    assert length_penalized([0.9, 0.5], [10, 20], 20, 0.5, free=12) == pytest.approx([0.9, 0.3])
     with pytest.raises(ValueError, match="2 rewards for 1 lengths"):
         length_penalized([0.9, 0.2], [10], 20, 0.5)
 
