@@ -76,3 +76,20 @@ def test_target_met_when_intervals_separate():
     t = target(summarize(aggs, ["d"]))
     assert t["opd_interval_above_mixed_rl"]["met"] and t["opd_interval_above_offline_kd"]["met"]
     assert t["opd_forgets_less_than_sequential_rl"]["met"] and t["met"] is True
+
+
+def test_one_seed_judges_no_interval_and_the_long_bar():
+    """One seed has no interval: every interval check (and the verdict) is null, not a point read as an interval.
+    Issue 56's bar (`paired_bar` 0.02) judges the paired lower bounds instead."""
+    t = target(summarize([agg(0.1, 0.6, 0.50, 0.2, 0.3, 0.1)], ["d"]), paired_bar=0.02)
+    assert t["opd_interval_above_mixed_rl"]["met"] is None and t["opd_minus_offline_kd_paired_ci_above_0"]["met"] is None
+    assert t["opd_minus_mixed_rl_paired_low_at_least_0.02"]["met"] is None and t["met"] is None
+    # three seeds: OPD − mixed 0.20, 0.21, 0.22 → sd 0.01, low 0.21 − 4.302653·0.01/√3 = 0.185159 ≥ 0.02
+    aggs = [agg(0.1, 0.6, 0.50, 0.2, 0.3, 0.1), agg(0.1, 0.6, 0.52, 0.21, 0.31, 0.1),
+            agg(0.1, 0.6, 0.51, 0.22, 0.29, 0.1)]
+    t = target(summarize(aggs, ["d"]), paired_bar=0.02)
+    assert t["headline"] == ["opd_minus_mixed_rl_paired_low_at_least_0.02", "opd_minus_offline_kd_paired_low_at_least_0.02"]
+    assert t["opd_minus_mixed_rl_paired_low_at_least_0.02"]["ci95_low"] == pytest.approx(0.185159, abs=1e-6)
+    assert t["met"] is True
+    t = target(summarize(aggs, ["d"]), paired_bar=0.3)  # a bar above every lower bound
+    assert t["met"] is False
