@@ -84,12 +84,12 @@ def test_one_seed_judges_no_interval_and_the_long_bar():
     t = target(summarize([agg(0.1, 0.6, 0.50, 0.2, 0.3, 0.1)], ["d"]), paired_bar=0.02)
     assert t["opd_interval_above_mixed_rl"]["met"] is None and t["opd_minus_offline_kd_paired_ci_above_0"]["met"] is None
     assert t["opd_minus_mixed_rl_paired_low_at_least_0.02"]["met"] is None and t["met"] is None
-    # three seeds: OPD − mixed 0.20, 0.21, 0.22 → sd 0.01, low 0.21 − 4.302653·0.01/√3 = 0.185159 ≥ 0.02
+    # three seeds: OPD − mixed 0.20, 0.21, 0.22 → sd 0.01, low 0.21 − 4.303·0.01/√3 = 0.185157 ≥ 0.02
     aggs = [agg(0.1, 0.6, 0.50, 0.2, 0.3, 0.1), agg(0.1, 0.6, 0.52, 0.21, 0.31, 0.1),
             agg(0.1, 0.6, 0.51, 0.22, 0.29, 0.1)]
     t = target(summarize(aggs, ["d"]), paired_bar=0.02)
     assert t["headline"] == ["opd_minus_mixed_rl_paired_low_at_least_0.02", "opd_minus_offline_kd_paired_low_at_least_0.02"]
-    assert t["opd_minus_mixed_rl_paired_low_at_least_0.02"]["ci95_low"] == pytest.approx(0.185159, abs=1e-6)
+    assert t["opd_minus_mixed_rl_paired_low_at_least_0.02"]["ci95_low"] == pytest.approx(0.185157, abs=1e-6)
     assert t["met"] is True
     t = target(summarize(aggs, ["d"]), paired_bar=0.3)  # a bar above every lower bound
     assert t["met"] is False
