@@ -121,7 +121,7 @@ def test_a_specialists_validation_records_its_split(sharp, tmp_path):
                            save_hf=lambda path, tokenizer: saved.append(path)),
                  tok=tok, domain=dom, val_examples=dom.split("val", 5, 0), max_new_tokens=8, chat_template="auto",
                  sc=NS(record=record), state=SpecialistState(step=4), recorder=Recorder(record, url, Tracker()),
-                 tracker=Tracker(), best_dir=tmp_path / "best")
+                 tracker=Tracker(), best_dir=tmp_path / "best", rewarders=None)  # a verifier domain: no model reward
     score = SpecialistTrainer.validate(trainer)
     val = read_rollouts(url, split="val")
     assert list(val.sample_id) == ["val-reverse-0", "val-reverse-1", "val-reverse-2"] and (val.step == 4).all()
