@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,3 +119,19 @@ def json_body(payload: bytes):
         return json.loads(payload) if payload else None
     except ValueError:
         return payload.decode(errors="replace")
+
+
+def make_reward_model(base_dir, out_dir, num_labels: int = 1, seed: int = 0):
+    """`base_dir` (a tiny causal LM) as a sequence-classification checkpoint with a random head of unit scale (so
+    scores differ visibly), its tokenizer files beside it."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(str(base_dir), num_labels=num_labels)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    for f in base_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out_dir / f.name)
+    return out_dir

@@ -16,29 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 
 import pytest
 import torch
 
-from engine_proc import EngineProc
+from engine_proc import EngineProc, make_reward_model
 
 pytestmark = pytest.mark.integration
-
-
-def make_reward_model(base_dir, out_dir, seed: int = 0):
-    """`base_dir` (a tiny causal LM) as a one-label sequence-classification checkpoint with a random unit-scale head."""
-    from transformers import AutoModelForSequenceClassification
-
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(str(base_dir), num_labels=1)
-    with torch.no_grad():
-        model.score.weight.normal_(0, 1.0)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    for f in base_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, out_dir / f.name)
-    return out_dir
 
 
 @pytest.fixture(scope="module")

@@ -14,36 +14,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from engine_proc import REFERENCE_NUMERICS, REPO, EngineProc, engine_flags, http
+from engine_proc import REFERENCE_NUMERICS, REPO, EngineProc, engine_flags, http, make_reward_model
 
 pytestmark = pytest.mark.integration
 
 KEY = "rm-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TEXTS = ["hello there", "a longer answer, with more words in it.", "x", "the same words, again and again."]
-
-
-def make_reward_model(base_dir, out_dir, num_labels: int = 1, seed: int = 0):
-    """`base_dir` (a tiny causal LM) as a sequence-classification checkpoint with a random head of unit scale (so
-    scores differ visibly), its tokenizer files beside it."""
-    from transformers import AutoModelForSequenceClassification
-
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(str(base_dir), num_labels=num_labels)
-    with torch.no_grad():
-        model.score.weight.normal_(0, 1.0)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    for f in base_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, out_dir / f.name)
-    return out_dir
 
 
 @pytest.fixture(scope="module")
