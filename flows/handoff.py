@@ -4,12 +4,14 @@ In deployment mode (`specialists.mode` / `distill.mode`) a stage runs as its own
 work pool gives it, with no disk shared with the pipeline's flow run. So everything handed from one flow run to
 another is a storage URL (the committed base checkpoint, each specialist's `final/` and `result.json`, the student's
 `final/` and `summary.json`), never a local path: a flow run pulls what it needs from storage into its own work dir
-(its own `run.root`) and pushes what it makes.
+(its own `run.root`) and pushes what it makes. Nor is a server of this machine handed over: a reward model's
+`domains.<i>.reward.served_url` (usually a loopback URL) is left out; the flow run serves its own from storage.
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -26,16 +28,25 @@ SHARED_STORAGE_HINT = ("set run.storage to storage every worker reads, e.g. s3:/
 DEPLOYMENT_POLL_S = 1.0
 
 
+# a reward server of this machine (tasks/reward_servers.py): never handed to another worker
+_SERVED_URL = re.compile(r"domains\.\d+\.reward\.served_url")
+
+
 def _key(override: str) -> str:
     return override.split("=", 1)[0].strip()
 
 
+def _local_only(key: str) -> bool:
+    return key in ("run.root", "run.storage") or bool(_SERVED_URL.fullmatch(key))
+
+
 def dispatch_overrides(ctx: RunContext) -> list[str]:
     """`ctx.overrides` for a flow run on another worker: `run.root` left out (the worker's own scratch dir: the
-    config's run.root in its working directory; this machine's path may not exist there) and `run.storage`
-    pinned to this run's storage URL, so every worker reads and commits where this pipeline does (both are
+    config's run.root in its working directory; this machine's path may not exist there), so are the reward servers'
+    `domains.<i>.reward.served_url` (this machine's servers: the flow run serves its own), and `run.storage`
+    pinned to this run's storage URL, so every worker reads and commits where this pipeline does (all three are
     `ops_field`s: no checkpoint prefix moves)."""
-    keep = [o for o in ctx.overrides if _key(o) not in ("run.root", "run.storage")]
+    keep = [o for o in ctx.overrides if not _local_only(_key(o))]
     return keep + [f"run.storage={json.dumps(ctx.storage_url)}"]
 
 

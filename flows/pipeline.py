@@ -71,7 +71,7 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
             frames = [evaluate_stage(rctx, base_dir, stage="base")]
             specs: dict[str, dict] = {}
             if ctx.cfg.specialists.enabled:
-                specs = run_specialists(rctx, base_dir, base_url)
+                specs = run_specialists(rctx, base_dir, base_url, reward_models)  # deployment: served per flow run
                 frames.append(specialist_scores(ctx, specs))
             teachers = {d: specs[d]["specialist_dir"] if d in specs else base_dir for d in ctx.domains}
             teacher_urls = ({d: specs[d]["checkpoint"] if d in specs else base_url for d in ctx.domains} if remote
