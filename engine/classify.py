@@ -160,7 +160,7 @@ async def _score(request: web.Request, parse) -> tuple[Any, ClassifyRequest, lis
     model = request.app[READY](request)
     t0 = time.perf_counter()
     req = parse(await json_body(request), model.tokenizer, _limits(model, request.app))
-    logits = await model.score(req.inputs)
+    logits = await model.score(req.inputs, req.rids)
     return model, req, logits, time.perf_counter() - t0
 
 

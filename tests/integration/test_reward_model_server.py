@@ -9,6 +9,9 @@
   the limit (413); /generate and /v1/chat/completions on it are 400 saying it is a reward model (and /classify on a
   generation server likewise); /get_model_info says `is_generation: false`;
 - `EngineClient.classify` / `classify_logits` against it, and `alloy serve` starting it.
+- concurrent requests share forwards (engine/reward_model.py, "Batching"): 8 requests at once answer each its
+  own scores (as when sent one by one) in fewer forwards than requests; in process, a request that fails
+  fails alone (the shared round is retried one by one) and `abort` (a rid, or all) fails queued requests.
 """
 from __future__ import annotations
 
@@ -212,3 +215,120 @@ def test_alloy_serve_serves_a_reward_model(rm_dir, tmp_path):
         assert status == 200 and len(out["embedding"]) == 1
     finally:
         server.kill()
+
+
+# -- concurrent requests share forwards (engine/reward_model.py, "Batching") ----------------------------------------
+def _requests(rm_dir, n=8):
+    """`n` requests of 1-3 inputs each, of different lengths (token ids of the char tokenizer's texts)."""
+    from infra.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(rm_dir)
+    return [[tok(TEXTS[(i + k) % len(TEXTS)] + " " * i).input_ids for k in range(1 + i % 3)] for i in range(n)]
+
+
+def _server_info(server) -> dict:
+    status, raw = http(server.url, "/get_server_info", method="GET", headers=AUTH)
+    assert status == 200
+    return json.loads(raw)
+
+
+def test_concurrent_classify_requests_share_forwards(rm_server, rm_dir):
+    import asyncio
+
+    import aiohttp
+
+    requests = _requests(rm_dir)
+    # serial: one request at a time, each its own forward(s)
+    serial = [[o["embedding"] for o in post(rm_server, "/classify", {"input_ids": ids})[1]] for ids in requests]
+    before = _server_info(rm_server)
+
+    async def fire():
+        async with aiohttp.ClientSession(headers=AUTH) as session:
+            async def one(ids):
+                async with session.post(rm_server.url + "/classify", json={"input_ids": ids}) as r:
+                    assert r.status == 200, await r.text()
+                    return [o["embedding"] for o in await r.json()]
+            return await asyncio.gather(*(one(ids) for ids in requests))
+
+    together = asyncio.run(fire())
+    after = _server_info(rm_server)
+    tol = 1e-5 if REFERENCE_NUMERICS else 5e-2
+    for got, ref in zip(together, serial):  # each request its own scores, in its order
+        assert len(got) == len(ref)
+        for g, r in zip(got, ref):
+            assert g == pytest.approx(r, abs=tol)
+    assert after["classify_requests"] - before["classify_requests"] == len(requests)
+    forwards = after["classify_forwards"] - before["classify_forwards"]
+    assert 1 <= forwards < len(requests), (before, after)
+    assert after["classify_shared_rounds"] > before["classify_shared_rounds"]
+    assert after["batch_window_s"] > 0
+
+
+@pytest.fixture()
+def rm_local(rm_dir):
+    from engine.reward_model import RewardModel
+
+    model = RewardModel(str(rm_dir))
+    model.start()
+    assert model.ready.wait(120), model.load_error
+    yield model
+    model.stop()
+
+
+def test_queued_requests_share_one_round_and_score_as_alone(rm_local, rm_dir):
+    import asyncio
+
+    requests = _requests(rm_dir)
+    alone = [rm_local.score_sync(ids) for ids in requests]
+    rm_local.stats.update(forwards=0, rounds=0, shared_rounds=0, requests=0)
+
+    async def together():
+        return await asyncio.gather(*(rm_local.score(ids) for ids in requests))
+
+    out = asyncio.run(together())
+    tol = 1e-5 if REFERENCE_NUMERICS else 5e-2
+    for got, ref in zip(out, alone):
+        assert len(got) == len(ref) and all(g == pytest.approx(r, abs=tol) for g, r in zip(got, ref))
+    # queued in one loop turn: one round, and the 8 requests' 16 short inputs fit one forward
+    assert rm_local.stats["rounds"] == 1 and rm_local.stats["shared_rounds"] == 1
+    assert rm_local.stats["forwards"] == 1 and rm_local.stats["requests"] == len(requests)
+
+
+def test_a_failing_request_fails_alone_and_aborts_reach_queued_requests(rm_local, rm_dir):
+    import asyncio
+
+    from engine.protocol import ProtocolError
+
+    requests = _requests(rm_dir, 4)
+    alone = [rm_local.score_sync(ids) for ids in requests]
+    bad = [[1, 2, rm_local.vocab_size + 7]]  # an id past the embedding: the forward raises
+
+    async def run():
+        calls = [rm_local.score(ids) for ids in requests[:2]] + [rm_local.score(bad)] + \
+                [rm_local.score(requests[2], rids=["keep"]), rm_local.score(requests[3], rids=["gone_0", "gone_1"])]
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        await asyncio.sleep(0)  # all queued; the collector waits out its window
+        rm_local.abort("gone_1", message="by the test")
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    retried = rm_local.stats["retried_rounds"]
+    a, b, err, keep, gone = asyncio.run(run())
+    tol = 1e-5 if REFERENCE_NUMERICS else 5e-2
+    for got, ref in zip([a, b, keep], [alone[0], alone[1], alone[2]]):
+        assert not isinstance(got, BaseException), got
+        assert all(g == pytest.approx(r, abs=tol) for g, r in zip(got, ref))
+    assert isinstance(err, Exception) and not isinstance(err, ProtocolError)
+    assert isinstance(gone, ProtocolError) and gone.status == 503 and "by the test" in gone.message
+    assert rm_local.stats["retried_rounds"] == retried + 1
+
+    async def abort_all():
+        task = asyncio.ensure_future(rm_local.score(requests[0]))
+        await asyncio.sleep(0)
+        rm_local.abort(None, abort_all=True, message="server shutting down")
+        return await asyncio.gather(task, return_exceptions=True)
+
+    (res,) = asyncio.run(abort_all())
+    assert isinstance(res, ProtocolError) and "server shutting down" in res.message
+    rm_local.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        asyncio.run(rm_local.score(requests[0]))
