@@ -15,11 +15,14 @@ Memory model (GB = 1e9 bytes; all fractions in whole hundredths of one GPU, so s
       z0: w + g + o    z1: w + g + o/W    z2: w + (g + o)/W    z3: (w + g + o)/W
   times the models it trains (specialists: policy + critic; student: one), plus a frozen reference policy
   (specialists with kl_coef > 0: in the policy's dtype, unsharded) and `resources.trainer_overhead_gb`
-  (activations, CUDA context); the guard's judge server (its own checkpoint's size) beside the specialists' lanes.
+  (activations, CUDA context); the guard's judge server (its own checkpoint's size) beside the specialists' lanes;
+  the model rewards' servers (`reward_servers`) beside them too, their GPUs kept through the distill stage.
 Rules, per stage: the fractions on one GPU sum to at most BUDGET (0.95); no GPU holds two trainers; a server shares
 a trainer's GPU only when it is that trainer's own rollout server and `resources.colocate_rollout` is true (the
 trainer then gets what the server leaves). The distill stage's student and the teachers run at the same time, so
-they are planned together on one node's GPUs (the JSON still labels them "distill" and "teachers").
+they are planned together on one node's GPUs (the JSON still labels them "distill" and "teachers"). The reward
+servers run from the specialists stage through the distill stage: planned (and labelled) in the first, they keep
+their GPUs and shares in the second.
 With `resources.share_gpus` (the shared mode) the two exclusivity rules go: a trainer takes only its estimated share
 of each of its GPUs, trainers and servers are packed onto the GPUs by those shares (trainers first, then servers,
 each to the least-used place), and each trainer's mem_fraction is its share plus an even part of what its GPUs have
@@ -30,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -55,7 +59,7 @@ class Proc:
     for a server; for a trainer, what the plan leaves it on its GPUs)."""
     stage: str  # "base" | "specialists" | "distill" | "teachers"
     name: str  # "base", "lane-0", "student", or a teacher's domain
-    kind: str  # "trainer" | "rollout" | "teacher" | "judge"
+    kind: str  # "trainer" | "rollout" | "teacher" | "judge" | "reward"
     gpus: tuple[int, ...]
     mem_fraction: float
 
@@ -254,15 +258,18 @@ def _names(stage: str, n: int) -> list[str]:
 
 
 def _lanes(stage: str, n: int, world: int, t_share: int, t_gb: float, sz: _Sizes, gpus: int,
-           what: str, shared_fits: Callable[[], bool] | None = None) -> list[Proc]:
+           what: str, shared_fits: Callable[[], bool] | None = None,
+           reserved: dict[int, int] | None = None) -> list[Proc]:
     """`n` lanes of one trainer (`world` ranks, `t_share` hundredths per rank) plus its own rollout server each, on
     GPUs 0..gpus-1, or PlacementError naming the largest number of lanes that fits. `shared_fits` (default: these
-    lanes in the shared mode) says whether `resources.share_gpus: true` would make the stage fit, for the hint."""
-    fit = _fit_lanes(n, world, t_share, sz, gpus, stage)
+    lanes in the shared mode) says whether `resources.share_gpus: true` would make the stage fit, for the hint.
+    `reserved`: hundredths per GPU already held by servers that outlive an earlier stage (the reward servers)."""
+    reserved = reserved or {}
+    fit = _fit_lanes(n, world, t_share, sz, gpus, stage, reserved)
     if isinstance(fit, list):
         return fit
-    best = max((k for k in range(n - 1, 0, -1) if isinstance(_fit_lanes(k, world, t_share, sz, gpus, stage), list)),
-               default=0)
+    best = max((k for k in range(n - 1, 0, -1)
+                if isinstance(_fit_lanes(k, world, t_share, sz, gpus, stage, reserved), list)), default=0)
     server = _rollout(sz, gpus, stage)
     per_rank = f"about {t_gb:.1f} GB" + (f" = {t_share / 100:.2f} of a GPU" if sz.shared else "")
     need = (f"{world} GPU(s) for the trainer ({what}.world_size={world}, {per_rank} per rank) "
@@ -282,12 +289,16 @@ def _lanes(stage: str, n: int, world: int, t_share: int, t_gb: float, sz: _Sizes
         hint += ", or set resources.colocate_rollout: true (a trainer shares its GPUs with its own rollout server)"
     if not sz.shared:
         shared = replace(sz, shared=True)
-        if (shared_fits or (lambda: isinstance(_fit_lanes(n, world, t_share, shared, gpus, stage), list)))():
+        if (shared_fits or (lambda: isinstance(_fit_lanes(n, world, t_share, shared, gpus, stage, reserved),
+                                               list)))():
             hint += ", or set resources.share_gpus: true (trainers share GPUs by memory fraction)"
     raise PlacementError(f"{what_fails}: {hint}")
 
 
-def _fit_lanes(n: int, world: int, t_share: int, sz: _Sizes, gpus: int, stage: str) -> list[Proc] | str:
+def _fit_lanes(n: int, world: int, t_share: int, sz: _Sizes, gpus: int, stage: str,
+               reserved: dict[int, int]) -> list[Proc] | str:
+    """`_lanes`' placement, or "no". Unshared, a trainer never takes a GPU that holds a `reserved` load, and a
+    rollout server fits beside what is reserved."""
     if t_share > BUDGET:
         raise PlacementError(f"{stage}: one trainer rank needs {t_share / 100:.2f} of a {sz.gpu_gb:g} GB GPU, over "
                              f"the {BUDGET / 100:.2f} a stage may use: raise its zero_stage or world_size, or check "
@@ -295,7 +306,7 @@ def _fit_lanes(n: int, world: int, t_share: int, sz: _Sizes, gpus: int, stage: s
     server = _rollout(sz, gpus, stage)
     procs: list[Proc] = []
     if sz.shared:
-        return _shared_lanes(n, world, t_share, server, sz.colocate, gpus, stage)
+        return _shared_lanes(n, world, t_share, server, sz.colocate, gpus, stage, reserved)
     if sz.colocate:  # lane i: a block of max(world, tp) GPUs; rollout on its first tp, trainer on its first world
         block = max(world, server.tp)
         if n * block > gpus or t_share + server.share > BUDGET:
@@ -304,13 +315,16 @@ def _fit_lanes(n: int, world: int, t_share: int, sz: _Sizes, gpus: int, stage: s
             name = "student" if stage == "distill" else f"lane-{i}"
             t_gpus = tuple(range(i * block, i * block + world))
             r_gpus = tuple(range(i * block, i * block + server.tp))
+            if any(reserved.get(g, 0) for g in t_gpus) or any(reserved.get(g, 0) + server.share > BUDGET
+                                                              for g in r_gpus):
+                return "no"
             left = BUDGET - (server.share if set(t_gpus) & set(r_gpus) else 0)
             procs += [Proc(stage, name, "trainer", t_gpus, left / 100),
                       Proc(stage, name, "rollout", r_gpus, server.share / 100)]
         return procs
-    if n * world >= gpus:  # trainers take the first n·world GPUs; the rollout servers pack onto the rest
-        return "no"
-    used: dict[int, int] = {}
+    if n * world >= gpus or any(reserved.get(g, 0) for g in range(n * world)):
+        return "no"  # trainers take the first n·world GPUs; the rollout servers pack onto the rest
+    used = dict(reserved)
     names = _names(stage, n)
     placed = pack([_Server(nm, "rollout", server.tp, server.share) for nm in names], range(n * world, gpus), used)
     if placed is None:
@@ -322,12 +336,12 @@ def _fit_lanes(n: int, world: int, t_share: int, sz: _Sizes, gpus: int, stage: s
 
 
 def _shared_lanes(n: int, world: int, t_share: int, server: _Server, colocate: bool, gpus: int,
-                  stage: str) -> list[Proc] | str:
+                  stage: str, reserved: dict[int, int]) -> list[Proc] | str:
     """The shared mode's lanes: packed onto GPUs 0..gpus-1 by their shares with `place`, the trainers first (an
     aligned block of `world` GPUs each, spread), then the rollout servers (spread over what is least used); with
     colocate_rollout each lane's trainer and server go as one block of max(world, tp) GPUs. A trainer's
     mem_fraction here is its share; `_with_slack` adds its part of what is left once the stage is placed."""
-    names, used = _names(stage, n), {}
+    names, used = _names(stage, n), dict(reserved)
     if colocate:
         block = max(world, server.tp)
         loads = tuple((t_share if i < world else 0) + (server.share if i < server.tp else 0) for i in range(block))
@@ -355,11 +369,12 @@ def _loads(procs: Sequence[Proc]) -> dict[int, int]:
     return used
 
 
-def _with_slack(procs: list[Proc]) -> list[Proc]:
+def _with_slack(procs: list[Proc], held: Sequence[Proc] = ()) -> list[Proc]:
     """The shared mode's last step: each trainer's mem_fraction becomes its share plus an even part of what the
     stage leaves free on its GPUs (the smallest such part over its GPUs, in whole hundredths), so a GPU's sum stays
-    ≤ BUDGET and a trainer whose activations outgrow the estimate has room before its allocator cap."""
-    used = _loads(procs)
+    ≤ BUDGET and a trainer whose activations outgrow the estimate has room before its allocator cap. `held`: servers
+    of an earlier stage still running (the reward servers), which take their share too."""
+    used = _loads([*procs, *held])
     trainers: dict[int, int] = {}
     for p in procs:
         for g in p.gpus if p.kind == "trainer" else ():
@@ -398,10 +413,11 @@ def _base(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
 
 
 def _specialists(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
-    """min(max_parallel, domains) lanes, each a trainer (policy + critic share its ranks) + its rollout server."""
+    """min(max_parallel, domains) lanes, each a trainer (policy + critic share its ranks) + its rollout server; the
+    guard's judge and the reward servers beside them."""
     sc = cfg.specialists
-    if not sc.enabled:
-        return []
+    if not sc.enabled:  # the reward servers still run, for the evaluations and through the distill stage
+        return _rewards(cfg, sz, gpus, [])
     world = max(sc.policy_train.world_size, sc.critic_train.world_size)
     ref_gb = sz.params * (4 if sc.policy_train.dtype == "fp32" else 2) / GB if _kl_ref(cfg) else 0.0
     p_gb = trainer_gb(sz.params, sc.policy_train.dtype, sc.policy_train.zero_stage, world, 1)
@@ -410,6 +426,7 @@ def _specialists(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
     n = min(sc.max_parallel, len(cfg.domain_names()))
     lanes = _lanes("specialists", n, world, hundredths(gb, sz.gpu_gb), gb, sz, gpus, "specialists.policy_train")
     lanes += _judge(cfg, sz, gpus, lanes)
+    lanes += _rewards(cfg, sz, gpus, lanes)
     return _with_slack(lanes) if sz.shared else lanes
 
 
@@ -443,9 +460,94 @@ def _judge(cfg, sz: _Sizes, gpus: int, lanes: list[Proc]) -> list[Proc]:
                  server_share(model_gb, kv_gb, tp, sz.gpu_gb) / 100)]
 
 
-def _distill(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
+@dataclass(frozen=True)
+class RewardServer:
+    """A reward model or judge checkpoint the pipeline serves for its model-rewarded domains (tasks/reward_servers.py
+    `serve_rewards`: one server per checkpoint, shared by every domain that names it)."""
+    name: str  # as `reward_checkpoints` names it: "rm-<reward_models name>", or f"judge-{dir name}"[:60]
+    path: str | None  # the checkpoint it is sized from; None: the run's model (a reward model with `init: base`)
+    field: str  # the config field that names that checkpoint, for a refusal
+    domains: tuple[int, ...] = ()  # indices of the domains it serves
+
+
+def reward_servers(cfg) -> list[RewardServer]:
+    """The reward servers `cfg` needs, in domain order: one per `reward_models` entry that a `kind: model` domain
+    names (sized from its `init`: a checkpoint dir, or `base`, the run's model; the scalar head that replaces the LM
+    head is negligible), one per judge checkpoint dir (`reward.model`, de-duplicated by its path as `serve_rewards`
+    does), none for a domain with an external `reward.url`. A `reward.served_url` (which the pipeline sets for its
+    workers once it serves the checkpoint) removes nothing: the flow process and its workers plan the same GPUs."""
+    out: dict[str, RewardServer] = {}
+    for i, d in enumerate(cfg.domains):
+        rc = d.reward
+        if rc is None or rc.url:
+            continue
+        if rc.kind == "model":
+            init = cfg.reward_models[rc.reward_model].init
+            key = f"rm:{rc.reward_model}"  # one trained checkpoint per reward_models entry
+            server = RewardServer(f"rm-{rc.reward_model}", None if init == "base" else init,
+                                  f"reward_models.{rc.reward_model}.init")
+        else:
+            path = Path(rc.model).expanduser()
+            key = f"judge:{path}"
+            server = RewardServer(f"judge-{path.name}"[:60], str(path), f"domains.{i}.reward.model")
+        first = out.setdefault(key, server)
+        out[key] = replace(first, domains=(*first.domains, i))
+    return list(out.values())
+
+
+def _reward_gb(server: RewardServer, sz: _Sizes) -> float:
+    """GB of one copy of a reward server's weights: the run's model for `init: base`, else its checkpoint's size."""
+    if server.path is None:
+        return sz.model_gb
+    try:
+        params, nbytes, _ = model_size(server.path)
+    except PlacementError:
+        raise PlacementError(f"specialists: cannot size the reward server {server.name} at {server.field}="
+                             f"{server.path!r} (no readable config.json or weight files): build it first, or serve it "
+                             f"elsewhere ({_reward_urls(server)})") from None
+    return params * nbytes / GB
+
+
+def _reward_urls(server: RewardServer) -> str:
+    return ", ".join(f"domains.{i}.reward.url" for i in server.domains)
+
+
+def _rewards(cfg, sz: _Sizes, gpus: int, lanes: list[Proc]) -> list[Proc]:
+    """The model rewards' servers (`reward_servers`), as the guard's judge: each a server of its checkpoint's size,
+    tp 1, packed beside the specialists' lanes (and the judge) on the GPUs no trainer holds, or anywhere in the
+    shared mode. KV cache: the judge's rule, half the weights and at least 0.5 GB; a reward model only runs prefill
+    forwards of one /classify batch (reward.batch_size × max_length tokens: 64 × 512 of Qwen2.5-1.5B's 28 KB per
+    token = 0.94 GB, under its 1.55 GB), a judge answers in reward.max_tokens. `serve_rewards` keeps them from the
+    base evaluation through the student's, so the distill stage runs beside them too: unshared, they also avoid the
+    student trainer's GPUs (the first distill.train.world_size), and `_distill` counts them (`held`)."""
+    servers = reward_servers(cfg)
+    if not servers:
+        return []
+    held = {g for p in lanes if p.kind == "trainer" for g in p.gpus} | set(range(cfg.distill.train.world_size))
+    free = list(range(gpus)) if sz.shared else [g for g in range(gpus) if g not in held]
+    used, procs = _loads(lanes), []
+    for s in servers:
+        model_gb = _reward_gb(s, sz)
+        kv_gb = max(0.5, 0.5 * model_gb)
+        tp = server_tp(model_gb, kv_gb, sz.gpu_gb, None, 1)
+        share = server_share(model_gb, kv_gb, 1, sz.gpu_gb)
+        placed = None if tp is None else pack([_Server(s.name, "reward", tp, share)], free, used)
+        if placed is None:
+            where = (f"the {gpus} GPU(s)" if sz.shared else
+                     f"the {len(free)} GPU(s) no specialist or student trainer holds")
+            raise PlacementError(
+                f"specialists: the reward server {s.name} ({model_gb:.1f} GB weights + {kv_gb:.1f} GB KV cache = "
+                f"{share / 100:.2f} of a {sz.gpu_gb:g} GB GPU) does not fit on {where} beside the specialists' lanes"
+                f"{' and the servers before it' if procs else ''}: lower specialists.max_parallel, set "
+                f"resources.share_gpus: true, or serve it elsewhere ({_reward_urls(s)})")
+        procs.append(Proc("specialists", s.name, "reward", placed[s.name], share / 100))
+    return procs
+
+
+def _distill(cfg, sz: _Sizes, gpus: int, held: Sequence[Proc] = ()) -> list[Proc]:
     """The student's trainer + rollout server, and the teachers beside them (they run at the same time): on the GPUs
-    the student trainer leaves free, or in the shared mode on every GPU, beside the student's share."""
+    the student trainer leaves free, or in the shared mode on every GPU, beside the student's share. `held`: the
+    reward servers, still running (`_rewards`): their GPUs keep their shares."""
     teachers = [d for d in cfg.domain_names() if d not in cfg.teachers.external]
     if teachers and server_tp(sz.model_gb, sz.kv_gb, sz.gpu_gb, sz.fixed_tp, gpus) is None:
         raise PlacementError(f"teachers: one teacher server ({sz.model_gb:.1f} GB weights + {sz.kv_gb:.1f} GB KV "
@@ -454,14 +556,14 @@ def _distill(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
                                 f"the {gpus} GPU(s)") + f" of {sz.gpu_gb:g} GB (at most {BUDGET / 100:.2f} of each)")
     dt = cfg.distill.train
     share, gb = _trainer_share(sz, dt, 1)
-    shared_fits = (lambda: _shared_fits(_distill, cfg, sz, gpus)) if not sz.shared else None
-    student = _lanes("distill", 1, dt.world_size, share, gb, sz, gpus, "distill.train", shared_fits)
+    shared_fits = (lambda: _shared_fits(partial(_distill, held=held), cfg, sz, gpus)) if not sz.shared else None
+    student = _lanes("distill", 1, dt.world_size, share, gb, sz, gpus, "distill.train", shared_fits, _loads(held))
     if not teachers:
-        return _with_slack(student) if sz.shared else student
+        return _with_slack(student, held) if sz.shared else student
     if sz.shared:  # the student trainer holds its share; teachers may go anywhere
-        used, free = _loads(student), list(range(gpus))
+        used, free = _loads([*student, *held]), list(range(gpus))
     else:  # the student trainer holds its GPUs whole
-        used = _loads(student[1:])
+        used = _loads([*student[1:], *held])
         used.update({g: used.get(g, 0) + BUDGET for g in student[0].gpus})
         free = [g for g in range(gpus) if g not in student[0].gpus]
     tp = server_tp(sz.model_gb, sz.kv_gb, sz.gpu_gb, sz.fixed_tp, len(free))
@@ -477,11 +579,12 @@ def _distill(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
         if sz.shared:
             where = (f"the {gpus} GPU(s) of {sz.gpu_gb:g} GB shared by memory fraction (resources.share_gpus: true) "
                      f"with the student trainer ({student[0].mem_fraction:.2f} of GPUs {list(student[0].gpus)}) and "
-                     f"its rollout server ({student[1].mem_fraction:.2f})")
+                     f"its rollout server ({student[1].mem_fraction:.2f})"
+                     + (f" and {len(held)} reward server(s)" if held else ""))
             hint = "add GPUs, lower resources.kv_cache_gb, or serve some teachers elsewhere (teachers.external)"
         else:
             where = (f"the {len(free)} GPU(s) left beside the student trainer (GPUs {list(student[0].gpus)}) and its "
-                     "rollout server")
+                     "rollout server" + (f" and {len(held)} reward server(s)" if held else ""))
             hint = "add GPUs, or serve some teachers elsewhere (teachers.external)"
             if shared_fits():
                 hint += ", or set resources.share_gpus: true (trainers share GPUs by memory fraction)"
@@ -489,7 +592,7 @@ def _distill(cfg, sz: _Sizes, gpus: int) -> list[Proc]:
             f"teachers: {len(servers)} teacher servers (tp {tp}, mem_fraction {share / 100:.2f} per GPU each) do not "
             f"fit on {where}: {fits} fit; {hint}")
     procs = student + [Proc("teachers", d, "teacher", placed[d], share / 100) for d in teachers]
-    return _with_slack(procs) if sz.shared else procs
+    return _with_slack(procs, held) if sz.shared else procs
 
 
 def make_plan(cfg, gpus: int) -> Plan:
@@ -503,8 +606,9 @@ def make_plan(cfg, gpus: int) -> Plan:
     procs: list[Proc] = []
     errors: list[str] = []
     for stage in (_base, _specialists, _distill):
+        held = [p for p in procs if p.kind == "reward"]  # the reward servers run on through the distill stage
         try:
-            procs += stage(cfg, sz, gpus)
+            procs += _distill(cfg, sz, gpus, held) if stage is _distill else stage(cfg, sz, gpus)
         except PlacementError as exc:
             errors.append(str(exc))
     if errors:
@@ -514,13 +618,16 @@ def make_plan(cfg, gpus: int) -> Plan:
 
 def plan_problems(plan: Plan) -> list[str]:
     """The rules a plan breaks (empty for every plan `make_plan` returns): per stage (distill and teachers counted
-    together, they run at once), fractions on one GPU sum to ≤ BUDGET, and unless the plan is `shared`
+    together, they run at once; the reward servers, planned in the specialists stage, counted in the distill stage
+    too, which they outlive), fractions on one GPU sum to ≤ BUDGET, and unless the plan is `shared`
     (resources.share_gpus), no GPU holds two trainers and a GPU holding a trainer holds nothing else but that
     trainer's own rollout server."""
     problems: list[str] = []
     groups: dict[str, list[Proc]] = {}
     for p in plan.processes:
         groups.setdefault("distill" if p.stage == "teachers" else p.stage, []).append(p)
+        if p.kind == "reward" and p.stage != "distill":
+            groups.setdefault("distill", []).append(p)
     for stage, procs in groups.items():
         for g in sorted({g for p in procs for g in p.gpus}):
             on = [p for p in procs if g in p.gpus]
@@ -567,8 +674,8 @@ def trainer_env(plan: Plan, trainer: Proc, visible: Sequence[str]) -> dict[str, 
 
 
 def placements_of(plan: Plan, visible: Sequence[str], kind: str) -> dict[str, dict]:
-    """{name: placement} of the planned servers of `kind` ("teacher", "judge"), each a `Proc.to_json()` plus the
-    node's `visible` devices: what `engine.launcher.launch_settings` takes."""
+    """{name: placement} of the planned servers of `kind` ("teacher", "judge", "reward"), each a `Proc.to_json()`
+    plus the node's `visible` devices: what `engine.launcher.launch_settings` takes."""
     return {p.name: {"visible": list(visible), **p.to_json()} for p in plan.processes if p.kind == kind}
 
 

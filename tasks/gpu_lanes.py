@@ -5,7 +5,8 @@ holds one free lane of `stage` (a trainer of the plan: specialists have `max_par
 and adds to the trainer's command the environment `infra.placement.trainer_env` gives it: CUDA_VISIBLE_DEVICES of
 its GPUs, its own rollout server's placement, which `PolicyServer.for_engine` applies inside the trainer, and with
 `resources.share_gpus` its memory fraction (ALLOY_GPU_MEM_FRACTION, which its ranks cap their allocator at).
-`server_placements(cfg, kind)` is the same for the teacher servers and the guard's judge. Without GPUs both change nothing.
+`server_placements(cfg, kind)` is the same for the teacher servers, the guard's judge and the reward servers. Without
+GPUs both change nothing.
 
 A lane is held as an exclusive `flock` on a file under the temp dir, keyed by the node's visible devices: the
 specialist tasks of one flow run (threads) and specialist flow runs of one worker node (processes, deployment mode)
@@ -97,7 +98,8 @@ def trainer_lane(cmd: list[str], cfg, stage: str) -> Iterator[list[str]]:
 
 
 def server_placements(cfg, kind: str) -> dict[str, dict]:
-    """{name: placement} of the launched servers of `kind` ("teacher", "judge"; for `launcher.launch_settings`);
+    """{name: placement} of the launched servers of `kind` ("teacher", "judge", "reward": named as
+    `tasks.reward_servers.reward_checkpoints` names them; for `launcher.launch_settings`);
     {} without GPUs."""
     placed = node_plan(cfg)
     if placed is None:

@@ -370,3 +370,117 @@ def test_the_guards_judge_server_is_placed_beside_the_specialists(tmp_path):
         make_plan(cfg({**ONE_B, "colocate_rollout": True}, specialists=judge), 2)
     with pytest.raises(PlacementError, match="cannot size the judge at specialists.guard.judge_path"):
         make_plan(cfg({**ONE_B}, specialists={"guard": {"enabled": True, "judge_path": str(tmp_path / "none")}}), 4)
+
+
+# Model-rewarded domains (issue 54): the reward servers tasks/reward_servers.py starts. The 1B model (ONE_B):
+#   a reward model with `init: base`: the run's model, 2 GB + KV max(0.5, 1) = 1 GB + 1 GB = 4 GB = 0.05 of a GPU;
+#   a judge of _judge_dir's checkpoint: 0.679 + 0.5 + 1 = 2.18 GB → 0.03.
+@pytest.fixture()
+def rewarded(tmp_path):
+    """config(resources, *rewards, **sections): the domains `d0`, `d1`, ... (dataset files) rewarded by `rewards`,
+    then `addition`; reward_models `pol` (init base) and `big` (init: a checkpoint dir); the judge dir."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"p{i}=", "answer": f"a{i}"}) + "\n" for i in range(20)))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "p", "chosen": "a!", "rejected": "a"}) + "\n")
+    (tmp_path / "judge-ckpt").mkdir()
+    judge = _judge_dir(tmp_path / "judge-ckpt")
+
+    def config(resources, *rewards, reward_models=None, **sections):
+        domains = [{"name": f"d{i}", "dataset": {"path": str(rows)}, "reward": r} for i, r in enumerate(rewards)]
+        rms = reward_models or {"pol": {}}
+        return config_from_dict({"domains": [*domains, {"name": "addition"}], "resources": resources,
+                                 "reward_models": {n: {"data": str(pairs), **rm} for n, rm in rms.items()},
+                                 **sections})
+    config.judge = judge
+    return config
+
+
+RM = {"kind": "model", "reward_model": "pol"}
+
+
+def rubric(path):
+    return {"kind": "judge", "model": path, "rubric": "polite?"}
+
+
+def test_reward_servers_beside_the_specialists_and_through_the_distill_stage(rewarded, tmp_path, monkeypatch):
+    from tasks.gpu_lanes import server_placements
+    from tasks.reward_servers import reward_checkpoints
+
+    c = rewarded({**ONE_B, "gpus_per_node": 2}, RM, rubric(rewarded.judge), specialists={"max_parallel": 1})
+    # 2 GPUs, one lane: its trainer holds GPU 0, its rollout server (0.05) and both reward servers go to GPU 1, the
+    # only GPU no trainer (specialist or student) holds: 0.05 + 0.05 + 0.03 = 0.13
+    plan = make_plan(c, 2)
+    assert [r for r in table(plan) if r[0] == "specialists"] == [
+        ("specialists", "lane-0", "trainer", (0,), 0.95), ("specialists", "lane-0", "rollout", (1,), 0.05),
+        ("specialists", "rm-pol", "reward", (1,), 0.05), ("specialists", "judge-judge-ckpt", "reward", (1,), 0.03)]
+    # they run on through the distill stage: the student trainer on GPU 0, its rollout server and the 3 teachers
+    # beside them on GPU 1: 0.08 + 0.05 + 3 · 0.05 = 0.28 there
+    assert [r[3] for r in table(plan) if r[0] in ("distill", "teachers")] == [(0,), (1,), (1,), (1,), (1,)]
+    assert plan_problems(plan) == []
+    # the names are the servers' own (tasks/reward_servers.py), which the launcher looks its placement up by
+    served = reward_checkpoints(c, {"pol": {"local_dir": str(tmp_path / "rm-final")}})
+    assert sorted(name for name, _ in served.values()) == sorted(p.name for p in plan.processes if p.kind == "reward")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    placed = server_placements(c, "reward")
+    assert placed["rm-pol"] == {"visible": ["0", "1"], "stage": "specialists", "name": "rm-pol", "kind": "reward",
+                                "gpus": [1], "mem_fraction": 0.05}
+
+
+def test_reward_servers_in_the_shared_mode(rewarded):
+    # one shared GPU, one lane: trainer 0.50 + rollout 0.05 + reward model 0.05 + judge 0.03 = 0.63; the trainer
+    # gets the 0.32 left: 0.82. distill: student 0.25 + rollout 0.05 + 3 teachers 0.15 + the reward servers still
+    # running 0.08 = 0.53; the student gets the 0.42 left: 0.67, and the GPU's sum is 0.95
+    c = rewarded({**ONE_B, "share_gpus": True}, RM, rubric(rewarded.judge), specialists={"max_parallel": 1})
+    plan = make_plan(c, 1)
+    assert plan.get("specialists", "lane-0", "trainer").mem_fraction == 0.82
+    assert [(p.name, p.gpus, p.mem_fraction) for p in plan.processes if p.kind == "reward"] == [
+        ("rm-pol", (0,), 0.05), ("judge-judge-ckpt", (0,), 0.03)]
+    assert plan.get("distill", "student", "trainer").mem_fraction == 0.67 and plan_problems(plan) == []
+
+
+def test_external_served_and_shared_reward_servers(rewarded):
+    plan = lambda *rewards, **kw: [(p.name, p.gpus) for p in make_plan(rewarded({**ONE_B}, *rewards, **kw), 4)
+                                   .processes if p.kind == "reward"]
+    # an external url: nothing to serve
+    assert plan({"kind": "model", "url": "http://rm:30000"},
+                {"kind": "judge", "url": "http://judge:30000", "rubric": "polite?"}) == []
+    # two domains naming one reward model, two naming one judge dir: one server each. 4 GPUs, lanes on 0 and 1,
+    # rollout servers on 2 and 3 (0.05 each): the reward model to 2, the judge to 3 (2 now holds 0.10)
+    assert plan(RM, RM, rubric(rewarded.judge), rubric(rewarded.judge + "/")) == [
+        ("rm-pol", (2,)), ("judge-judge-ckpt", (3,))]
+    # the pipeline's served_url (set for its workers) changes nothing: the workers plan the GPUs the flow planned
+    assert plan({**RM, "served_url": "http://127.0.0.1:5"}) == plan(RM) == [("rm-pol", (2,))]
+    # specialists off: the servers still run (evaluations, distill stage), off the student trainer's GPU 0
+    assert plan(RM, specialists={"enabled": False}) == [("rm-pol", (1,))]
+
+
+def test_reward_servers_that_do_not_fit(rewarded, tmp_path):
+    # colocated lanes hold both GPUs: no GPU is left for the reward model
+    with pytest.raises(PlacementError) as e:
+        make_plan(rewarded({**ONE_B, "colocate_rollout": True}, RM), 2)
+    assert ("specialists: the reward server rm-pol (2.0 GB weights + 1.0 GB KV cache = 0.05 of a 80 GB GPU) does "
+            "not fit on the 0 GPU(s) no specialist or student trainer holds beside the specialists' lanes: lower "
+            "specialists.max_parallel, set resources.share_gpus: true, or serve it elsewhere (domains.0.reward.url)"
+            ) in str(e.value)
+    # a judge larger than a GPU: 80 layers · (4·8192² ... ) ≈ 69B params in bf16 = 138 GB
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({
+        "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "num_hidden_layers": 80, "vocab_size": 128256, "torch_dtype": "bfloat16"}))
+    with pytest.raises(PlacementError, match=r"the reward server judge-big \(141\.1 GB weights .* serve it "
+                                             r"elsewhere \(domains\.1\.reward\.url\)"):
+        make_plan(rewarded({**ONE_B}, RM, rubric(str(big))), 4)
+    # a reward model from a checkpoint dir that is not there: the field that names it
+    with pytest.raises(PlacementError, match=r"cannot size the reward server rm-pol at reward_models\.pol\.init="):
+        make_plan(rewarded({**ONE_B}, RM, reward_models={"pol": {"init": str(tmp_path / "none")}}), 4)
+
+
+def test_plan_problems_counts_the_reward_servers_in_the_distill_stage():
+    procs = (Proc("specialists", "rm-a", "reward", (1,), 0.5), Proc("distill", "student", "trainer", (0,), 0.95),
+             Proc("teachers", "t", "teacher", (1,), 0.5), Proc("distill", "student", "rollout", (2,), 0.05),
+             Proc("specialists", "rm-b", "reward", (0,), 0.05))
+    assert plan_problems(Plan(3, 80, 1, "x", procs)) == [
+        "distill: GPU 0 is 1.00 full", "distill: GPU 0 holds trainer student and another's server",
+        "distill: GPU 1 is 1.00 full"]
