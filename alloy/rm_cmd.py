@@ -10,11 +10,14 @@
 
 It prints where the checkpoint went (`<out>/final`: `AutoModelForSequenceClassification.from_pretrained` loads it,
 with `reward_model.json` beside the weights) and its held-out pair accuracy. A complete `final/` already there is
-reused, not retrained (`--set run.resume=false` in config mode trains again). Exit codes: 0, 1 the training failed,
+reused, not retrained (`--set run.resume=false` in config mode trains again); it says so, and opens no MLflow run
+(with tracking on, the parent run `rm-<name>` and its child `reward_model/<name>` are opened when training starts,
+as the pipeline opens no run for a stage it reuses). Exit codes: 0, 1 the training failed,
 2 bad input, 130 interrupted. Nothing here imports torch until a command runs.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -109,12 +112,12 @@ def _train(cfg, config_path: str, overrides: list[str], name: str, out: str | No
 
     work = Path(cfg.run.root).resolve() / cfg.run.name / "work"
     work.mkdir(parents=True, exist_ok=True)
-    tracker, parent = _tracker(cfg, name)
+    tracker = _tracker(cfg, name)
     ctx = RunContext(cfg=cfg, config_path=config_path, overrides=list(overrides), work_dir=work,
-                     storage_url=cfg.storage_url, tracker=tracker, parent_run_id=parent, domains={})
+                     storage_url=cfg.storage_url, tracker=tracker, parent_run_id=None, domains={})
     status = "FAILED"
     try:
-        base_dir = _base_dir(ctx) if cfg.reward_models[name].init == "base" else None
+        base_dir = (lambda: _base_dir(ctx)) if cfg.reward_models[name].init == "base" else None  # only to train
         summary = train_reward_model(ctx, name, base_dir, out_url=out)
         status = "FINISHED"
     except (ConfigError, FileNotFoundError) as exc:
@@ -128,22 +131,48 @@ def _train(cfg, config_path: str, overrides: list[str], name: str, out: str | No
         print(f"error: reward model {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        if parent:
-            tracker.end(status)
+        tracker.end(status)  # the parent run, if training opened one
+    if summary.get("reused"):
+        print(f"reward model {name}: reused the complete checkpoint already there (not trained again; no MLflow run "
+              f"opened)")
     print(f"reward model {name}: held-out pair accuracy {summary['val_accuracy']:.3f} on {summary['val_pairs']} "
           f"pairs after {summary['steps']} steps")
     print(f"checkpoint: {summary['checkpoint']} (local copy {summary['local_dir']})")
     return EXIT_OK
 
 
+class ParentOnDemand:
+    """The tracker `alloy rm train` hands the stage: its parent run `rm-<name>` is created when the stage opens its
+    child run, which it does only to train (tasks/reward_models.py), so a reused checkpoint leaves no empty run.
+    Anything else is the wrapped tracker's (bound once the parent exists)."""
+
+    def __init__(self, tracker, name: str):
+        self._tracker, self._name = tracker, name
+        self.parent_run_id: str | None = None
+
+    @contextlib.contextmanager
+    def child(self, name: str, tags: dict | None = None, resume: bool = True):
+        if self.parent_run_id is None:
+            self.parent_run_id = self._tracker.start_parent(f"rm-{self._name}", tags={"stage": "reward_model"})
+        with self._tracker.child(name, tags=tags, resume=resume) as run:
+            yield run
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.parent_run_id is not None:
+            self._tracker.end(status)
+
+    def __getattr__(self, attr):
+        return getattr(self._tracker, attr)
+
+
 def _tracker(cfg, name: str):
-    """(a tracker with its own parent run `rm-<name>`, its id) when tracking is on, else (NoopTracker, None)."""
+    """`ParentOnDemand` over an MLflow tracker when tracking is on, else a NoopTracker."""
     from infra.tracking import NoopTracker, Tracker
 
     if not cfg.tracking.enabled:
-        return NoopTracker(), None
-    tracker = Tracker(runs_root=cfg.run.root, experiment=cfg.tracking.experiment, uri=cfg.tracking.uri)
-    return tracker, tracker.start_parent(f"rm-{name}", tags={"stage": "reward_model"})
+        return NoopTracker()
+    return ParentOnDemand(Tracker(runs_root=cfg.run.root, experiment=cfg.tracking.experiment, uri=cfg.tracking.uri),
+                          name)
 
 
 def _base_dir(ctx) -> Path:

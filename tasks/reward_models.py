@@ -10,6 +10,7 @@ and `alloy rm train CONFIG --name NAME` trains exactly the checkpoint the pipeli
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -22,11 +23,14 @@ from tasks.worker_process import WorkerCommand, on_ranks, worker_command
 from training.reward_main import WORKER as RM_WORKER
 
 
-def reward_model_init(ctx: RunContext, name: str, base_dir: str | Path | None) -> Path:
-    """Where `reward_models.<name>` starts: the base checkpoint (`init: base`) or its own checkpoint directory;
-    ConfigError naming the setting when that is not there."""
+def reward_model_init(ctx: RunContext, name: str, base_dir: str | Path | Callable[[], Path] | None) -> Path:
+    """Where `reward_models.<name>` starts: the base checkpoint (`init: base`; `base_dir` may be a function that
+    fetches it, called only here, i.e. only to train) or its own checkpoint directory; ConfigError naming the setting
+    when that is not there."""
     init = ctx.cfg.reward_models[name].init
     if init == "base":
+        if callable(base_dir):
+            base_dir = base_dir()
         if base_dir is None:
             raise ConfigError(f"reward_models.{name}.init: `base` needs the base stage's checkpoint; train the base "
                               "first (alloy run) or set a checkpoint directory")
@@ -45,15 +49,20 @@ def reward_model_command(ctx: RunContext, name: str, init_dir: Path, out_url: st
     return on_ranks(worker_command(cmd, ctx.overrides), ctx.cfg.reward_models[name].train.world_size)
 
 
-def train_reward_model(ctx: RunContext, name: str, base_dir: str | Path | None = None,
+def train_reward_model(ctx: RunContext, name: str, base_dir: str | Path | Callable[[], Path] | None = None,
                        out_url: str | None = None) -> dict:
     """Reuse or train `reward_models.<name>` (its own prefix, or `out_url`); returns its summary with `checkpoint`
-    (the committed `final/` URL) and `local_dir` (a local copy of it)."""
+    (the committed `final/` URL), `local_dir` (a local copy of it) and `reused` (True when a complete `final/` was
+    reused: nothing trained and, as for every reused stage, no MLflow run opened)."""
     prefix = out_url or reward_model_prefix_of(ctx.cfg, ctx.storage_url, name)
     result = ctx.work_dir / "logs" / f"rm-{name}-result.json"
     local = ctx.work_dir / "reward_models" / name
 
+    trained = False
+
     def train() -> None:
+        nonlocal trained
+        trained = True
         init_dir = reward_model_init(ctx, name, base_dir)
         with ctx.tracker.child(f"reward_model/{name}", tags={"stage": "reward_model", "reward_model": name}) as run:
             cmd = reward_model_command(ctx, name, init_dir, prefix, result, getattr(run, "run_id", None))
@@ -61,7 +70,7 @@ def train_reward_model(ctx: RunContext, name: str, base_dir: str | Path | None =
                         f"reward model {name}")
 
     summary, final = reuse_or_train(ctx, prefix, f"reward model {name}", result, local, train)
-    return {**summary, "checkpoint": final, "local_dir": str(local)}
+    return {**summary, "checkpoint": final, "local_dir": str(local), "reused": not trained}
 
 
 @task(name="train-reward-models", cache_policy=NO_CACHE)

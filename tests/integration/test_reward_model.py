@@ -3,7 +3,8 @@
 stage launcher reaches ≥ 0.9 held-out pair accuracy and commits a `final/` that
 `AutoModelForSequenceClassification.from_pretrained` loads, scoring exactly what `reward_input_ids` renders; a rerun
 with an ops-only change reuses it by fingerprint; a run stopped by SIGTERM resumes from its newest checkpoint and
-ends where the uninterrupted run did; `alloy rm train` from flags; preference files from S3.
+ends where the uninterrupted run did; `alloy rm train` from flags (run again: reused, no MLflow run
+opened); preference files from S3.
 
 `ALLOY_TEST_RM_SEED` picks the seed of the data and the model's head (default 0)."""
 from __future__ import annotations
@@ -123,6 +124,10 @@ def test_an_ops_change_reuses_the_checkpoint_and_a_training_change_moves_it(trai
                                           "reward_models.bang.threads=2"])
     again = stage.train_reward_model(ops, "bang", "/nonexistent-base")  # reused: the base is never read
     assert again["checkpoint"] == summary["checkpoint"] and again["val_accuracy"] == summary["val_accuracy"]
+    assert again["reused"] is True and summary["reused"] is False
+    # `alloy rm train` passes the base as a function that fetches it: a reused model never calls it
+    lazy = stage.train_reward_model(ops, "bang", lambda: pytest.fail("fetched the base to reuse a reward model"))
+    assert lazy["reused"] is True and lazy["checkpoint"] == summary["checkpoint"]
     prefix = reward_model_prefix_of(ctx.cfg, ctx.storage_url, "bang")
     for change in ("reward_models.bang.steps=41", "reward_models.bang.train.lr=0.002", "reward_models.bang.seed=7",
                    "reward_models.bang.val_fraction=0.3", "run.seed=5", "model.chat_template=none"):
@@ -166,13 +171,33 @@ def test_alloy_rm_train_from_flags(tiny_model_dir, tmp_path):
     import pandas as pd
 
     pd.DataFrame(pairs(120, SEED)).to_csv(data, index=False)
-    res = subprocess.run([sys.executable, "-m", "alloy.cli", "rm", "train", "--data", str(data), "--model",
-                          str(tiny_model_dir), "--out", str(tmp_path / "out"), "--steps", "3", "--max-length", "48",
-                          "--work-dir", str(tmp_path / "work"), "--name", "quick"],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    argv = [sys.executable, "-m", "alloy.cli", "rm", "train", "--data", str(data), "--model", str(tiny_model_dir),
+            "--out", str(tmp_path / "out"), "--steps", "3", "--max-length", "48", "--work-dir", str(tmp_path / "work"),
+            "--name", "quick", "--set", "tracking.enabled=true"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}  # the run root's own sqlite store
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+                         env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"checkpoint: file://{tmp_path}/out/final" in res.stdout and "reward model quick:" in res.stdout
+    assert "reused" not in res.stdout
     assert (tmp_path / "work" / "rm-quick" / "rm-config.yaml").is_file()
+
+    def runs() -> list[tuple[str, str]]:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}")
+        exp = client.get_experiment_by_name(load_config(tmp_path / "work" / "rm-quick" / "rm-config.yaml",
+                                                        ["tracking.enabled=true"]).tracking.experiment)
+        return sorted((r.info.run_name, r.info.status) for r in client.search_runs([exp.experiment_id]))
+
+    trained_runs = [("reward_model/quick", "FINISHED"), ("rm-quick", "FINISHED")]
+    assert runs() == trained_runs  # trained: the parent and its child
+    # again: the checkpoint is reused, says so, and opens no (empty) MLflow run
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+                           env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "reward model quick: reused" in again.stdout and f"checkpoint: file://{tmp_path}/out/final" in again.stdout
+    assert runs() == trained_runs
     bad = subprocess.run([sys.executable, "-m", "alloy.cli", "rm", "train", "--data", str(data)], capture_output=True,
                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert bad.returncode == 2 and "--model, --out" in bad.stderr
