@@ -80,6 +80,13 @@ def with_served(cfg, urls: Mapping[int, str]):
     return cfg.model_copy(update={"domains": domains})
 
 
+def reward_specs(cfg, by_path: Mapping[str, str]) -> list[ServerSpec]:
+    """The server of each checkpoint of `by_path` ({checkpoint dir: server name}) as `cfg.engine` launches it, on its
+    GPU of the plan when one applies (`infra.placement`'s `reward` procs, named as `reward_checkpoints` names them)."""
+    placements = server_placements(cfg, "reward")
+    return [ServerSpec.for_engine(name, path, cfg.engine, placements.get(name)) for path, name in by_path.items()]
+
+
 @contextlib.contextmanager
 def serve_rewards(ctx: RunContext, reward_models: Mapping[str, dict],
                   domains: list[str] | None = None) -> Iterator[RunContext]:
@@ -94,9 +101,7 @@ def serve_rewards(ctx: RunContext, reward_models: Mapping[str, dict],
     sup = Supervisor.for_engine(ctx.work_dir / "logs" / "rewards", ec, ctx.cfg.teachers)  # the teachers' budget
     try:
         by_path = {str(path): name for name, path in wanted.values()}  # one server per checkpoint
-        placements = server_placements(ctx.cfg, "reward")  # each server's GPU of the plan, if any
-        urls = sup.start([ServerSpec.for_engine(name, path, ec, placements.get(name))
-                          for path, name in by_path.items()])
+        urls = sup.start(reward_specs(ctx.cfg, by_path))
         served = {i: urls[by_path[str(path)]] for i, (_, path) in wanted.items()}
         for i, url in served.items():
             log.info("rewards: domain %s's %s served at %s", ctx.cfg.domains[i].name, wanted[i][1], url)

@@ -1,8 +1,8 @@
 """Reward servers in `specialists.mode: deployment` (tasks/reward_servers.py, flows/specialists.py,
 flows/handoff.py), without servers: a specialist flow run is handed no reward-server URL of the pipeline's machine,
 only the reward models' storage URLs; it pulls what its own domain needs (the domain filter) and a judge checkpoint
-missing on its worker is an error naming the field. The served path, real servers and a real flow run, is
-tests/integration/test_model_reward_deploy.py."""
+missing on its worker is an error naming the field. And each reward server's spec carries its GPU of the plan. The
+served path, real servers and a real flow run, is tests/integration/test_model_reward_deploy.py."""
 from __future__ import annotations
 
 import json
@@ -92,3 +92,29 @@ def test_a_judge_checkpoint_missing_on_the_worker_names_the_field(cfg, tmp_path)
     with pytest.raises(ConfigError, match=r"domains\.2\.reward\.model: .*judge is not a model checkpoint directory"
                                           r".*specialists\.mode=deployment every specialist worker needs it"):
         fetch_reward_models(ctx_of(cfg, tmp_path), "judged", {})
+
+
+def test_each_reward_server_gets_its_planned_gpu(cfg, tmp_path):
+    """The names `reward_checkpoints` gives the servers are the plan's `reward` procs (infra/placement.py), so each
+    spec gets its placement: its own GPU; without GPUs (gpus_per_node 0) no placement, no env."""
+    from tasks.gpu_lanes import server_placements
+    from tasks.reward_servers import reward_checkpoints, reward_specs
+
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    (judge / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100,
+        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "max_position_embeddings": 256}))
+    rms = {"pol": {"local_dir": "/w/pol"}, "kind": {"local_dir": "/w/kind"}}
+    planned = cfg.model_copy(update={"resources": cfg.resources.model_copy(update={"gpus_per_node": 8})})
+    by_path = {str(path): name for name, path in reward_checkpoints(planned, rms).values()}
+    placements = server_placements(planned, "reward")
+    assert set(placements) == set(by_path.values()) == {"rm-pol", "rm-kind", "judge-judge"}
+    specs = reward_specs(planned, by_path)
+    assert [(s.name, s.model_path) for s in specs] == [(n, p) for p, n in by_path.items()]
+    for spec in specs:
+        gpus = placements[spec.name]["gpus"]
+        assert spec.env["CUDA_VISIBLE_DEVICES"] == ",".join(str(g) for g in gpus), spec
+    bare = cfg.model_copy(update={"resources": cfg.resources.model_copy(update={"gpus_per_node": 0})})
+    assert all(s.env == {} for s in reward_specs(bare, by_path))
