@@ -30,6 +30,8 @@ left; `trainer_env` passes it to the trainer (GPU_MEM_FRACTION_ENV), whose ranks
 """
 from __future__ import annotations
 
+import hashlib
+
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -460,11 +462,22 @@ def _judge(cfg, sz: _Sizes, gpus: int, lanes: list[Proc]) -> list[Proc]:
                  server_share(model_gb, kv_gb, tp, sz.gpu_gb) / 100)]
 
 
+def reward_server_name(rc) -> str:
+    """The one name of the server a domain's reward config (`rc`: `kind: model | judge`) is served by, in the plan
+    and for the launcher: `rm-<reward_models name>`; for a judge `judge-<dir name>-<8 hex of its resolved path>`, so
+    two judge directories that share a folder name get two servers."""
+    if rc.kind == "model":
+        return f"rm-{rc.reward_model}"
+    path = Path(rc.model).expanduser()
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+    return f"judge-{path.name[:40]}-{digest}"
+
+
 @dataclass(frozen=True)
 class RewardServer:
     """A reward model or judge checkpoint the pipeline serves for its model-rewarded domains (tasks/reward_servers.py
     `serve_rewards`: one server per checkpoint, shared by every domain that names it)."""
-    name: str  # as `reward_checkpoints` names it: "rm-<reward_models name>", or f"judge-{dir name}"[:60]
+    name: str  # `reward_server_name`'s (tasks/reward_servers.py names its servers with it)
     path: str | None  # the checkpoint it is sized from; None: the run's model (a reward model with `init: base`)
     field: str  # the config field that names that checkpoint, for a refusal
     domains: tuple[int, ...] = ()  # indices of the domains it serves
@@ -484,12 +497,12 @@ def reward_servers(cfg) -> list[RewardServer]:
         if rc.kind == "model":
             init = cfg.reward_models[rc.reward_model].init
             key = f"rm:{rc.reward_model}"  # one trained checkpoint per reward_models entry
-            server = RewardServer(f"rm-{rc.reward_model}", None if init == "base" else init,
+            server = RewardServer(reward_server_name(rc), None if init == "base" else init,
                                   f"reward_models.{rc.reward_model}.init")
         else:
             path = Path(rc.model).expanduser()
             key = f"judge:{path}"
-            server = RewardServer(f"judge-{path.name}"[:60], str(path), f"domains.{i}.reward.model")
+            server = RewardServer(reward_server_name(rc), str(path), f"domains.{i}.reward.model")
         first = out.setdefault(key, server)
         out[key] = replace(first, domains=(*first.domains, i))
     return list(out.values())

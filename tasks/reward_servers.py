@@ -28,6 +28,7 @@ from typing import Iterator, Mapping
 
 from engine.launcher import ServerSpec, Supervisor
 from infra.config import ConfigError
+from infra.placement import reward_server_name
 from tasks.context import RunContext
 from tasks.gpu_lanes import server_placements
 
@@ -60,14 +61,14 @@ def reward_checkpoints(cfg, reward_models: Mapping[str, dict],
             if summary is None:
                 raise ConfigError(f"domains.{i}.reward.reward_model: reward model {rc.reward_model!r} was not trained "
                                   "in this run")
-            out[i] = (f"rm-{rc.reward_model}", Path(summary["local_dir"]))
+            out[i] = (reward_server_name(rc), Path(summary["local_dir"]))
         else:
-            path = Path(rc.model).expanduser()
+            path = Path(rc.model).expanduser().resolve()  # one directory, however it is written: one server
             if not (path / "config.json").is_file():
                 raise ConfigError(f"domains.{i}.reward.model: {rc.model} is not a model checkpoint directory (no "
                                   f"config.json, from {Path.cwd()}); the judge is served from this machine's disk, "
                                   "so with specialists.mode=deployment every specialist worker needs it at this path")
-            out[i] = (f"judge-{path.name}"[:60], path)
+            out[i] = (reward_server_name(rc), path)
     return out
 
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine_proc import make_reward_model
-from test_preference_pipeline import CONFIG, make_pairs
+from preference_fixtures import CONFIG, make_pairs
 
 pytestmark = pytest.mark.integration
 

@@ -3,29 +3,19 @@ scripts/make_preference_pairs.py, the reward model trained after the base, serve
 evaluation (tasks/reward_servers.py), the `polite` specialist trained on its reward, and the report holding both the
 ground truth (the stage columns) and the reward model's score (`reward`) for every stage. What is checked is the
 wiring; learning is what docs/results.md's runs of the full config measure."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from preference_fixtures import CONFIG, make_pairs
+
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = str(ROOT / "configs" / "preference.yaml")
 FAST = ["base.steps=20", "base.n_train_per_domain=500", "specialists.n_prompts=500",
         "distill.n_prompts_per_domain=500", "reward_models.polite.steps=10", "reward_models.polite.val_every=5",
         "specialists.steps=3", "specialists.val_every=3", "specialists.val_n=16", "specialists.eval_n=16",
         "specialists.checkpoint_every=3", "specialists.batch_size=16", "distill.steps=2", "distill.eval_every=0",
         "distill.batch_size=16", "distill.checkpoint_every=2", "eval.n_eval=16", "tracking.enabled=false"]
-
-
-def make_pairs(out: Path) -> None:
-    script = ROOT / "scripts" / "make_preference_pairs.py"
-    spec = importlib.util.spec_from_file_location("make_preference_pairs", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.main([str(out), "--rows", "1500", "--pairs", "400", "--seed", "3"]) == 0
 
 
 def test_preference_example_reports_truth_and_reward(tmp_path, prefect_harness):

@@ -5,13 +5,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from infra.config import config_from_dict
 from engine.launcher import ServerSpec, build_command, launch_settings
-from infra.placement import (PlacementError, Plan, Proc, estimate_params, make_plan, plan_problems, rollout_placement,
-                             server_launch, trainer_env, trainer_gb, visible_devices)
+from infra.placement import (PlacementError, Plan, Proc, estimate_params, make_plan, plan_problems, reward_server_name,
+                             rollout_placement, server_launch, trainer_env, trainer_gb, visible_devices)
 
 pytestmark = pytest.mark.unit
 
@@ -399,6 +400,10 @@ def rewarded(tmp_path):
 RM = {"kind": "model", "reward_model": "pol"}
 
 
+def judge_name(rewarded) -> str:
+    return reward_server_name(SimpleNamespace(**rubric(rewarded.judge)))
+
+
 def rubric(path):
     return {"kind": "judge", "model": path, "rubric": "polite?"}
 
@@ -413,7 +418,8 @@ def test_reward_servers_beside_the_specialists_and_through_the_distill_stage(rew
     plan = make_plan(c, 2)
     assert [r for r in table(plan) if r[0] == "specialists"] == [
         ("specialists", "lane-0", "trainer", (0,), 0.95), ("specialists", "lane-0", "rollout", (1,), 0.05),
-        ("specialists", "rm-pol", "reward", (1,), 0.05), ("specialists", "judge-judge-ckpt", "reward", (1,), 0.03)]
+        ("specialists", "rm-pol", "reward", (1,), 0.05),
+        ("specialists", reward_server_name(SimpleNamespace(**rubric(rewarded.judge))), "reward", (1,), 0.03)]
     # they run on through the distill stage: the student trainer on GPU 0, its rollout server and the 3 teachers
     # beside them on GPU 1: 0.08 + 0.05 + 3 · 0.05 = 0.28 there
     assert [r[3] for r in table(plan) if r[0] in ("distill", "teachers")] == [(0,), (1,), (1,), (1,), (1,)]
@@ -427,6 +433,16 @@ def test_reward_servers_beside_the_specialists_and_through_the_distill_stage(rew
                                 "gpus": [1], "mem_fraction": 0.05}
 
 
+def test_two_judge_directories_of_one_folder_name_get_two_servers(tmp_path):
+    a, b = tmp_path / "a" / "judge", tmp_path / "b" / "judge"
+    names = {reward_server_name(SimpleNamespace(**rubric(str(p)))) for p in (a, b)}
+    assert len(names) == 2 and all(n.startswith("judge-judge-") for n in names)
+    # one directory, however it is written, is one server
+    assert reward_server_name(SimpleNamespace(**rubric(str(a)))) == reward_server_name(
+        SimpleNamespace(**rubric(str(tmp_path / "a" / ".." / "a" / "judge"))))
+    assert reward_server_name(SimpleNamespace(kind="model", reward_model="pol")) == "rm-pol"
+
+
 def test_reward_servers_in_the_shared_mode(rewarded):
     # one shared GPU, one lane: trainer 0.50 + rollout 0.05 + reward model 0.05 + judge 0.03 = 0.63; the trainer
     # gets the 0.32 left: 0.82. distill: student 0.25 + rollout 0.05 + 3 teachers 0.15 + the reward servers still
@@ -435,7 +451,7 @@ def test_reward_servers_in_the_shared_mode(rewarded):
     plan = make_plan(c, 1)
     assert plan.get("specialists", "lane-0", "trainer").mem_fraction == 0.82
     assert [(p.name, p.gpus, p.mem_fraction) for p in plan.processes if p.kind == "reward"] == [
-        ("rm-pol", (0,), 0.05), ("judge-judge-ckpt", (0,), 0.03)]
+        ("rm-pol", (0,), 0.05), (judge_name(rewarded), (0,), 0.03)]
     assert plan.get("distill", "student", "trainer").mem_fraction == 0.67 and plan_problems(plan) == []
 
 
@@ -448,7 +464,7 @@ def test_external_served_and_shared_reward_servers(rewarded):
     # two domains naming one reward model, two naming one judge dir: one server each. 4 GPUs, lanes on 0 and 1,
     # rollout servers on 2 and 3 (0.05 each): the reward model to 2, the judge to 3 (2 now holds 0.10)
     assert plan(RM, RM, rubric(rewarded.judge), rubric(rewarded.judge + "/")) == [
-        ("rm-pol", (2,)), ("judge-judge-ckpt", (3,))]
+        ("rm-pol", (2,)), (judge_name(rewarded), (3,))]
     # the pipeline's served_url (set for its workers) changes nothing: the workers plan the GPUs the flow planned
     assert plan({**RM, "served_url": "http://127.0.0.1:5"}) == plan(RM) == [("rm-pol", (2,))]
     # specialists off: the servers still run (evaluations, distill stage), off the student trainer's GPU 0
@@ -469,7 +485,7 @@ def test_reward_servers_that_do_not_fit(rewarded, tmp_path):
     (big / "config.json").write_text(json.dumps({
         "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
         "num_hidden_layers": 80, "vocab_size": 128256, "torch_dtype": "bfloat16"}))
-    with pytest.raises(PlacementError, match=r"the reward server judge-big \(141\.1 GB weights .* serve it "
+    with pytest.raises(PlacementError, match=r"the reward server judge-big-[0-9a-f]{8} \(141\.1 GB weights .* serve it "
                                              r"elsewhere \(domains\.1\.reward\.url\)"):
         make_plan(rewarded({**ONE_B}, RM, rubric(str(big))), 4)
     # a reward model from a checkpoint dir that is not there: the field that names it
