@@ -65,6 +65,21 @@ def positional_credit(answer: str, response: str, weight: float = 0.5) -> float:
     return weight * matches / longest
 
 
+def positional_marks(answer: str, response: str, weight: float = 0.5) -> list[float]:
+    """Where `positional_credit(answer, response.strip())` was earned, per character of the raw `response`
+    (`Domain.credit`): `weight / max(len(answer), len(stripped))` on each character of the stripped response that
+    matches `answer` at its position, 0 elsewhere. The marks sum to the partial credit; for an exact answer they sum
+    to `weight` and the rest of its 1.0 goes on the last token (teachers/step_credit.py)."""
+    stripped = response.strip()
+    lead = len(response) - len(response.lstrip())
+    marks = [0.0] * len(response)
+    longest = max(len(answer), len(stripped))
+    for i, (a, r) in enumerate(zip(answer, stripped)):
+        if a == r:
+            marks[lead + i] = weight / longest
+    return marks
+
+
 def _clean_text(s: object) -> bool:
     """Non-empty printable ASCII without newlines (every character is one token of the char tokenizer)."""
     return isinstance(s, str) and len(s) > 0 and s.isascii() and s.isprintable()

@@ -11,7 +11,7 @@ import math
 import random
 import string
 
-from domains.base import Domain, Example, positional_credit
+from domains.base import Domain, Example, positional_credit, positional_marks
 
 LOWER = string.ascii_lowercase
 LETTERS = string.ascii_letters
@@ -41,6 +41,10 @@ class _Transform(Domain):
 
     def score(self, example: Example, response: str) -> float:
         return positional_credit(example.answer, response.strip())
+
+    def credit(self, example: Example, response: str) -> list[float]:
+        """The positional credit on the characters that earned it (`specialists.step_credit`)."""
+        return positional_marks(example.answer, response)
 
 
 class Reverse(_Transform):

@@ -389,8 +389,17 @@ def test_long_answer_credit_sums_to_the_partial_score(name):
             assert sum(marks) == pytest.approx(0.5 if score == 1.0 else score, abs=1e-12), (resp, score)
 
 
-def test_short_domains_keep_the_terminal_reward():
-    assert load_domain("reverse").credit(load_domain("reverse").make("ab", "ba"), "ba") is None
+def test_string_transforms_credit_each_right_position():
+    rev = load_domain("reverse")
+    ex = rev.make("abcd", "dcba")
+    # 3 of 4 positions right: 0.5 / 4 on each right character of the raw response (its leading space gets none)
+    assert rev.credit(ex, " dcbx") == pytest.approx([0, 0.125, 0.125, 0.125, 0])
+    assert sum(rev.credit(ex, " dcbx")) == pytest.approx(rev.verify(ex, " dcbx"))
+    assert rev.credit(ex, "dcba") == pytest.approx([0.125] * 4)  # exact: 0.5 here, the other 0.5 on the last token
+    assert rev.credit(ex, "dcbaa") == pytest.approx([0.1] * 4 + [0])  # over the longer length, as the score
+    # exact-only answers keep the whole reward at the end
+    assert load_domain("count_char").credit(load_domain("count_char").split("train", 1, seed=0)[0], "3") is None
+    assert load_domain("brackets").credit(load_domain("brackets").make("()", "yes"), "yes") is None
 
 
 def test_positional_partial_credit_by_hand():

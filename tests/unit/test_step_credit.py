@@ -63,11 +63,15 @@ def test_attach_and_token_rewards_keep_the_reward(tok):
     assert torch.count_nonzero(r[2]) == 0
 
 
-def test_short_domains_and_multi_turn_get_none(tok):
-    rev = load_domain("reverse")
-    ex = rev.make("ab", "ba")
-    s = _sample(tok, rev, ex, "ba")
-    assert attach_step_credit(rev, [s], [1.0], tok, tok.eos_token_id) == 0 and s.step_credit == []
+def test_exact_only_domains_and_multi_turn_get_none(tok):
+    mx = load_domain("max_list")
+    ex = mx.split("train", 1, seed=0)[0]
+    s = _sample(tok, mx, ex, ex.answer)
+    assert attach_step_credit(mx, [s], [1.0], tok, tok.eos_token_id) == 0 and s.step_credit == []
+    rev = load_domain("reverse")  # a string transform: positional credit, each right character's on its token
+    t = _sample(tok, rev, rev.make("abc", "cba"), "cbx")
+    assert attach_step_credit(rev, [t], [rev.verify(rev.make("abc", "cba"), "cbx")], tok, tok.eos_token_id) == 1
+    assert t.step_credit == pytest.approx([0.5 / 3, 0.5 / 3, 0.0, 0.0])  # c, b right; x wrong; EOS: nothing
     rlx = load_domain("rle_expand")
     ex = rlx.make("a3b2", "aaabb")
     turn = _sample(tok, rlx, ex, "aaabb", loss_mask=[1, 1, 0, 0, 1, 1])  # multi-turn rows carry env tokens: no credit
