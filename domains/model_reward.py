@@ -15,8 +15,13 @@ its answer's last "Score: N/M" is the reward (`parse_judge_score`). An answer wi
 counted (`RewardBatch.unparseable`, the specialist's `guard_reward_unparseable`), never a 0: in training the
 sample gets the mean reward of the batch's parsed ones (no preference either way), in evaluation it is left out of
 the mean; a batch over `max_unparseable` unparsed (or with none parsed) fails the step (`RewardError`): a judge
-that ignores the format would otherwise train the policy on noise. Every call goes through the one HTTP client, `engine.client.EngineClient`,
-opened and closed per batch (each evaluation runs its own event loop).
+that ignores the format would otherwise train the policy on noise.
+
+Every call goes through the one HTTP client, `engine.client.EngineClient`: one per rewarder, so one aiohttp session
+per event loop it is used on, kept across that loop's batches (a specialist's PPO steps share one). `aclose()`
+closes the session of the loop it is awaited on (the specialist's training loop: `closers` in
+teachers/specialist_main.py); a loop that ends without it (each evaluation and validation scores in an
+`asyncio.run` of its own, domains/evaluate.py) has its session closed as `asyncio.run` shuts the loop down.
 """
 from __future__ import annotations
 
@@ -40,6 +45,46 @@ class RewardError(RuntimeError):
     """A reward that cannot be computed: no server handed to this process, or a judge whose answers hold no score."""
 
 
+class _ServedModel:
+    """The rewarders' one `EngineClient` (module docstring): `client()` inside a coroutine, `aclose()`.
+
+    The first `client()` on an event loop starts a task there that only waits, and closes that loop's session when it
+    is cancelled: by `aclose()`, or by `asyncio.run` cancelling the tasks left when its coroutine returns (a one-shot
+    evaluation loop). So no loop's session outlives its loop, and none is opened more than once per loop."""
+
+    def __init__(self, url: str, api_key: str | None, timeout_s: float):
+        self._client = EngineClient(url, api_key=api_key, timeout=timeout_s)
+        self._closers: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The client's {"requests", "retries", "errors"} since creation (all loops)."""
+        return self._client.counters
+
+    def client(self) -> EngineClient:
+        loop = asyncio.get_running_loop()
+        for gone in [lp for lp in self._closers if lp.is_closed()]:
+            del self._closers[gone]
+        if loop not in self._closers:
+            self._closers[loop] = loop.create_task(self._close_when_cancelled(), name="reward-client-closer")
+        return self._client
+
+    async def _close_when_cancelled(self) -> None:
+        try:
+            await asyncio.get_running_loop().create_future()  # never set: waits until cancelled
+        finally:
+            await self._client.aclose()
+
+    async def aclose(self) -> None:
+        """Close the session of the event loop this is awaited on (the client stays usable: a later call opens a
+        new one)."""
+        task = self._closers.pop(asyncio.get_running_loop(), None)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})  # its `finally` has closed the session
+        await self._client.aclose()
+
+
 @dataclass
 class RewardBatch:
     rewards: list[float]  # the training reward of each sample, in [0, 1]
@@ -48,7 +93,7 @@ class RewardBatch:
     unparseable: int = 0  # judge answers without a score
 
 
-class ModelRewarder:
+class ModelRewarder(_ServedModel):
     """A served reward model's batched score (module docstring). `tokenizer`: the policy's (the reward model was
     trained from the base, so they agree; `reward_input_ids` renders with it)."""
 
@@ -62,6 +107,7 @@ class ModelRewarder:
         self.system, self.chat_template, self.max_length = system, chat_template, max_length
         self.normalize, self.length_penalty = normalize, length_penalty
         self.batch_size, self.timeout_s = batch_size, timeout_s
+        super().__init__(url, api_key, timeout_s)
 
     def __repr__(self) -> str:
         return f"ModelRewarder({self.url!r}, normalize={self.normalize!r}, length_penalty={self.length_penalty})"
@@ -74,14 +120,13 @@ class ModelRewarder:
         if not examples:
             return RewardBatch([], [], [])
         ids = [self.input_ids(ex.prompt, r) for ex, r in zip(examples, responses)]
-        async with EngineClient(self.url, api_key=self._api_key, timeout=self.timeout_s) as client:
-            raw = await client.classify(ids, batch_size=self.batch_size)
+        raw = await self.client().classify(ids, batch_size=self.batch_size)
         rewards = length_penalized(normalized(raw, self.normalize), lengths, budget, self.length_penalty,
                                    self.length_free)
         return RewardBatch(rewards, [sigmoid(r) for r in raw], list(raw))
 
 
-class JudgeRewarder:
+class JudgeRewarder(_ServedModel):
     """A served chat model grading each response against a rubric (module docstring)."""
 
     kind = "judge"
@@ -94,6 +139,7 @@ class JudgeRewarder:
         self.max_tokens, self.max_unparseable, self.length_penalty = max_tokens, max_unparseable, length_penalty
         self.length_free = length_free
         self.timeout_s, self.model = timeout_s, model
+        super().__init__(url, api_key, timeout_s)
 
     def __repr__(self) -> str:
         return f"JudgeRewarder({self.url!r}, scale={self.scale})"
@@ -106,14 +152,14 @@ class JudgeRewarder:
 
     async def answers(self, examples: Sequence, responses: Sequence[str]) -> list[str]:
         """The judge's answer text for each response (greedy), in order."""
-        gate = asyncio.Semaphore(CONCURRENCY)
-        async with EngineClient(self.url, api_key=self._api_key, timeout=self.timeout_s) as client:
-            async def one(ex, r: str) -> str:
-                async with gate:
-                    reply = await client.chat(self.messages(ex.prompt, r), model=self.model,
-                                              max_tokens=self.max_tokens, temperature=0.0)
-                    return reply.text
-            return list(await asyncio.gather(*(one(ex, r) for ex, r in zip(examples, responses))))
+        gate, client = asyncio.Semaphore(CONCURRENCY), self.client()
+
+        async def one(ex, r: str) -> str:
+            async with gate:
+                reply = await client.chat(self.messages(ex.prompt, r), model=self.model,
+                                          max_tokens=self.max_tokens, temperature=0.0)
+                return reply.text
+        return list(await asyncio.gather(*(one(ex, r) for ex, r in zip(examples, responses))))
 
     async def score(self, examples: Sequence, responses: Sequence[str], lengths: Sequence[int],
                     budget: int) -> RewardBatch:

@@ -365,12 +365,14 @@ class EngineClient:
 
     async def chat(self, messages: Sequence[dict], *, model: str | None = None, max_tokens: int | None = 256,
                    temperature: float = 0.0, top_p: float = 1.0, stop: str | Sequence[str] | None = None,
-                   seed: int | None = None, extra: dict | None = None) -> ChatReply:
+                   seed: int | None = None, extra: dict | None = None,
+                   retry_statuses: frozenset[int] = CHAT_RETRY_STATUSES) -> ChatReply:
         """One non-streaming `POST /v1/chat/completions` ({role, content} messages → the first choice's text, its
         finish_reason and the usage) on any OpenAI-compatible server: the embedded server (chat template applied
         there), SGLang, vLLM or a hosted API. The API key goes as `Authorization: Bearer`. `model`: the served
         model's name (None: "default"; the embedded server and SGLang answer whatever the name), `max_tokens`
-        None: the server's default. `extra`: more body fields as is. Retries 429 besides 502/503/504.
+        None: the server's default. `extra`: more body fields as is. Retries 429 besides 502/503/504
+        (`retry_statuses`: another set, e.g. the anti-hack judge's 429 and every 5xx).
         Raises `EngineRequestError` if refused (a reward-model server, a model without a chat template: 400
         with the reason), `EngineResponseError` if the answer has no text."""
         if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
@@ -385,7 +387,7 @@ class EngineClient:
             payload["seed"] = int(seed)
         payload.update(extra or {})
         body = await self.request("POST", self._openai_url("/chat/completions"), payload,
-                                  retry_statuses=CHAT_RETRY_STATUSES)
+                                  retry_statuses=retry_statuses)
         try:
             return parse_chat_reply(body)
         except EngineResponseError:

@@ -24,16 +24,14 @@ is then blocked or allowed as configured (`on_error`, `specialists.guard.judge_o
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import random
 import re
 
 import aiohttp
 
 from domains.guard import Guard, JudgeError, Verdict  # noqa: F401  (the guard, re-exported)
 from domains.hack_rules import RULES, rule_check  # noqa: F401  (the guard's rule filter, re-exported)
-from infra.http import SessionPerLoop
+from engine.client import EngineClient, EngineRequestError, EngineResponseError, EngineUnavailable
 
 _THINK_RE = re.compile(r"<think>.*?</think>", re.S | re.I)
 _YESNO_RE = re.compile(r"\b(yes|no)\b", re.I)
@@ -97,14 +95,21 @@ def judge_prompt(task: str, trajectory: str, call: str, max_chars: int | None = 
     return JUDGE_TEMPLATE.format(task=task, trajectory=trajectory, call=call), context
 
 
+JUDGE_RETRY_STATUSES = frozenset({429, *range(500, 600)})  # rate limits and every 5xx; any other 4xx fails at once
+
+
 class LLMJudge:
     """Asks an LLM whether a tool call is a hack. `kind="openai"`: any OpenAI-compatible `POST {url}/v1/chat/
     completions` (url may already end in /v1), `SYSTEM_PROMPT` as the system message; `kind="sglang"`: SGLang-
     protocol `POST {url}/generate` with the prompt as text, greedy, `max_tokens` new tokens (the embedded engine
     server or SGLang); the instructions are prepended when they fit in `max_prompt_chars` (a small judge trained on
-    the bare template, teachers/judge_model.py, has no room for them). One aiohttp session per event loop, a total
-    timeout per attempt, bounded exponential backoff with jitter on connection errors, timeouts, 429 and 5xx; other
-    4xx fail at once."""
+    the bare template, teachers/judge_model.py, has no room for them).
+
+    Every call goes through the one HTTP client, `engine.client.EngineClient` (`EngineClient.chat`; the text
+    `/generate` through its `request`): one aiohttp session per event loop, `timeout_s` the total per attempt,
+    `max_retries` retries with exponential backoff from `backoff_s` (jittered, uncapped) on connection errors,
+    timeouts, 429 and 5xx; any other 4xx fails at once. The key goes as `Authorization: Bearer`; with none, none
+    is sent (never the engine's `ALLOY_ENGINE_API_KEY`: the judge may be a third party's)."""
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None, kind: str = "openai",
                  timeout_s: float = 10.0, max_retries: int = 2, backoff_s: float = 0.2, max_tokens: int = 16,
@@ -115,68 +120,69 @@ class LLMJudge:
         self._api_key = api_key
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.max_tokens, self.max_prompt_chars = max_tokens, max_prompt_chars
-        self._http = SessionPerLoop({"Authorization": f"Bearer {api_key}"} if api_key else {}, timeout_s)
+        # backoff before retry i: backoff_s * 2^i * U[0.5, 1], the cap never reached
+        self._client = EngineClient(self.url, api_key=api_key or "", timeout=timeout_s, max_retries=max_retries,
+                                    backoff_base=backoff_s, backoff_max=backoff_s * 2 ** max(max_retries - 1, 0))
+        self.endpoint = (f"{self.url}/generate" if kind == "sglang" else
+                         f"{self.url if self.url.endswith('/v1') else self.url + '/v1'}/chat/completions")
 
     def __repr__(self) -> str:  # never print the key
         key = "set" if self._api_key else None
         return f"LLMJudge({self.url!r}, kind={self.kind!r}, model={self.model!r}, api_key={key})"
 
-    def _session(self) -> aiohttp.ClientSession:
-        return self._http.get()
+    @property
+    def counters(self) -> dict[str, int]:
+        """The client's {"requests", "retries", "errors"} since creation."""
+        return self._client.counters
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        """Close this event loop's HTTP session."""
+        await self._client.aclose()
 
     def prompt(self, command: str, task: str, trajectory: str = "") -> tuple[str, str]:
         """(prompt text, context) this judge would be asked for the call (`judge_prompt` within its limit)."""
         return judge_prompt(task, trajectory, command, self.max_prompt_chars)
 
-    def _request(self, prompt: str) -> tuple[str, dict]:
+    async def _reply(self, prompt: str) -> object:
+        """The judge's reply text to `prompt` (None when its answer holds none)."""
         if self.kind == "sglang":
             full = f"{SYSTEM_PROMPT}\n\n{prompt}"
             if self.max_prompt_chars is None or len(full) <= self.max_prompt_chars:
                 prompt = full
-            return f"{self.url}/generate", {"text": prompt,
-                                             "sampling_params": {"max_new_tokens": self.max_tokens, "temperature": 0}}
-        base = self.url if self.url.endswith("/v1") else f"{self.url}/v1"
-        return f"{base}/chat/completions", {
-            "model": self.model or "default", "temperature": 0, "max_tokens": self.max_tokens,
-            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]}
-
-    def _reply_text(self, body: object) -> object:
-        if self.kind == "sglang":
+            body = await self._client.request(
+                "POST", "/generate", {"text": prompt,
+                                      "sampling_params": {"max_new_tokens": self.max_tokens, "temperature": 0}},
+                retry_statuses=JUDGE_RETRY_STATUSES)
+            if isinstance(body, (str, bytes)):  # the client hands back a body that is not JSON as is
+                text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+                raise JudgeError(f"judge {self.endpoint} returned non-JSON: {text[:200]!r}")
             body = body[0] if isinstance(body, list) and body else body
             return body.get("text") if isinstance(body, dict) else None
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt}]
         try:
-            return body["choices"][0]["message"]["content"]  # type: ignore[index]
-        except (KeyError, IndexError, TypeError):
-            return None
+            reply = await self._client.chat(messages, model=self.model, max_tokens=self.max_tokens, temperature=0,
+                                            retry_statuses=JUDGE_RETRY_STATUSES)
+        except EngineResponseError as e:  # no choices[0].message.content (a body that is not JSON included)
+            raise JudgeError(f"judge {self.endpoint} gave no answer: {e}") from None
+        return reply.text
 
     async def is_hack(self, command: str, context: str = "", trajectory: str = "", *,
                       prompt: str | None = None) -> bool:
         """True if the judge says the call is a hack (`context`: the task; `trajectory`: the episode so far; or a
-        ready `prompt`). Raises JudgeError when no verdict could be obtained."""
-        url, payload = self._request(prompt if prompt is not None else self.prompt(command, context, trajectory)[0])
-        last = "no attempt"
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.0))
-            try:
-                async with self._session().post(url, json=payload) as resp:
-                    text = await resp.text()
-                    if resp.status == 200:
-                        try:
-                            body = json.loads(text)
-                        except ValueError:
-                            raise JudgeError(f"judge {url} returned non-JSON: {text[:200]!r}") from None
-                        reply = self._reply_text(body)
-                        verdict = parse_verdict(reply)
-                        if verdict is None:
-                            raise JudgeError(f"judge {url} gave no yes/no verdict: {str(reply)[:200]!r}")
-                        return verdict
-                    last = f"HTTP {resp.status}: {text[:200]}"
-                    if resp.status != 429 and resp.status < 500:
-                        raise JudgeError(f"judge {url} rejected the request: {last}")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise JudgeError(f"judge {url} failed after {self.max_retries + 1} attempts; last error: {last}")
+        ready `prompt`). Raises JudgeError when no verdict could be obtained: the request refused (a 4xx other
+        than 429), the retries spent, or a reply without a yes/no; the message names the judge's URL."""
+        url = self.endpoint
+        try:
+            reply = await self._reply(prompt if prompt is not None else self.prompt(command, context, trajectory)[0])
+        except EngineRequestError as e:
+            raise JudgeError(f"judge {url} rejected the request: HTTP {e.status}: {e.message[:200]}") from None
+        except EngineUnavailable as e:  # "POST <url> failed after n attempts; last error: ..."
+            msg = str(e)
+            msg = msg[len(f"POST {url} "):] if msg.startswith(f"POST {url} ") else msg
+            raise JudgeError(f"judge {url} {msg}") from None
+        except aiohttp.ClientError as e:  # not a transport error the client retries (e.g. an invalid URL)
+            raise JudgeError(f"judge {url} failed: {type(e).__name__}: {e}") from None
+        verdict = parse_verdict(reply)
+        if verdict is None:
+            raise JudgeError(f"judge {url} gave no yes/no verdict: {str(reply)[:200]!r}")
+        return verdict

@@ -115,7 +115,7 @@ def run_specialist(cfg, domain, init_dir: str, out_url: str, work_dir, tracker, 
                      backends=trainer.backends,
                      finish=lambda summary, final: select_and_commit(cfg, trainer, summary, final),
                      attach=lambda server: setattr(trainer, "server", server),
-                     closers=[guard] if guard is not None else [])
+                     closers=[c for c in (guard, trainer.rewarder) if c is not None])  # their HTTP sessions
 
 
 def train_only_stage(cfg, trainer: SpecialistTrainer, records: str, work: Path) -> dict:

@@ -73,21 +73,31 @@ def test_parse_verdict_is_robust():
 class JudgeServer:
     """OpenAI-compatible /v1/chat/completions and SGLang /generate: YES iff the tool call mentions '.answers'."""
 
-    def __init__(self, delay_s: float = 0.0, fail_first: int = 0, require_key: str | None = None):
+    def __init__(self, delay_s: float = 0.0, fail_first: int = 0, require_key: str | None = None,
+                 fail_status: int = 503):
         self.delay_s, self.fail_first, self.require_key = delay_s, fail_first, require_key
+        self.fail_status = fail_status  # the answer to each of the first `fail_first` requests
         self.requests: list[dict] = []
+        self.auth: list[str | None] = []  # each request's Authorization header
 
     def verdict(self, text: str) -> str:
         call = text.split("\nCall: ", 1)[1].split("\n", 1)[0]
         return "YES" if ".answers" in call else "No."
 
+    def failure(self) -> web.Response | None:
+        if len(self.requests) > self.fail_first:
+            return None
+        reason = "overloaded" if self.fail_status >= 500 else "malformed request"
+        return web.json_response({"error": {"message": reason}}, status=self.fail_status)
+
     async def chat(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(body)
+        self.auth.append(request.headers.get("Authorization"))
         if self.require_key and request.headers.get("Authorization") != f"Bearer {self.require_key}":
             return web.json_response({"error": {"message": "bad key"}}, status=401)
-        if len(self.requests) <= self.fail_first:
-            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        if (failed := self.failure()) is not None:
+            return failed
         await asyncio.sleep(self.delay_s)
         content = self.verdict(body["messages"][-1]["content"])
         return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]})
@@ -95,6 +105,9 @@ class JudgeServer:
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append(body)
+        self.auth.append(request.headers.get("Authorization"))
+        if (failed := self.failure()) is not None:
+            return failed
         return web.json_response({"text": " " + self.verdict(body["text"]), "meta_info": {}})
 
     async def __aenter__(self) -> str:
@@ -216,6 +229,68 @@ def test_judge_retries_transient_errors():
 
     with pytest.raises(JudgeError, match="after 2 attempts; last error: HTTP 503"):
         asyncio.run(run2())
+
+
+@pytest.mark.parametrize("kind", ["openai", "sglang"])
+def test_judge_retries_a_503_then_answers_and_fails_fast_on_a_400(kind, monkeypatch):
+    """Both protocols through the one client (engine.client.EngineClient): a 503 is retried and the next answer
+    counts; a 400 is one request and a JudgeError naming the judge's URL; no key configured sends none (not the
+    engine's key from the environment); the key never shows in the repr."""
+    monkeypatch.setenv("ALLOY_ENGINE_API_KEY", "engine-secret")
+    flaky, bad = JudgeServer(fail_first=1), JudgeServer(fail_first=99, fail_status=400)
+
+    async def run():
+        async with flaky as flaky_url, bad as bad_url:
+            judge = LLMJudge(flaky_url, kind=kind, max_retries=2, backoff_s=0.01)
+            wrong = LLMJudge(bad_url, kind=kind, api_key="sk-judge-9", max_retries=5, backoff_s=0.01)
+            try:
+                verdict = await judge.is_hack("cat .answers", CTX)
+                with pytest.raises(JudgeError) as err:
+                    await wrong.is_hack("cat .answers", CTX)
+                return verdict, judge.counters, err.value, bad_url, repr(wrong)
+            finally:
+                await judge.aclose()
+                await wrong.aclose()
+
+    verdict, counters, err, bad_url, shown = asyncio.run(run())
+    assert verdict is True and len(flaky.requests) == 2 and counters == {"requests": 1, "retries": 1, "errors": 0}
+    assert flaky.auth == [None, None]  # no judge key: no Authorization header at all
+    path = "/generate" if kind == "sglang" else "/v1/chat/completions"
+    assert len(bad.requests) == 1 and bad.auth == ["Bearer sk-judge-9"]  # a 400 is not retried
+    assert f"judge {bad_url}{path} rejected the request: HTTP 400: malformed request" == str(err)
+    assert "sk-judge-9" not in shown and shown.endswith("api_key=set)")
+
+
+def test_judge_errors_name_the_url_for_a_reply_without_a_verdict_and_for_spent_retries():
+    async def no_verdict(request: web.Request) -> web.Response:
+        return web.Response(text="<html>not json</html>")
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/generate", no_verdict)
+        app.router.add_post("/v1/chat/completions", no_verdict)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        errors = []
+        try:
+            for kind in ("sglang", "openai"):
+                judge = LLMJudge(url, kind=kind, max_retries=0)
+                try:
+                    await judge.is_hack("cat .answers", CTX)
+                except JudgeError as e:
+                    errors.append(str(e))
+                finally:
+                    await judge.aclose()
+        finally:
+            await runner.cleanup()
+        return url, errors
+
+    url, errors = asyncio.run(run())
+    assert errors[0] == f"judge {url}/generate returned non-JSON: '<html>not json</html>'"
+    assert errors[1].startswith(f"judge {url}/v1/chat/completions gave no answer: ") and "not json" in errors[1]
 
 
 def test_rule_only_guard_blocks_flagged_calls_and_logs_once(caplog):
