@@ -343,13 +343,24 @@ def score_domains(model, tokenizer, domains: Mapping[str, object], examples: Map
     return out
 
 
+def score_batch(rewarder, examples: Sequence, responses: Sequence[str], lengths: Sequence[int], budget: int):
+    """`rewarder.score(...)` on a one-shot loop (`_run`), the rewarder's session of that loop closed before it ends."""
+    async def once():
+        try:
+            return await rewarder.score(examples, responses, lengths, budget)
+        finally:
+            await rewarder.aclose()
+
+    return _run(once())
+
+
 def model_rewards(sc: DomainScores, domain, rewarder, examples: Sequence, responses: Sequence[str],
                   lengths: Sequence[int], budget: int) -> None:
     """Score one domain's eval episodes with its model reward (one batched call) into `sc`: `reward`, `unparseable`,
     and, for a domain without a ground truth, the score itself (an unparsed answer: the parsed ones' mean)."""
     from domains.reward_math import fill_unparsed
 
-    batch = _run(rewarder.score(examples, responses, lengths, budget))
+    batch = score_batch(rewarder, examples, responses, lengths, budget)
     sc.reward, sc.unparseable = list(batch.scores), batch.unparseable
     if not getattr(domain, "has_truth", False):
         sc.clean = sc.raw = fill_unparsed(batch.scores)

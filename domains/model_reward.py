@@ -20,8 +20,8 @@ that ignores the format would otherwise train the policy on noise.
 Every call goes through the one HTTP client, `engine.client.EngineClient`: one per rewarder, so one aiohttp session
 per event loop it is used on, kept across that loop's batches (a specialist's PPO steps share one). `aclose()`
 closes the session of the loop it is awaited on (the specialist's training loop: `closers` in
-teachers/specialist_main.py); a loop that ends without it (each evaluation and validation scores in an
-`asyncio.run` of its own, domains/evaluate.py) has its session closed as `asyncio.run` shuts the loop down.
+teachers/specialist_main.py); evaluation and validation score each batch on a one-shot loop and close it there
+(domains/evaluate.py `score_batch`).
 """
 from __future__ import annotations
 
@@ -46,15 +46,11 @@ class RewardError(RuntimeError):
 
 
 class _ServedModel:
-    """The rewarders' one `EngineClient` (module docstring): `client()` inside a coroutine, `aclose()`.
-
-    The first `client()` on an event loop starts a task there that only waits, and closes that loop's session when it
-    is cancelled: by `aclose()`, or by `asyncio.run` cancelling the tasks left when its coroutine returns (a one-shot
-    evaluation loop). So no loop's session outlives its loop, and none is opened more than once per loop."""
+    """The rewarders' one `EngineClient` (one session per event loop, module docstring): `client()`, `aclose()`.
+    A caller that scores on a one-shot loop closes it before the loop ends (domains/evaluate.py `score_batch`)."""
 
     def __init__(self, url: str, api_key: str | None, timeout_s: float):
         self._client = EngineClient(url, api_key=api_key, timeout=timeout_s)
-        self._closers: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
 
     @property
     def counters(self) -> dict[str, int]:
@@ -62,26 +58,11 @@ class _ServedModel:
         return self._client.counters
 
     def client(self) -> EngineClient:
-        loop = asyncio.get_running_loop()
-        for gone in [lp for lp in self._closers if lp.is_closed()]:
-            del self._closers[gone]
-        if loop not in self._closers:
-            self._closers[loop] = loop.create_task(self._close_when_cancelled(), name="reward-client-closer")
         return self._client
-
-    async def _close_when_cancelled(self) -> None:
-        try:
-            await asyncio.get_running_loop().create_future()  # never set: waits until cancelled
-        finally:
-            await self._client.aclose()
 
     async def aclose(self) -> None:
         """Close the session of the event loop this is awaited on (the client stays usable: a later call opens a
         new one)."""
-        task = self._closers.pop(asyncio.get_running_loop(), None)
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})  # its `finally` has closed the session
         await self._client.aclose()
 
 

@@ -1,7 +1,7 @@
 """The rewarders' one HTTP client (domains/model_reward.py) against a stand-in judge on loopback (a tiny aiohttp app
 speaking /v1/chat/completions): the batches of one event loop share one session (one kept-alive connection, where a
-client per batch opened a new one each step), `aclose()` closes it and a later batch opens another, and a one-shot
-`asyncio.run` (how evaluation scores) closes its loop's session as the loop ends: nothing is left unclosed."""
+client per batch opened a new one each step), `aclose()` closes it and a later batch opens another, and evaluation's
+one-shot loops (domains/evaluate.py `score_batch`) close their session before the loop ends: nothing is left unclosed."""
 import asyncio
 import gc
 import warnings
@@ -57,33 +57,35 @@ def test_one_session_per_loop_across_batches_closed_by_aclose():
             closed = session.closed
             again = await rw.score(EXS, ["abc"], [1], 8)  # usable after aclose: a new session
             await rw.aclose()
-            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            return batches, closed, again, rw.counters, left
+            return batches, closed, again, rw.counters
 
-    batches, closed, again, counters, left = asyncio.run(run())
+    batches, closed, again, counters = asyncio.run(run())
     assert [b.rewards for b in batches] == [[0.3]] * 3 and again.raw == [0.3]
     assert len(set(stub.ports[:3])) == 1  # the three batches of the loop: one kept-alive connection
     assert stub.ports[3] != stub.ports[0]  # after aclose: a new session, a new connection
-    assert closed and left == [] and counters == {"requests": 4, "retries": 0, "errors": 0}
+    assert closed and counters == {"requests": 4, "retries": 0, "errors": 0}
     assert stub.auth == ["Bearer sk-rw"] * 4
 
 
 def test_a_one_shot_loop_closes_its_session_as_it_ends():
     """Evaluation scores each batch in an `asyncio.run` of its own (domains/evaluate.py `_run`: in a helper thread
-    when a loop is running) and never calls aclose: each such loop's session is closed as the loop ends."""
+    when a loop is running): `score_batch` closes that loop's session before the loop ends."""
+    from domains.evaluate import score_batch
+
     stub = ChatStub()
     sessions = []
 
+    class Watched(JudgeRewarder):
+        async def aclose(self):
+            sessions.append(self.client()._session())
+            await super().aclose()
+
     def one_shot(rw) -> object:
-        async def score():
-            out = await rw.score(EXS, ["abc!"], [1], 8)
-            sessions.append(rw.client()._session())
-            return out
-        return asyncio.run(score())
+        return score_batch(rw, EXS, ["abc!"], [1], 8)
 
     async def run():
         async with stub as url:
-            rw = JudgeRewarder(url, "Is it polite?")
+            rw = Watched(url, "Is it polite?")
             loop = asyncio.get_running_loop()
             return [await loop.run_in_executor(None, one_shot, rw) for _ in range(2)]
 
