@@ -260,7 +260,8 @@ class SpecialistsConfig(_Strict):
     value_clip: float | None = Field(0.2, gt=0, description="Value-loss clip around the rollout's "
                                                              "values (None: unclipped).")
     step_credit: bool = Field(True, description="Domains that say where in an answer their partial credit was earned "
-                              "(Domain.credit: the long-answer built-ins' steps, positions and fields) get each part on "
+                              "(Domain.credit: the long-answer built-ins' steps, runs and fields, the string transforms' "
+                              "positions) get each part on "
                               "the token that earned it and the rest of the reward on the last token, instead of the "
                               "whole reward on the last token (teachers/step_credit.py). The return is the same; the "
                               "advantages of early tokens are less noisy. Other domains are unaffected.")

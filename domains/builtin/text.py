@@ -2,7 +2,8 @@
 
 Strings have length 2..d+3 unless noted (2 to 4 characters at d = 1). Reward: exact match of `response.strip()`
 = 1.0. The transformations (reverse, copy, sort_digits, case_swap, caesar) give positional partial credit below 0.5
-(see `positional_credit`): a denser signal for RL on outputs that are right character by character. Counting and
+(see `positional_credit`): a denser signal for RL on outputs that are right character by character, placed on the
+characters that earned it (`credit`, `specialists.step_credit`). Counting and
 yes/no answers are exact only (partial credit there would reward guessing).
 """
 from __future__ import annotations
