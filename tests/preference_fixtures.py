@@ -3,6 +3,7 @@ by scripts/make_preference_pairs.py as a user makes them (deterministic from the
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,3 +17,12 @@ def make_pairs(out: Path, rows: int = 1500, pairs: int = 400, seed: int = 3) -> 
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main([str(out), "--rows", str(rows), "--pairs", str(pairs), "--seed", str(seed)]) == 0
+
+
+def tiny_reward_files(folder: Path, prompt: str = "p{i}=") -> tuple[Path, Path]:
+    """(rows, pairs) for a config test of a model-rewarded dataset domain: 20 prompt/answer rows (`prompt` formatted
+    with the row's index) and one preference pair; nothing is trained on them."""
+    rows, pairs = folder / "rows.jsonl", folder / "pairs.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": prompt.format(i=i), "answer": f"a{i}"}) + "\n" for i in range(20)))
+    pairs.write_text(json.dumps({"prompt": "p", "chosen": "a!", "rejected": "a"}) + "\n")
+    return rows, pairs

@@ -1,23 +1,18 @@
 """The wiring of model rewards without servers: which checkpoints the pipeline serves and how their URLs reach the
 config (tasks/reward_servers.py), the prefixes a reward model keys (tasks/prefixes.py), the specialist's selection
 reward (teachers/specialist.py), and the report's reward columns (infra/report.py)."""
-import json
-
 import pandas as pd
 import pytest
 
 from infra.config import ConfigError, config_from_dict
+from preference_fixtures import tiny_reward_files
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture()
 def data(tmp_path):
-    rows = tmp_path / "polite.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"pol:{i}=", "answer": f"a{i}"}) + "\n" for i in range(20)))
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text(json.dumps({"prompt": "p", "chosen": "a!", "rejected": "a"}) + "\n")
-    return rows, pairs
+    return tiny_reward_files(tmp_path, "pol:{i}=")
 
 
 def cfg_of(data, reward: dict, **rm):

@@ -13,6 +13,7 @@ from infra.config import config_from_dict
 from engine.launcher import ServerSpec, build_command, launch_settings
 from infra.placement import (PlacementError, Plan, Proc, estimate_params, make_plan, plan_problems, reward_server_name,
                              rollout_placement, server_launch, trainer_env, trainer_gb, visible_devices)
+from preference_fixtures import tiny_reward_files
 
 pytestmark = pytest.mark.unit
 
@@ -380,10 +381,7 @@ def test_the_guards_judge_server_is_placed_beside_the_specialists(tmp_path):
 def rewarded(tmp_path):
     """config(resources, *rewards, **sections): the domains `d0`, `d1`, ... (dataset files) rewarded by `rewards`,
     then `addition`; reward_models `pol` (init base) and `big` (init: a checkpoint dir); the judge dir."""
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"p{i}=", "answer": f"a{i}"}) + "\n" for i in range(20)))
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text(json.dumps({"prompt": "p", "chosen": "a!", "rejected": "a"}) + "\n")
+    rows, pairs = tiny_reward_files(tmp_path, "p{i}=")
     (tmp_path / "judge-ckpt").mkdir()
     judge = _judge_dir(tmp_path / "judge-ckpt")
 

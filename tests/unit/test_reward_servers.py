@@ -13,6 +13,7 @@ import pytest
 
 from infra.config import ConfigError, config_from_dict
 from infra.storage import save_checkpoint
+from preference_fixtures import tiny_reward_files
 
 pytestmark = pytest.mark.unit
 
@@ -20,10 +21,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture()
 def cfg(tmp_path):
     """Two model-rewarded domains (reward models `pol` and `kind`), one judged by a checkpoint path, one verifier."""
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"p{i}=", "answer": f"a{i}"}) + "\n" for i in range(20)))
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text(json.dumps({"prompt": "p", "chosen": "a!", "rejected": "a"}) + "\n")
+    rows, pairs = tiny_reward_files(tmp_path, "p{i}=")
     ds = {"path": str(rows)}
     return config_from_dict({
         "domains": [{"name": "polite", "dataset": ds, "reward": {"kind": "model", "reward_model": "pol"}},
