@@ -103,7 +103,6 @@ class RewardModel:
         self.stats = {"requests": 0, "inputs": 0, "forwards": 0, "rounds": 0, "shared_rounds": 0,
                       "retried_rounds": 0, "tokens": 0, "padded_tokens": 0, "seconds": 0.0}
         self._queue: list[_Job] = []  # touched on the event loop only
-        self._queued_tokens = 0
         self._filled = asyncio.Event()  # set when the queue holds a forward's token budget (ends the idle window)
         self._collector: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -149,7 +148,6 @@ class RewardModel:
             if rid is None or rid in job.rids:
                 if not job.answer.done():
                     job.answer.set_exception(ProtocolError(f"request aborted: {message}", status=503))
-                self._queued_tokens -= sum(len(x) for x in job.inputs)
             else:
                 keep.append(job)
         self._queue[:] = keep
@@ -210,15 +208,12 @@ class RewardModel:
         loop = asyncio.get_running_loop()
         job = _Job([list(x) for x in inputs], frozenset(rids or ()), loop.create_future())
         self._queue.append(job)
-        self._queued_tokens += sum(len(x) for x in job.inputs)
-        if self._queued_tokens >= self.max_prefill_tokens:
-            self._filled.set()
         if self._collector is None or self._collector.done() or self._loop is not loop:
             self._loop = loop
             self._filled = asyncio.Event()
-            if self._queued_tokens >= self.max_prefill_tokens:
-                self._filled.set()
             self._collector = loop.create_task(self._collect())
+        if self._queued_tokens() >= self.max_prefill_tokens:
+            self._filled.set()
         return await job.answer
 
     async def _collect(self) -> None:
@@ -252,6 +247,9 @@ class RewardModel:
                     job.answer.set_result(res)
             await asyncio.sleep(0)  # let the answered requests' handlers run before the next round
 
+    def _queued_tokens(self) -> int:
+        return sum(len(x) for job in self._queue for x in job.inputs)
+
     def _take(self) -> list[_Job]:
         """The next round: queued requests in arrival order, up to `max_total_tokens` tokens (at least one); those
         whose client went away are dropped."""
@@ -261,14 +259,12 @@ class RewardModel:
             n = sum(len(x) for x in job.inputs)
             if job.answer.done():
                 self._queue.pop(0)
-                self._queued_tokens -= n
                 continue
             if jobs and tokens + n > self.max_total_tokens:
                 break
             jobs.append(self._queue.pop(0))
-            self._queued_tokens -= n
             tokens += n
-        if self._queued_tokens < self.max_prefill_tokens:
+        if self._queued_tokens() < self.max_prefill_tokens:
             self._filled.clear()
         return jobs
 
