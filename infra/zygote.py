@@ -613,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = argv[0]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # our own session; a stop reaches the children, not us
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a `kill`: exit through the `finally` below, its socket dir removed
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     try:
         _Zygote(path).serve()
     finally:

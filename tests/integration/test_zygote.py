@@ -157,6 +157,24 @@ def test_the_child_and_the_zygote_die_with_the_process_that_asked(child_module, 
         req.kill()
 
 
+def test_a_terminated_zygote_removes_its_socket_directory(child_module, tmp_path):
+    """`kill` (SIGTERM) or a hang-up on the zygote itself: it exits through its cleanup, its socket directory gone
+    (before, each such end left an `alloy-zygote-*` directory in /tmp)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        sock = tmp_path / f"z{sig}" / "sock"
+        sock.parent.mkdir()
+        z = subprocess.Popen([sys.executable, "-m", "infra.zygote", str(sock)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env={k: v for k, v in os.environ.items() if k != zygote.ENV})
+        try:
+            assert z.stdout.readline() == b"ready\n" and sock.exists()
+            z.send_signal(sig)
+            assert z.wait(20) == 128 + sig
+            assert not sock.parent.exists()
+        finally:
+            z.kill()
+            z.wait()
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
