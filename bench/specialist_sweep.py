@@ -13,8 +13,10 @@ and to `per_domain.<domain>` (a config's per-domain settings would win over the 
 the val split (greedy, 200 prompts), `patience=0` and `stop_at` off so the curve runs to `--steps`.
 Reported per run: the curve, and for each `--rule CAP:PATIENCE` the best validation that rule would have kept and
 the steps it would have spent (the demo's rule: stop after PATIENCE validations without a new best, or at the
-config's `stop_at`). Scores do not depend on load; wall times do (meta has the load). No target: a measurement to
-choose settings by (`docs/tuning.md` names the choice and the command).
+config's `stop_at`); and per domain, arm and rule, each base's gain (the kept best over the step-0 validation),
+their smallest and mean, and the steps spent (`summary`, the table). Scores do not depend on load; wall times do
+(meta has the load). No target: a measurement to choose settings by (`docs/tuning.md` names the choice and the
+command); `--summarize JSON` rebuilds the summary and table of a written file with other `--rule`s, running nothing.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import exit_on_sigterm, start_meta, write_json  # noqa: E402
+from harness import add_check, exit_on_sigterm, start_meta, verdict, write_json, write_outputs  # noqa: E402
 
 from teachers.selection import Selection  # noqa: E402
 
@@ -62,6 +64,31 @@ def replay(curve: list[dict], cap: int, patience: int, stop_at: float | None) ->
     return {"best": sel.best_score, "best_step": sel.best_step, "steps": last}
 
 
+def summarize(runs: list[dict], rules: list[str], stop_at: float | None) -> tuple[dict, str]:
+    """Per domain, arm and rule (`CAP:PATIENCE`): each base's gain under that rule, the smallest, the mean and the
+    steps spent over the bases; and the same as a markdown table (a row per domain and arm, a column per rule)."""
+    summary: dict = {}
+    for r in runs:
+        for rule in rules:
+            cap, patience = (int(x) for x in rule.split(":"))
+            kept = replay(r["validation"], cap, patience, stop_at)
+            cell = summary.setdefault(r["domain"], {}).setdefault(r["arm"], {}).setdefault(
+                rule, {"gains": {}, "steps": 0})
+            cell["gains"][r["base_name"]] = round(kept["best"] - r["validation"][0]["score"], 4)
+            cell["steps"] += kept["steps"]
+    lines = ["| domain | arm | " + " | ".join(f"{rule}: gains (min) · steps" for rule in rules) + " |",
+             "|---|---|" + "---|" * len(rules)]
+    for domain, arms in summary.items():
+        for arm, cells in arms.items():
+            for cell in cells.values():
+                g = list(cell["gains"].values())
+                cell["min"], cell["mean"] = min(g), round(sum(g) / len(g), 4)
+            lines.append(f"| {domain} | {arm} | " + " | ".join(
+                " / ".join(f"{x:+.2f}" for x in c["gains"].values()) + f" (**{c['min']:+.2f}**) · {c['steps']}"
+                for c in cells.values()) + " |")
+    return summary, "\n".join(lines)
+
+
 def run_one(config: str, name: str, base: str, domain: str, arm: str, sets: list[str], steps: int, work: Path) -> dict:
     out = work / f"{arm}-{domain}-{name}"
     overrides = [f"specialists.steps={steps}", "specialists.patience=0", "specialists.stop_at=1.0", *sets]
@@ -83,15 +110,26 @@ def run_one(config: str, name: str, base: str, domain: str, arm: str, sets: list
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/demo.yaml")
-    p.add_argument("--base", action="append", required=True, help="NAME=DIR: an HF checkpoint to start from")
-    p.add_argument("--domains", required=True)
-    p.add_argument("--arm", action="append", required=True, help="NAME=KEY=VALUE[,KEY=VALUE...]")
+    p.add_argument("--base", action="append", default=[], help="NAME=DIR: an HF checkpoint to start from")
+    p.add_argument("--domains", default="")
+    p.add_argument("--arm", action="append", default=[], help="NAME=KEY=VALUE[,KEY=VALUE...]")
     p.add_argument("--steps", type=int, default=900)
     p.add_argument("--rule", action="append", default=[], help="CAP:PATIENCE, an early-stopping rule to replay")
     p.add_argument("--stop-at", type=float, default=0.95, help="the rule's stop_at (the demo's 0.95)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default=str(REPO / "bench/results/specialist_sweep.json"))
+    p.add_argument("--summarize", metavar="JSON", help="rebuild a written file's summary with these --rules; no runs")
+    add_check(p, None)
     args = p.parse_args(argv)
+    if args.summarize:
+        result = json.loads(Path(args.summarize).read_text())
+        rules = args.rule or result["config"]["rules"]
+        result["config"]["rules"] = rules
+        result["summary"], table = summarize(result["runs"], rules, result["config"]["stop_at"])
+        write_outputs(Path(args.summarize), result, table)
+        return verdict("specialist_sweep", None, args.check, has_target=False)
+    if not (args.base and args.domains and args.arm):
+        p.error("--base, --domains and --arm are required (or --summarize JSON)")
     exit_on_sigterm()
     meta = start_meta()
     bases = dict(b.split("=", 1) for b in args.base)
@@ -115,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k} {v['best']:.3f}@{v['best_step']} ({v['steps']} st)" for k, v in r["rules"].items()), flush=True)
             write_json(Path(args.out), result)  # after every run: an interrupted sweep keeps what finished
     result["meta"].pop("loadavg_end", None)
-    write_json(Path(args.out), result)
-    return 0
+    result["summary"], table = summarize(runs, result["config"]["rules"], args.stop_at)
+    write_outputs(Path(args.out), result, table)
+    return verdict("specialist_sweep", None, args.check, has_target=False)
 
 
 if __name__ == "__main__":

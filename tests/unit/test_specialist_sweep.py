@@ -32,3 +32,16 @@ def test_parse_arm():
         parse_arm("x=kl_coef=0")
     with pytest.raises(SystemExit, match="NAME="):
         parse_arm("=specialists.kl_coef=0")
+
+
+def test_summarize_gains_min_mean_and_steps_by_hand():
+    from specialist_sweep import summarize
+    runs = [{"domain": "copy", "arm": "kl0", "base_name": "0", "validation": CURVE},
+            {"domain": "copy", "arm": "kl0", "base_name": "1",
+             "validation": [{"step": 0, "score": 0.30}, {"step": 50, "score": 0.50}]}]
+    summary, table = summarize(runs, ["900:4", "300:0"], 0.95)
+    # base 0: 900:4 keeps 0.45 (gain +0.05, 250 steps); 300:0 keeps 0.60 (+0.20, 300 steps). base 1: +0.20, 50 steps
+    assert summary["copy"]["kl0"]["900:4"] == {"gains": {"0": 0.05, "1": 0.2}, "steps": 300, "min": 0.05,
+                                               "mean": 0.125}
+    assert summary["copy"]["kl0"]["300:0"] == {"gains": {"0": 0.2, "1": 0.2}, "steps": 350, "min": 0.2, "mean": 0.2}
+    assert table.splitlines()[2] == "| copy | kl0 | +0.05 / +0.20 (**+0.05**) · 300 | +0.20 / +0.20 (**+0.20**) · 350 |"
