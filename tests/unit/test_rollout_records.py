@@ -163,32 +163,50 @@ def test_the_trace_lands_in_a_real_mlflow_run(tmp_path):
     assert spans["cat"].parent_id == spans["turn 1"].span_id and spans["calc"].inputs == {"command": "calc 1+2"}
 
 
-def test_seeded_runs_keep_their_own_traces(tmp_path, monkeypatch):
+SEEDED_TRACES = """
+import json, random, sys
+from infra.tracking import Tracker
+root, tree = sys.argv[1], json.loads(sys.argv[2])
+out = []
+for name in ("first", "rerun"):
+    tracker = Tracker(runs_root=root, experiment="records")
+    run = tracker.start_parent(name)
+    random.seed(0)  # the trainer's seeding
+    trace_id = tracker.log_trace(tree)
+    out.append({"run": run, "trace_id": trace_id, "untouched": random.random() == random.Random(0).random(),
+                "experiment_id": tracker.experiment_id, "uri": tracker.tracking_uri})
+print(json.dumps(out))
+"""
+
+
+def test_seeded_runs_keep_their_own_traces(tmp_path):
     """Every trainer seeds Python's `random` (run.seed), from which OpenTelemetry's default generator draws trace
     ids: two runs of one seed (a rerun of a config) logged the same ids, and the second run's traces replaced the
     first's in the store (the first run's Traces tab was empty; seen on the e2e stack too). The ids
     come from MLflow's private generator (MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR, set by `log_trace` when
-    the environment does not say): each run keeps its own traces, and the trainer's `random` stream is untouched."""
-    import random
+    the environment does not say): each run keeps its own traces, and the trainer's `random` stream is untouched.
+    In a fresh interpreter, as a trainer is: in a test worker, threads left by earlier tests may draw from the
+    shared `random` between the seeding and the check (seen once under pytest-xdist)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
     from mlflow import MlflowClient
 
-    from infra.tracking import Tracker as MlflowTracker
-
-    monkeypatch.setenv("MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR", "")  # restored after the test
-    monkeypatch.delenv("MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR")  # as in a trainer: not set
-    runs, ids = [], []
-    for name in ("first", "rerun"):
-        tracker = MlflowTracker(runs_root=tmp_path, experiment="records")
-        runs.append(tracker.start_parent(name))
-        random.seed(0)  # the trainer's seeding
-        ids.append(tracker.log_trace(episode_trace(tool_row())))
-        assert random.random() == random.Random(0).random()  # logging a trace drew nothing from it
-    assert ids[0] != ids[1]
-    client = MlflowClient(tracker.tracking_uri)
-    for run, trace_id in zip(runs, ids):
-        (trace,) = client.search_traces(locations=[tracker.experiment_id], run_id=run)
-        assert trace.info.trace_id == trace_id and len(trace.data.spans) == 6
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR"}
+    proc = subprocess.run([sys.executable, "-c", SEEDED_TRACES, str(tmp_path), json.dumps(episode_trace(tool_row()))],
+                          capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, rerun = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first["untouched"] and rerun["untouched"]  # logging a trace drew nothing from the seeded `random`
+    assert first["trace_id"] != rerun["trace_id"]
+    client = MlflowClient(first["uri"])
+    for r in (first, rerun):
+        (trace,) = client.search_traces(locations=[r["experiment_id"]], run_id=r["run"])
+        assert trace.info.trace_id == r["trace_id"] and len(trace.data.spans) == 6
 
 
 def test_full_records_go_to_mlflow_only_on_the_sample_steps(tmp_path):
