@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(r)
             print(f"{r['arm']:>10} {r['domain']:>12} base {r['base_name']}: start {r['val_start']:.3f}  " + "  ".join(
                 f"{k} {v['best']:.3f}@{v['best_step']} ({v['steps']} st)" for k, v in r["rules"].items()), flush=True)
-            write_json(Path(args.out), result)  # after every run: an interrupted sweep keeps what finished
-    result["meta"].pop("loadavg_end", None)
+            # after every run, so an interrupted sweep keeps what finished (a copy of meta: its end is the sweep's)
+            write_json(Path(args.out), {**result, "meta": dict(meta)})
     result["summary"], table = summarize(runs, result["config"]["rules"], args.stop_at)
     write_outputs(Path(args.out), result, table)
     return verdict("specialist_sweep", None, args.check, has_target=False)

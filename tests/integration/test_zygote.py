@@ -157,7 +157,7 @@ def test_the_child_and_the_zygote_die_with_the_process_that_asked(child_module, 
         req.kill()
 
 
-def test_a_terminated_zygote_removes_its_socket_directory(child_module, tmp_path):
+def test_a_terminated_zygote_removes_its_socket_directory(tmp_path):
     """`kill` (SIGTERM) or a hang-up on the zygote itself: it exits through its cleanup, its socket directory gone
     (before, each such end left an `alloy-zygote-*` directory in /tmp)."""
     for sig in (signal.SIGTERM, signal.SIGHUP):

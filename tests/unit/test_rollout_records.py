@@ -3,7 +3,12 @@ back from local storage and from a real S3-compatible server (moto's), and a fai
 training."""
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -187,12 +192,6 @@ def test_seeded_runs_keep_their_own_traces(tmp_path):
     the environment does not say): each run keeps its own traces, and the trainer's `random` stream is untouched.
     In a fresh interpreter, as a trainer is: in a test worker, threads left by earlier tests may draw from the
     shared `random` between the seeding and the check (seen once under pytest-xdist)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from mlflow import MlflowClient
 
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR"}
