@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import re
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -29,6 +26,7 @@ for _p in (str(REPO), str(REPO / "tests")):
         sys.path.insert(0, _p)
 
 from alloy.cli import env_defaults  # noqa: E402  (offline/quiet env before torch is imported)
+from infra.hostinfo import cpu_model, git_state, now_utc, run_meta  # noqa: E402,F401  (one source with the reports)
 
 env_defaults()
 
@@ -42,30 +40,6 @@ ALIASES = [("reverse_d2", "domains.builtin.text:Reverse"), ("sort_digits_d2", "d
 
 
 # -- meta: what ran, where, under which load -------------------------------------------------------------------------
-def git_state(repo: Path = REPO) -> dict:
-    """{"commit": HEAD's sha, "dirty": tracked files differ from it}; None for both outside a git checkout."""
-    def git(*args: str) -> str | None:
-        try:
-            r = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return r.stdout if r.returncode == 0 else None
-
-    head = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no") if head else None
-    return {"commit": head.strip() if head else None, "dirty": bool(status.strip()) if status is not None else None}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if re.match(r"model name\s*:", line):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def thread_settings() -> dict:
     """torch's intra-/inter-op threads in this process (None until torch is imported) and the thread env vars."""
     torch = sys.modules.get("torch")
@@ -77,24 +51,14 @@ def thread_settings() -> dict:
 def start_meta() -> dict:
     """The run's meta, taken when a bench starts: commit (+ dirty), CPU model, cores (all, and the ones this process
     may run on), thread settings, load average, python/torch versions, the exact command line (`sys.argv`)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        torch_version = version("torch")
-    except PackageNotFoundError:
-        torch_version = None
-    return {**git_state(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
-            "cores": sorted(os.sched_getaffinity(0)), "threads_start": thread_settings(),
-            "loadavg_start": list(os.getloadavg()), "python": platform.python_version(), "torch": torch_version,
-            "platform": platform.platform(), "argv": list(sys.argv), "started_at": time.strftime(
-                "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return run_meta(cores=sorted(os.sched_getaffinity(0)), threads_start=thread_settings())
 
 
 def end_meta(meta: dict) -> dict:
     """`meta` completed when the bench ends: load average and thread settings then (torch is loaded by now)."""
     if "loadavg_end" not in meta:
         meta.update({"loadavg_end": list(os.getloadavg()), "threads": thread_settings(),
-                     "ended_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                     "ended_at": now_utc()})
     return meta
 
 

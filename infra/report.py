@@ -73,8 +73,10 @@ GUARD_KEYS = ("tool_calls", "flagged", "blocked", "judged", "judge_blocked", "ju
 
 def build_report(*, config: str, run_id: str, mlflow: dict, scores: pd.DataFrame, domains: list[str],
                  n_teachers: int = 0, timings_s: dict | None = None, throughput: dict | None = None,
-                 guard: dict | None = None, artifacts: dict | None = None, resources: dict | None = None) -> dict:
-    """`resources`: {stage: {"world_size": W}} as the trainers ran (see `resources_of`); missing stages are null."""
+                 guard: dict | None = None, artifacts: dict | None = None, resources: dict | None = None,
+                 meta: dict | None = None) -> dict:
+    """`resources`: {stage: {"world_size": W}} as the trainers ran (see `resources_of`); missing stages are null.
+    `meta`: what ran where (`infra.hostinfo.run_meta`: commit, CPU, load, command line, config and overrides)."""
     table = domain_table(scores, domains)
     recoveries = [v["recovery"] for v in table.values() if v["recovery"] is not None]
     summary = {
@@ -99,6 +101,7 @@ def build_report(*, config: str, run_id: str, mlflow: dict, scores: pd.DataFrame
         "guard": {**dict.fromkeys(GUARD_KEYS, 0), **(guard or {})},
         "artifacts": {"student_checkpoint": None, "registered_model": None, **(artifacts or {})},
         "resources": {k: {"world_size": None, **(resources or {}).get(k, {})} for k in RESOURCE_STAGES},
+        "meta": dict(meta or {}),
     }
 
 
@@ -145,6 +148,12 @@ def render_table(report: dict) -> str:
     ml = report.get("mlflow", {})
     if ml:
         lines.append(f"mlflow: {ml.get('tracking_uri')}  experiment {ml.get('experiment')}  run {ml.get('parent_run_id')}")
+    meta = report.get("meta") or {}
+    if meta:  # reports before 2026-11-30 have none
+        commit = (meta.get("commit") or "?")[:10] + (" (dirty)" if meta.get("dirty") else "")
+        load = " → ".join(f"{m[0]:.1f}" for m in (meta.get("loadavg_start"), meta.get("loadavg_end")) if m)
+        lines.append(f"ran: commit {commit} on {meta.get('cpu_model')} ({meta.get('cpu_count')} CPUs), load {load}, "
+                     f"{meta.get('started_at')} → {meta.get('ended_at')}")
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ class RunContext:
     timings: dict = field(default_factory=dict)
     resources: dict = field(default_factory=dict)  # stage → {"world_size": W} as the trainer ran (report.json)
     started: float = field(default_factory=time.monotonic)
+    meta: dict = field(default_factory=dict)  # infra.hostinfo.run_meta at the start: report.json's `meta`
 
 
 class stage_timer:
@@ -50,9 +51,11 @@ def open_context(config_path: str, overrides: list[str], parent_run_id: str | No
     import uuid
 
     from infra.config import load_config
+    from infra.hostinfo import run_meta
     from infra.tracking import NoopTracker, Tracker
 
     cfg = load_config(config_path, overrides, check_model_path=check_model_path)
+    meta = run_meta(config=config_path, overrides=list(overrides), fingerprint=cfg.fingerprint())
     domains = load_domains(cfg)
     work_dir = Path(cfg.run.root).resolve() / cfg.run.name / "work"  # local scratch; storage holds what is committed
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -63,10 +66,11 @@ def open_context(config_path: str, overrides: list[str], parent_run_id: str | No
             parent = parent_run_id
         else:
             parent = tracker.start_parent(f"{cfg.run.name}-{uuid.uuid4().hex[:6]}",
-                                          tags={"alloy.config": config_path, "alloy.fingerprint": cfg.fingerprint()})
+                                          tags={"alloy.config": config_path, "alloy.fingerprint": cfg.fingerprint(),
+                                                **({"alloy.commit": meta["commit"]} if meta["commit"] else {})})
             tracker.log_config(cfg.model_dump(mode="json"))
     else:
         tracker, parent = NoopTracker(), None
     return RunContext(cfg=cfg, config_path=config_path, overrides=list(overrides), work_dir=work_dir,
                       storage_url=cfg.storage_url, tracker=tracker, parent_run_id=parent or uuid.uuid4().hex,
-                      domains=domains)
+                      domains=domains, meta=meta)

@@ -12,6 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from infra.charts import mlflow_run_url
+from infra.hostinfo import finish_meta
 from infra.report import build_report, render_table
 from infra.storage import join, write_json
 from infra.secrets import mask_secrets
@@ -32,7 +33,7 @@ def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | Non
         mlflow={"tracking_uri": mask_secrets(getattr(tracker, "tracking_uri", None) or ""), "experiment": ctx.cfg.tracking.experiment,
                 "parent_run_id": ctx.parent_run_id},
         n_teachers=n_teachers, timings_s=ctx.timings, throughput=throughput, guard=guard, artifacts=artifacts,
-        resources=resources,
+        resources=resources, meta=finish_meta(ctx.meta),
     )
     write_json(join(ctx.storage_url, "report.json"), report)
     if report_path:

@@ -19,7 +19,7 @@ FAST = ["base.steps=8", "base.n_train_per_domain=200", "eval.n_eval=10", "specia
         "specialists.checkpoint_every=2", "specialists.critic_warmup_steps=1", "distill.steps=3", "distill.batch_size=12", "distill.eval_every=0"]
 
 REPORT_KEYS = {"config", "run_id", "mlflow", "domains", "summary", "timings_s", "throughput", "guard", "artifacts",
-               "resources"}
+               "resources", "meta"}
 
 
 def check_report(report: dict, n_domains: int, specialists: bool = True) -> None:
@@ -43,6 +43,11 @@ def check_report(report: dict, n_domains: int, specialists: bool = True) -> None
     assert report["throughput"]["distill_sampled_tokens_per_s"] > 0
     assert report["throughput"]["teacher_scored_tokens_per_s"] > 0
     assert set(report["guard"]) >= {"tool_calls", "flagged", "blocked"}
+    meta = report["meta"]  # what ran where: the code tree's commit, the host, the command and its overrides
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert meta["commit"] == (head or None) and meta["cpu_model"] and meta["cpu_count"] >= 1
+    assert meta["config"].endswith(".yaml") and isinstance(meta["overrides"], list) and meta["argv"]
+    assert meta["ended_at"] >= meta["started_at"] and len(meta["loadavg_end"]) == 3
     art = report["artifacts"]
     assert art["student_checkpoint"].endswith("/final") and (art["registered_model"] is None  # tracking off
                                                                      or art["registered_model"].startswith("alloy-student/"))
@@ -84,10 +89,12 @@ def test_cli_run_every_trainer_on_two_ranks_and_exit_codes(tmp_path, prefect_har
     report = json.loads(out.read_text())
     print("2-rank pipeline timings (s):", report["timings_s"])
     check_report(report, 2)
+    assert report["meta"]["overrides"] == FAST + [f"run.root={tmp_path}"] + TWO_RANKS  # the run, reproducible
     assert report["resources"] == {"base": {"world_size": 2}, "specialists": {"world_size": 2},
                                    "student": {"world_size": 2}}
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     parent = client.get_run(report["mlflow"]["parent_run_id"])
+    assert parent.data.tags.get("alloy.commit") == report["meta"]["commit"]
     assert parent.info.status == "FINISHED" and report["run_id"] == report["mlflow"]["parent_run_id"]
     assert parent.data.params["domains.0.name"] == "reverse"
     children = {c.info.run_name: c for c in client.search_runs(

@@ -152,3 +152,25 @@ def test_alloy_config_accepts_a_hub_id_and_an_existing_directory(tmp_path, monke
     for path in ("Qwen/Qwen2-0.5B", "gpt2", str(tmp_path / "ckpt"), "ckpt"):
         assert main(["config", SMOKE, "--set", f"model.path={path}"]) == 0, capsys.readouterr().err
         assert f"path: {path}" in capsys.readouterr().out
+
+
+def test_a_report_carries_what_ran_where_and_prints_it():
+    """report.json's `meta` (infra.hostinfo.run_meta at the start, finish_meta at the end): the figure's commit,
+    host class, load, command and overrides travel with it; `alloy report` prints them; a report without it (before
+    2026-11-30) still reads."""
+    from infra.hostinfo import finish_meta, run_meta
+    from infra.report import render_table
+
+    start = run_meta(config="c.yaml", overrides=["run.seed=1"])
+    assert start["config"] == "c.yaml" and start["overrides"] == ["run.seed=1"] and len(start["loadavg_start"]) == 3
+    assert start["cpu_model"] and start["cpu_count"] >= 1 and start["argv"] == sys.argv
+    meta = finish_meta(start)
+    assert "ended_at" not in start and meta["ended_at"] >= meta["started_at"] and len(meta["loadavg_end"]) == 3
+    meta.update(commit="0123456789abcdef", dirty=True, cpu_model="AMD EPYC", cpu_count=2,
+                loadavg_start=[3.21, 0, 0], loadavg_end=[0.5, 0, 0])
+    rep = build_report(config="c.yaml", run_id="r", mlflow={}, domains=[], scores=pd.DataFrame(), meta=meta)
+    assert rep["meta"] == meta and rep["meta"] is not meta and report_problems(json.loads(json.dumps(rep))) == []
+    line = render_table(rep).splitlines()[-1]
+    assert line.startswith("ran: commit 0123456789 (dirty) on AMD EPYC (2 CPUs), load 3.2 → 0.5, 20"), line
+    old = build_report(config="c.yaml", run_id="r", mlflow={}, domains=[], scores=pd.DataFrame())
+    assert old["meta"] == {} and "ran:" not in render_table(old)
