@@ -109,6 +109,11 @@ class DistillConfig(_Strict):
     top_k: int = Field(16, ge=1, description="Teacher top-k log-probs per position (topk_kl; plus one tail bucket).")
     reward_coef: float = Field(0.0, ge=0, description="Weight of the task-reward advantage (verifier reward minus "
                                                       "its per-domain batch mean) mixed into the loss; 0 = off.")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = Field("token_mean", description="How the loss averages "
+                                                                  "over a batch: every response token weighs the same "
+                                                                  "(token_mean), or every sample, its tokens averaged "
+                                                                  "(seq_mean_token_mean: a 3-token answer weighs as "
+                                                                  "much as a 16-token one; docs/tuning.md#distill).")
     domain_weighting: Literal["uniform", "rkl"] = Field("uniform", description="How a batch's prompts split over "
                                                         "domains: evenly, or more to teachers the student is furthest "
                                                         "from (recent reverse KL; see rkl_mix).")
@@ -151,6 +156,15 @@ class DistillConfig(_Strict):
     deployment: str = ops_field("alloy-distill/default", description="Deployment the distill stage runs as in "
                                                                    "deployment mode.")
     train: TrainConfig = Field(default_factory=lambda: TrainConfig(lr=1e-3, micro_batch_size=128))
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler, info):
+        """As usual, except in a fingerprint: `loss_agg` left at token_mean is left out, so a student keys its
+        checkpoints as before the setting existed."""
+        data = handler(self)
+        if isinstance(info.context, dict) and info.context.get("fingerprint") and data.get("loss_agg") == "token_mean":
+            del data["loss_agg"]
+        return data
 
     @model_validator(mode="after")
     def _ranks(self) -> "DistillConfig":

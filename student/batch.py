@@ -33,6 +33,7 @@ class OPDBatch:
     reward_adv: torch.Tensor  # (B,) task-reward advantage (0 when rewards are off)
     lag: torch.Tensor  # (B,) policy versions between sampling and this update
     sample_ids: list[str]
+    token_weight: torch.Tensor | None = None  # (B, T-1) each token's weight in the loss (`row_weight`), or None: 1
 
     @property
     def num_tokens(self) -> int:
@@ -55,12 +56,15 @@ def reward_advantage(rewards: Sequence[float], groups: Sequence[str]) -> list[fl
 
 
 def collate(samples: Sequence[StudentSample], pad_id: int, version: int, with_topk: bool,
-            reward_adv: Sequence[float] | None = None) -> OPDBatch:
+            reward_adv: Sequence[float] | None = None, row_weight: Sequence[float] | None = None) -> OPDBatch:
     """Pad scored samples into an `OPDBatch` (see the module docstring for the alignment). `reward_adv`: the
     samples' task-reward advantages when the baseline is taken over more than these samples (a rank's shard of a
-    global batch); default `reward_advantage` over these samples."""
+    global batch); default `reward_advantage` over these samples. `row_weight`: one weight per sample for each of its
+    tokens in the loss (`training.rl_math.seq_mean_weights` of the global batch), None: every token 1."""
     if not samples:
         raise ValueError("collate: no samples")
+    if row_weight is not None and len(row_weight) != len(samples):
+        raise ValueError(f"collate: {len(row_weight)} row weights for {len(samples)} samples")
     B, T = len(samples), max(len(s.prompt_ids) + len(s.output_ids) for s in samples)
     K = int(samples[0].teacher_topk_ids.shape[1]) if with_topk else 0
     ids = np.full((B, T), pad_id, dtype=np.int64)
@@ -98,7 +102,9 @@ def collate(samples: Sequence[StudentSample], pad_id: int, version: int, with_to
         torch.from_numpy(ids), torch.from_numpy(attn), torch.from_numpy(mask), torch.from_numpy(t_lp),
         torch.from_numpy(r_lp), torch.from_numpy(k_ids) if with_topk else None,
         torch.from_numpy(k_lp) if with_topk else None, torch.tensor(adv, dtype=torch.float32),
-        torch.tensor([version - s.version for s in samples], dtype=torch.float32), [s.sample_id for s in samples])
+        torch.tensor([version - s.version for s in samples], dtype=torch.float32), [s.sample_id for s in samples],
+        None if row_weight is None else
+        torch.from_numpy(mask) * torch.tensor(list(row_weight), dtype=torch.float32)[:, None])
 
 
 def opd_loss(logits: torch.Tensor, batch: OPDBatch, *, loss: OPDLoss | str, direction: str, beta: float,
@@ -134,7 +140,7 @@ def opd_loss(logits: torch.Tensor, batch: OPDBatch, *, loss: OPDLoss | str, dire
     inputs = OPDInputs(logits=logits[:, :-1], logp=logp, teacher_logp=batch.teacher_logp,
                        rollout_logp=batch.rollout_logp, mask=mask, reward_adv=batch.reward_adv if reward_coef else None,
                        topk_ids=batch.topk_ids, topk_logp=batch.topk_logp,
-                       student_topk_logp=gathered[..., 1:] if with_topk else None)
+                       student_topk_logp=gathered[..., 1:] if with_topk else None, token_weight=batch.token_weight)
     total, metrics = spec(inputs, direction=direction, beta=beta, reward_coef=reward_coef, is_clip=is_clip,
                           global_token_count=global_token_count)
     return total, {**metrics, **gap}

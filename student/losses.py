@@ -13,7 +13,8 @@ declares what it needs (``needs_teacher_topk``) and looked up once by name (``ge
 Conventions: padded ``(B, T)`` tensors with ``mask (B, T)`` (1 = response token that counts); losses return
 ``(loss, metrics)`` with metrics as detached 0-d tensors (as torchtune's losses do: the trainer reads them back once
 per optimizer step, training/step_metrics.py, not once per micro-batch); aggregation is token-mean (Σ over valid
-tokens / their number, or / ``global_token_count`` so that data-parallel ranks sum to the one-rank loss). The token
+tokens / their number, or / ``global_token_count`` so that data-parallel ranks sum to the one-rank loss), each token's
+term optionally times a ``token_weight`` (``distill.loss_agg: seq_mean_token_mean``: ``rl_math.seq_mean_weights``). The token
 mean, the truncated importance ratio and the shape checks are the ones the PPO losses use (``training/rl_math.py``):
 ``student`` does not import ``teachers``' internals (docs/architecture.md, "Layering").
 """
@@ -69,14 +70,15 @@ def importance_ratio(logp_current: torch.Tensor, logp_behaviour: torch.Tensor, m
 def sampled_rkl_loss(logp_student: torch.Tensor, logp_teacher: torch.Tensor, mask: torch.Tensor,
                      old_logp: torch.Tensor | None = None, rollout_logp: torch.Tensor | None = None,
                      reward_adv: torch.Tensor | None = None, reward_coef: float = 0.0, is_clip: float | None = None,
-                     global_token_count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+                     global_token_count: float | torch.Tensor | None = None,
+                     token_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """Sampled-token reverse KL as a policy-gradient loss (slime / Thinking Machines OPD form):
 
         rkl_t = log π_s(y_t) − log π_T(y_t)          (π_s from old_logp if given, else the detached logp_student)
         A_t   = −rkl_t + reward_coef · reward_adv     (detached)
         ρ_t   = exp(logp_t − sg(logp_t))              (= 1 in value; ∇ρ_t = ∇ log π_s(y_t))
         w_t   = min(exp(sg(logp_t) − rollout_logp_t), is_clip)   (1 if rollout_logp is None; see importance_ratio)
-        ℓ_t   = −A_t · ρ_t · w_t,     loss = token-mean of ℓ over the mask
+        ℓ_t   = −A_t · ρ_t · w_t,     loss = token-mean of ℓ over the mask (each ℓ_t times ``token_weight`` if given)
 
     so ∇loss = −(1/N) Σ_t w_t·A_t·∇ log π_s(y_t): minimising it descends the reverse KL E_{y~π_s}[log π_s − log π_T]
     (the score-function gradient, per token without future-token credit, as in the references).
@@ -112,7 +114,7 @@ def sampled_rkl_loss(logp_student: torch.Tensor, logp_teacher: torch.Tensor, mas
         w = torch.ones_like(logp_det)
     else:
         w = importance_ratio(logp_det, rollout_logp, mask, is_clip)
-    loss = _token_mean(-adv * ratio * w, valid, global_token_count)
+    loss = _token_mean(-adv * ratio * w, valid, global_token_count, token_weight)
     metrics = {
         "loss": loss.detach(),
         "reverse_kl": _mean(rkl, valid),
@@ -149,7 +151,7 @@ def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor, teacher_topk_logp: torch.Tensor,
                  mask: torch.Tensor, direction: str = "forward", beta: float = 0.5,
                  global_token_count: float | torch.Tensor | None = None,
-                 chunk_tokens: int | None = None) -> tuple[torch.Tensor, Metrics]:
+                 chunk_tokens: int | None = None, token_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """Token-level KL between the teacher's top-k distribution and the student's, each with one tail bucket.
 
     Buckets at each position: the K teacher ids, plus a tail holding the rest of the mass,
@@ -163,7 +165,8 @@ def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor, t
                  and, as TRL special-cases them, β = 0 → KL(T‖S) (forward) and β = 1 → KL(S‖T) (reverse).
                  Note JSD_β itself → 0 at both ends; the continuous limits are JSD_β/β → KL(T‖S) as β → 0 and
                  JSD_β/(1 − β) → KL(S‖T) as β → 1, so the special cases are a (documented) jump, as in TRL.
-    loss = token-mean over the mask. All in log space (logsumexp, log1mexp), in float32 or wider. The student's
+    loss = token-mean over the mask (each token's term times ``token_weight`` (B, T) if given: ``seq_mean_weights``
+    per row makes it a mean over sequences). All in log space (logsumexp, log1mexp), in float32 or wider. The student's
     log-softmax over V is taken ``chunk_tokens`` positions at a time (``training.logprobs.gather_log_softmax``), so no
     float32 copy of the whole logits is kept; only the (B, T, K + 1) buckets are.
 
@@ -180,7 +183,7 @@ def topk_kl_loss(student_logits: torch.Tensor, teacher_topk_ids: torch.Tensor, t
     ids = check_teacher_topk("topk_kl_loss", teacher_topk_ids, teacher_topk_logp, mask, student_logits.shape[-1],
                              direction, beta)
     s_top = gather_log_softmax(student_logits, ids, mask != 0, chunk_tokens=chunk_tokens)
-    return topk_kl_from_student_logp(s_top, teacher_topk_logp, mask, direction, beta, global_token_count)
+    return topk_kl_from_student_logp(s_top, teacher_topk_logp, mask, direction, beta, global_token_count, token_weight)
 
 
 def check_teacher_topk(fn: str, teacher_topk_ids: torch.Tensor, teacher_topk_logp: torch.Tensor, mask: torch.Tensor,
@@ -234,8 +237,8 @@ def _repeats(rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def topk_kl_from_student_logp(student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tensor, mask: torch.Tensor,
                               direction: str = "forward", beta: float = 0.5,
-                              global_token_count: float | torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, Metrics]:
+                              global_token_count: float | torch.Tensor | None = None,
+                              token_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
     """``topk_kl_loss`` from the student's log-probs of the teacher's top-k ids (B, T, K) (with grad; float32 or
     wider), already gathered from its full log-softmax, and validated ids (``check_teacher_topk``)."""
     valid = mask != 0
@@ -257,7 +260,7 @@ def topk_kl_from_student_logp(student_topk_logp: torch.Tensor, teacher_topk_logp
         m_log = torch.logsumexp(torch.stack([t_log + math.log(beta), s_log + math.log1p(-beta)]), dim=0)
         per_tok = beta * _kl(t_log, m_log) + (1.0 - beta) * _kl(s_log, m_log)
 
-    loss = _token_mean(per_tok, valid, global_token_count)
+    loss = _token_mean(per_tok, valid, global_token_count, token_weight)
     metrics = {
         "loss": loss.detach(),
         "teacher_tail_mass": _mean(t_log[..., -1].exp(), valid),
@@ -276,7 +279,8 @@ class OPDInputs:
     mask (B, T); reward_adv (B,) or None (rewards off); topk_ids, topk_logp (B, T, K) the teacher's top-k, or None
     when it was not scored with top-k; student_topk_logp (B, T, K) the student's log-probs of topk_ids (grad), when
     the caller gathered them together with ``logp`` in one pass over the logits (student/batch.py: one logits-sized
-    gradient instead of two) at ids it checked with ``check_teacher_topk``, else None (gathered from ``logits``)."""
+    gradient instead of two) at ids it checked with ``check_teacher_topk``, else None (gathered from ``logits``);
+    token_weight (B, T) each token's weight in the loss (``distill.loss_agg``), or None (every token 1)."""
 
     logits: torch.Tensor
     logp: torch.Tensor
@@ -287,6 +291,7 @@ class OPDInputs:
     topk_ids: torch.Tensor | None = None
     topk_logp: torch.Tensor | None = None
     student_topk_logp: torch.Tensor | None = None
+    token_weight: torch.Tensor | None = None
 
 
 Objective = Callable[..., tuple[torch.Tensor, Metrics]]
@@ -335,7 +340,8 @@ def sampled_rkl_objective(x: OPDInputs, *, direction: str, beta: float, reward_c
     """ℓ_t = −w_t·A_t·ρ_t with A_t = −(log π_s − log π_T)(y_t) + reward_coef·A^reward, w_t the truncated importance
     ratio π_now/π_rollout (exact correction for samples from an older student). ``direction``, ``beta``: unused."""
     return sampled_rkl_loss(x.logp, x.teacher_logp, x.mask, rollout_logp=x.rollout_logp, reward_adv=x.reward_adv,
-                            reward_coef=reward_coef, is_clip=is_clip, global_token_count=global_token_count)
+                            reward_coef=reward_coef, is_clip=is_clip, global_token_count=global_token_count,
+                            token_weight=x.token_weight)
 
 
 @register_loss("topk_kl", fn=topk_kl_loss, needs_teacher_topk=True)
@@ -347,18 +353,18 @@ def topk_kl_objective(x: OPDInputs, *, direction: str, beta: float, reward_coef:
     ``is_weight_mean`` (and ``reward_pg_loss``)."""
     if x.student_topk_logp is None:
         total, metrics = topk_kl_loss(x.logits, x.topk_ids, x.topk_logp, x.mask, direction=direction, beta=beta,
-                                      global_token_count=global_token_count)
+                                      global_token_count=global_token_count, token_weight=x.token_weight)
     else:  # gathered by `student.batch.opd_loss` with ids it checked (`check_teacher_topk`): not checked twice
         _check_bt("topk_kl", x.mask, student_topk_logp=x.student_topk_logp[..., 0])
         total, metrics = topk_kl_from_student_logp(x.student_topk_logp, x.topk_logp, x.mask, direction, beta,
-                                                   global_token_count)
+                                                   global_token_count, x.token_weight)
     _, rkl_m = sampled_rkl_loss(x.logp.detach(), x.teacher_logp, x.mask, rollout_logp=x.rollout_logp,
                                 is_clip=is_clip)
     metrics.update(reverse_kl=rkl_m["reverse_kl"], is_weight_mean=rkl_m["is_weight_mean"])
     if reward_coef:
         pg, pg_m = sampled_rkl_loss(x.logp, x.logp.detach(), x.mask, rollout_logp=x.rollout_logp,
                                     reward_adv=x.reward_adv, reward_coef=reward_coef, is_clip=is_clip,
-                                    global_token_count=global_token_count)
+                                    global_token_count=global_token_count, token_weight=x.token_weight)
         total = total + pg
         metrics.update(reward_pg_loss=pg_m["loss"], loss=total.detach())
     return total, metrics

@@ -45,6 +45,7 @@ from training.ledger import Ledger
 from training.checkpoints import commit_checkpoint, restore_latest
 from training.progress_events import report
 from training.mfu import mfu, step_perf
+from training.rl_math import seq_mean_weights
 from training.ranks import Ranks, led
 from training.rollout_records import Recorder, RolloutRow, eval_rows
 from training.step_metrics import host_floats
@@ -485,6 +486,10 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
     # the update is then the same sum however the rows are grouped
     adv = reward_advantage([s.reward if s.reward is not None else 0.0 for s in samples],
                            [s.domain for s in samples])[rank::world]
+    # `distill.loss_agg`: every token weighs the same, or every sample (its tokens' mean), with weights of the global
+    # batch and the same normaliser, so the ranks' and micro-batches' parts still sum to the one-pass loss
+    row_w = (seq_mean_weights([s.model_tokens for s in samples])[rank::world]
+             if dc.loss_agg == "seq_mean_token_mean" else None)
     # micro-batches of similar lengths (sorted by prompt + response length, then split), each forwarded in up to
     # MAX_BUCKETS length buckets: every bucket is padded to its own longest row, so little padding is computed; the
     # loss is a sum over tokens / the global count, so the grouping changes nothing but float rounding. Fewer samples
@@ -517,7 +522,7 @@ def opd_update(backend, samples: list[StudentSample], version: int, dc, loss, pa
         for bucket in buckets:
             rows = [idx[j] for j in bucket]
             mb = collate([mine[i] for i in rows], pad, version, with_topk=loss.needs_teacher_topk,
-                         reward_adv=[adv[i] for i in rows])
+                         reward_adv=[adv[i] for i in rows], row_weight=None if row_w is None else [row_w[i] for i in rows])
             out = backend(input_ids=mb.input_ids.to(backend.device),
                           attention_mask=mb.attention_mask.to(backend.device))
             loss_t, bm = opd_loss(out.logits, mb, loss=loss, direction=dc.direction, beta=dc.beta,

@@ -21,17 +21,35 @@ def check_shapes(fn: str, ref_name: str, ref: torch.Tensor, **others: torch.Tens
             raise ValueError(f"{fn}: {name} has shape {tuple(t.shape)} but {ref_name} has {tuple(ref.shape)}")
 
 
-def token_mean(x: torch.Tensor, valid: torch.Tensor, global_token_count: float | torch.Tensor | None = None
-               ) -> torch.Tensor:
+def token_mean(x: torch.Tensor, valid: torch.Tensor, global_token_count: float | torch.Tensor | None = None,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
     """Token-level aggregation: Σ_{valid} x / N, N = the number of valid tokens (at least 1), or
     ``global_token_count`` (the whole batch's tokens over every micro-batch and rank, so that the parts sum to the
-    one-pass loss). x, valid (B, T) → a 0-d tensor; no host read."""
+    one-pass loss). ``weight`` (B, T), if given, scales each token's term (Σ_{valid} weight·x / N; see
+    ``seq_mean_weights``). x, valid (B, T) → a 0-d tensor; no host read."""
+    if weight is not None:
+        check_shapes("token_mean", "x", x, weight=weight)
+        x = x * weight.to(x.dtype)
     total = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum()
     if global_token_count is None:
         return total / valid.sum().clamp_min(1)  # a 0-d int tensor: the same float division, no host read
     if float(global_token_count) <= 0:
         raise ValueError(f"global_token_count must be > 0, got {float(global_token_count)}")
     return total / global_token_count
+
+
+def seq_mean_weights(token_counts: list[int] | tuple[int, ...]) -> list[float]:
+    """Per-sequence token weights that turn a token mean into a mean over sequences of each sequence's token mean
+    (verl's ``seq-mean-token-mean``): with L_b the tokens of sequence b, N = Σ_b L_b and S the sequences with L_b > 0,
+
+        w_b = N / (S · L_b)       (0 for an empty sequence),   so   Σ_b w_b · Σ_t ℓ_bt / N = (1/S) Σ_b (Σ_t ℓ_bt / L_b).
+
+    Σ_b w_b·L_b = N, so the weighted loss keeps the token mean's normaliser (``global_token_count``) and splits over
+    micro-batches and ranks exactly as it does. A 3-token answer then weighs as much as a 16-token one."""
+    if any(int(n) < 0 for n in token_counts):
+        raise ValueError(f"seq_mean_weights: token counts must be >= 0, got {list(token_counts)}")
+    n, s = sum(int(x) for x in token_counts), sum(1 for x in token_counts if int(x) > 0)
+    return [n / (s * int(x)) if int(x) > 0 else 0.0 for x in token_counts]
 
 
 def truncated_ratio(logp_num: torch.Tensor, logp_den: torch.Tensor, clip: float | None = None) -> torch.Tensor:

@@ -120,7 +120,8 @@ def run(out: Path | None = None) -> dict:
     return result
 
 
-def opd_grouped(grad_accum: int, micro_batch_tokens: int | None = None) -> dict[str, torch.Tensor]:
+def opd_grouped(grad_accum: int, micro_batch_tokens: int | None = None,
+                loss_agg: str = "token_mean") -> dict[str, torch.Tensor]:
     """One OPD step (world of one) on the 5 rows of LENGTHS in `grad_accum` micro-batches (opd_update sorts rows by
     length before splitting them), or in token-budget micro-batches of ≤ `micro_batch_tokens` padded positions →
     the student's weights after it."""
@@ -133,8 +134,8 @@ def opd_grouped(grad_accum: int, micro_batch_tokens: int | None = None) -> dict[
     from student.trainer import opd_update
 
     init_distributed()
-    dc = DistillConfig(loss="topk_kl", reward_coef=0.5, train=TrainConfig(lr=0.05, micro_batch_size=2,
-                                                                          grad_accum=grad_accum))
+    dc = DistillConfig(loss="topk_kl", reward_coef=0.5, loss_agg=loss_agg,
+                       train=TrainConfig(lr=0.05, micro_batch_size=2, grad_accum=grad_accum))
     student = DeepSpeedBackend(build_model("nano", VOCAB, PAD, 1, 2, seed=2),
                                replace(settings(), grad_accum=grad_accum, micro_batch_tokens=micro_batch_tokens))
     try:

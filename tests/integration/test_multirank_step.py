@@ -78,6 +78,17 @@ def test_opd_update_is_the_same_in_any_number_of_length_sorted_micro_batches():
     assert diff < TOL, f"3 length-sorted micro-batches differ from 1 by {diff}"
 
 
+def test_seq_mean_loss_splits_over_micro_batches_like_the_token_mean():
+    """`distill.loss_agg: seq_mean_token_mean`: the row weights come from the global batch (5 rows of 7, 2, 9, 1, 5
+    response tokens), so 3 length-sorted micro-batches still make the one-pass step; and it is another step than the
+    token mean's (rows weigh alike, not by their tokens)."""
+    s1, s3 = worker.opd_grouped(1, loss_agg="seq_mean_token_mean"), worker.opd_grouped(3, loss_agg="seq_mean_token_mean")
+    diff = max((s1[k] - s3[k]).abs().max().item() for k in s1)
+    assert diff < TOL, f"3 length-sorted micro-batches differ from 1 by {diff}"
+    w1 = worker.opd_grouped(1)
+    assert max((s1[k] - w1[k]).abs().max().item() for k in s1) > 1e-4
+
+
 def test_opd_update_in_token_budget_micro_batches_is_the_one_pass_step():
     """`micro_batch_tokens` 16: the rows of 12, 5, 15, 5, 7 tokens go as [5, 5], [7], [12], [15] (4 backwards of
     ≤ 16 padded positions, or a row alone; `DeepSpeedBackend.accumulate`, one optimizer step): the same step as

@@ -52,6 +52,7 @@ TRAINING_CHANGES = [
     ("eval.n_eval=9", SPEC_ON),  # the specialist's own score, kept in its result.json
     ("engine.backend=sglang", SPEC_ON), ("engine.max_running_requests=8", SPEC_ON),  # which APRIL samples finish
     ("distill.steps=5", {"student"}), ("distill.train.lr=0.01", {"student"}), ("distill.eval_every=5", {"student"}),
+    ("distill.loss_agg=seq_mean_token_mean", {"student"}),
     ("teachers.external.reverse=http://teacher:1", {"student"}),
 ]
 
@@ -131,6 +132,15 @@ def test_base_tool_trajectories_off_keys_the_base_as_before_the_setting_existed(
     assert "tool_trajectories" not in base_settings([])  # the default is left out: smoke's base prefix unmoved
     assert base_settings(["base.tool_trajectories=true"])["tool_trajectories"] is True
     assert "tool_trajectories" in load_config(SMOKE).model_dump()["base"]  # an ordinary dump keeps it
+
+
+def test_distill_token_mean_keys_the_student_as_before_loss_agg_existed():
+    def distill_settings(overrides):
+        return load_config(SMOKE, overrides).model_dump(context={"fingerprint": True})["distill"]
+
+    assert "loss_agg" not in distill_settings([])  # the default is left out: every student prefix unmoved
+    assert distill_settings(["distill.loss_agg=seq_mean_token_mean"])["loss_agg"] == "seq_mean_token_mean"
+    assert load_config(SMOKE).model_dump()["distill"]["loss_agg"] == "token_mean"  # an ordinary dump keeps it
 
 
 def test_base_validation_settings_move_the_base_only_when_it_stops_by_its_score():

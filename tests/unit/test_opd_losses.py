@@ -282,6 +282,31 @@ def test_topk_kl_token_mean_and_global_count():
     close(halves[0] + halves[1], FWD)
 
 
+def test_token_weight_makes_each_loss_a_mean_over_samples_and_splits_like_the_token_mean():
+    """`distill.loss_agg: seq_mean_token_mean`: with `seq_mean_weights` per row, sampled_rkl and topk_kl are the mean
+    over rows of each row's own token mean, and split over micro-batches with the global count as before."""
+    from training.rl_math import seq_mean_weights
+
+    torch.manual_seed(0)
+    B, T, V, K = 3, 4, 6, 3
+    logits = torch.randn(B, T, V, dtype=D)
+    mask = t([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]])  # 4, 1 and 2 tokens: N = 7
+    ids = torch.stack([torch.randperm(V)[:K] for _ in range(B * T)]).reshape(B, T, K)
+    tlogp = torch.log_softmax(torch.randn(B, T, V, dtype=D), -1).gather(-1, ids)
+    logp = torch.log_softmax(logits, -1)[..., 0]
+    teacher = torch.randn(B, T, dtype=D)
+    w = torch.tensor(seq_mean_weights([4, 1, 2]), dtype=D)[:, None] * mask
+    rows = range(B)
+    for name, fn in (("topk_kl", lambda r, **kw: topk_kl_loss(logits[r], ids[r], tlogp[r], mask[r], **kw)[0]),
+                     ("sampled_rkl", lambda r, **kw: sampled_rkl_loss(logp[r], teacher[r], mask[r], **kw)[0])):
+        per_row = [fn(slice(b, b + 1)) for b in rows]  # each row alone: its own token mean
+        weighted = fn(slice(0, B), token_weight=w)
+        close(weighted, sum(per_row) / B, atol=1e-12)
+        parts = [fn(slice(b, b + 1), token_weight=w[b:b + 1], global_token_count=7) for b in rows]
+        close(sum(parts), weighted, atol=1e-12)
+        assert not torch.allclose(weighted, fn(slice(0, B))), name  # the token mean weighs row 0's 4 tokens 4×
+
+
 def test_topk_kl_input_errors():
     logits, ids, tlogp, mask = hand_case()
     with pytest.raises(ValueError, match="direction"):

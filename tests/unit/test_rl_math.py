@@ -8,7 +8,7 @@ from math import log
 import pytest
 import torch
 
-from training.rl_math import check_shapes, token_mean, truncated_ratio
+from training.rl_math import check_shapes, seq_mean_weights, token_mean, truncated_ratio
 
 pytestmark = pytest.mark.unit
 
@@ -32,6 +32,23 @@ def test_token_mean_by_hand_ignores_garbage_in_padding():
     assert float(token_mean(x, torch.zeros_like(valid))) == 0.0
     with pytest.raises(ValueError, match="global_token_count must be > 0"):
         token_mean(x, valid, global_token_count=0)
+
+
+def test_seq_mean_weights_by_hand():
+    # lengths 4, 1, 3: N = 8 tokens, S = 3 sequences → w = 8/(3·L) = [2/3, 8/3, 8/9]; Σ w·L = 8/3 · 3 = N
+    assert seq_mean_weights([4, 1, 3]) == pytest.approx([2 / 3, 8 / 3, 8 / 9])
+    assert seq_mean_weights([0, 2]) == [0.0, 1.0]  # an empty row (all tool output) counts in neither N nor S
+    assert seq_mean_weights([]) == []
+    with pytest.raises(ValueError, match="must be >= 0"):
+        seq_mean_weights([2, -1])
+    # the weighted token mean is then the mean over rows of each row's token mean: rows [1, 2, 3, 4] and [10]
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, float("nan"), 0.0, 0.0]])
+    valid = torch.tensor([[True] * 4, [True, False, False, False]])
+    w = torch.tensor(seq_mean_weights([4, 1]))[:, None].expand(2, 4)  # 5/8, 5/2
+    assert float(token_mean(x, valid, weight=w)) == pytest.approx((2.5 + 10.0) / 2)  # not (10 + 10)/5 = 4
+    assert float(token_mean(x, valid)) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="token_mean: weight has shape"):
+        token_mean(x, valid, weight=w[:, :2])
 
 
 def test_check_shapes_names_the_tensor():

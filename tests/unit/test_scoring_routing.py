@@ -308,3 +308,42 @@ def test_scores_land_on_the_positions_that_predict_their_tokens():
     assert m["reverse_kl"] == pytest.approx(-math.log(100) + 1.56, abs=1e-5)
     # |−log 100 − rollout| averaged: (4.10517 + 3.90517 + 3.60517 + 2.60517 + 1.60517) / 5
     assert m["logp_abs_diff"] == pytest.approx(math.log(100) - 7.2 / 5, abs=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["sampled_rkl", "topk_kl"])
+def test_row_weights_make_the_batch_loss_the_mean_of_its_samples_losses(loss):
+    """`distill.loss_agg: seq_mean_token_mean`: collate's `row_weight` (seq_mean_weights of the batch: 2 and 3 tokens
+    → 5/4, 5/6) lands on each sample's response positions, and the batch's loss over its 5 tokens is then the mean of
+    the two samples' own losses, not their token-weighted mean."""
+    import torch
+
+    from student.batch import collate, opd_loss
+    from training.rl_math import seq_mean_weights
+
+    a = StudentSample("a", 0, "x", None, [1, 10, 11], [20, 21], [-0.5, -0.7], 3, "stop",
+                      teacher_logprobs=[-0.1, -0.2], teacher_topk_ids=np.array([[20, 5], [21, 6]]),
+                      teacher_topk_logprobs=np.array([[-0.1, -3.0], [-0.2, -2.0]]), reward=1.0)
+    b = StudentSample("b", 1, "x", None, [1], [30, 31, 32], [-1.0, -2.0, -3.0], 3, "length",
+                      teacher_logprobs=[-1.5, -2.5, -3.5], teacher_topk_ids=np.array([[30, 1], [31, 1], [32, 1]]),
+                      teacher_topk_logprobs=np.full((3, 2), -1.0), reward=0.0)
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, V)
+
+    def loss_of(samples, rows, n, row_weight=None):
+        batch = collate(samples, pad_id=0, version=3, with_topk=True, row_weight=row_weight)
+        lg = logits[rows, :batch.input_ids.shape[1]]
+        return opd_loss(lg, batch, loss=loss, direction="forward", beta=0.5, reward_coef=0.0, is_clip=2.0,
+                        global_token_count=n)[0], batch
+
+    w = seq_mean_weights([2, 3])
+    assert w == pytest.approx([5 / 4, 5 / 6])
+    weighted, batch = loss_of([a, b], [0, 1], 5.0, w)
+    np.testing.assert_allclose(batch.token_weight.numpy(), [[0, 0, 5 / 4, 5 / 4], [5 / 6, 5 / 6, 5 / 6, 0]],
+                               rtol=1e-6)
+    alone = [loss_of([a], [0], 2.0)[0], loss_of([b], [1], 3.0)[0]]
+    assert float(weighted) == pytest.approx(float(sum(alone)) / 2, rel=1e-5)
+    tokens, _ = loss_of([a, b], [0, 1], 5.0)  # the token mean: 2/5 and 3/5 of the two
+    assert float(tokens) == pytest.approx(float(2 * alone[0] + 3 * alone[1]) / 5, rel=1e-5)
+    assert float(tokens) != pytest.approx(float(weighted), rel=1e-3)
+    with pytest.raises(ValueError, match="1 row weights for 2 samples"):
+        collate([a, b], pad_id=0, version=3, with_topk=True, row_weight=[1.0])
