@@ -419,9 +419,31 @@ print(json.dumps(res))
 DETACH = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(30)\n"
           "        os._exit(0)\n    os._exit(0)\nprint('detached')")
 BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
-MEMORY = ("import os\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
-          "        b = b'x' * (80 << 20)\n        os._exit(0)\n    kids.append(pid)\n"
-          "print(sum(os.waitpid(p, 0)[1] == 0 for p in kids))")
+# 4 children of 80 MiB each, held at once: each reports its allocation and holds it until every live one has (or 2 s
+# pass without a report: one was killed), so on a busy machine they do not run one after another under the limit
+MEMORY = """import os, select
+r, w = os.pipe()
+hold_r, hold_w = os.pipe()
+kids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        os.close(r); os.close(hold_w)
+        b = b'x' * (80 << 20)
+        os.write(w, b'1')
+        os.read(hold_r, 1)
+        os._exit(0)
+    kids.append(pid)
+os.close(w); os.close(hold_r)
+got = 0
+while got < 4 and select.select([r], [], [], 2.0)[0]:
+    d = os.read(r, 4)
+    if not d:
+        break
+    got += len(d)
+os.close(hold_w)
+print(sum(os.waitpid(p, 0)[1] == 0 for p in kids))
+"""
 
 
 _alive_with = alive_with  # tests/proc_scan.py
