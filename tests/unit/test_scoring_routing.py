@@ -280,6 +280,17 @@ def test_domain_weights_by_hand():
         domain_weights(["a"], {}, mix=1.5)
 
 
+def _two_scored_samples(b_version: int) -> tuple[StudentSample, StudentSample]:
+    """Two scored samples by hand: a (prompt 3, response 2 tokens, version 3) and b (prompt 1, response 3)."""
+    a = StudentSample("a", 0, "x", None, [1, 10, 11], [20, 21], [-0.5, -0.7], 3, "stop",
+                      teacher_logprobs=[-0.1, -0.2], teacher_topk_ids=np.array([[20, 5], [21, 6]]),
+                      teacher_topk_logprobs=np.array([[-0.1, -3.0], [-0.2, -2.0]]), reward=1.0)
+    b = StudentSample("b", 1, "x", None, [1], [30, 31, 32], [-1.0, -2.0, -3.0], b_version, "length",
+                      teacher_logprobs=[-1.5, -2.5, -3.5], teacher_topk_ids=np.array([[30, 1], [31, 1], [32, 1]]),
+                      teacher_topk_logprobs=np.full((3, 2), -1.0), reward=0.0)
+    return a, b
+
+
 def test_scores_land_on_the_positions_that_predict_their_tokens():
     """collate: response token j of a prompt of length P is predicted at position P − 1 + j (by hand), and the
     loss sees the teacher's value there: with uniform student logits log π_s = −log V everywhere."""
@@ -287,12 +298,7 @@ def test_scores_land_on_the_positions_that_predict_their_tokens():
 
     from student.batch import collate, opd_loss
 
-    a = StudentSample("a", 0, "x", None, [1, 10, 11], [20, 21], [-0.5, -0.7], 3, "stop",
-                      teacher_logprobs=[-0.1, -0.2], teacher_topk_ids=np.array([[20, 5], [21, 6]]),
-                      teacher_topk_logprobs=np.array([[-0.1, -3.0], [-0.2, -2.0]]), reward=1.0)
-    b = StudentSample("b", 1, "x", None, [1], [30, 31, 32], [-1.0, -2.0, -3.0], 2, "length",
-                      teacher_logprobs=[-1.5, -2.5, -3.5], teacher_topk_ids=np.array([[30, 1], [31, 1], [32, 1]]),
-                      teacher_topk_logprobs=np.full((3, 2), -1.0), reward=0.0)
+    a, b = _two_scored_samples(b_version=2)
     batch = collate([a, b], pad_id=0, version=3, with_topk=True)
     assert batch.input_ids.tolist() == [[1, 10, 11, 20, 21], [1, 30, 31, 32, 0]]
     assert batch.mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
@@ -320,12 +326,7 @@ def test_row_weights_make_the_batch_loss_the_mean_of_its_samples_losses(loss):
     from student.batch import collate, opd_loss
     from training.rl_math import seq_mean_weights
 
-    a = StudentSample("a", 0, "x", None, [1, 10, 11], [20, 21], [-0.5, -0.7], 3, "stop",
-                      teacher_logprobs=[-0.1, -0.2], teacher_topk_ids=np.array([[20, 5], [21, 6]]),
-                      teacher_topk_logprobs=np.array([[-0.1, -3.0], [-0.2, -2.0]]), reward=1.0)
-    b = StudentSample("b", 1, "x", None, [1], [30, 31, 32], [-1.0, -2.0, -3.0], 3, "length",
-                      teacher_logprobs=[-1.5, -2.5, -3.5], teacher_topk_ids=np.array([[30, 1], [31, 1], [32, 1]]),
-                      teacher_topk_logprobs=np.full((3, 2), -1.0), reward=0.0)
+    a, b = _two_scored_samples(b_version=3)
     torch.manual_seed(0)
     logits = torch.randn(2, 5, V)
 
