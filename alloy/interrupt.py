@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import psutil
 
-from infra import procs
+from infra import procs, zygote
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 STOP_TIMEOUT_S = 25.0  # first signal → pipeline unwound; the rest of 30 s is the sweep
@@ -140,12 +140,14 @@ class _Guard:
 
     def stop(self, done: threading.Event) -> None:
         """Wait for the pipeline thread to unwind: until it has, or `UNWIND_GRACE_S` after the last child process
-        (Prefect's API server aside) is gone (a terminal's Ctrl-C also hits that server, which shares our process
+        (Prefect's API server and our process zygotes aside: they live until exit) is gone (a terminal's Ctrl-C also hits that server, which shares our process
         group; the flow's state updates then never get through), or `STOP_TIMEOUT_S` after the signal."""
         deadline, quiet_since = self.t_signal + STOP_TIMEOUT_S, None
         while not done.wait(0.5) and time.monotonic() < deadline:
             self.remember()
-            if any(self.alive(p) and not _is_prefect_api(p) for p in self.seen.values()):
+            infra_pids = zygote.pids()
+            print("DBG", round(time.monotonic()-self.t_signal,1), [(p.pid, " ".join(p.cmdline())[:80]) for p in self.seen.values() if self.alive(p)], infra_pids, file=sys.stderr, flush=True)
+            if any(self.alive(p) and not _is_prefect_api(p) and p.pid not in infra_pids for p in self.seen.values()):
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = time.monotonic()

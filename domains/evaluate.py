@@ -55,6 +55,7 @@ from infra.chat import PromptRenderer, response_text, token_budget, token_ids_co
 from infra.generation import generate_turns
 from infra.devices import resolve_device, resolve_dtype
 from infra.models import load_model, load_tokenizer
+from infra.procs import run_async
 
 COLUMNS = ["domain", "stage", "score", "n_eval", "checkpoint", "raw_score", "hacks_per_100", "reward_score",
            "reward_unparseable"]
@@ -151,7 +152,7 @@ def _run(coro):
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
+        return run_async(coro)
     box: dict = {}
 
     def run() -> None:

@@ -7,6 +7,8 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
+from infra.procs import run_async
+
 
 class SessionPerLoop:
     """One `aiohttp.ClientSession` per event loop, created lazily (sessions are bound to the loop that made them).
@@ -52,6 +54,6 @@ def run_sync(coro: Awaitable, cleanup: Callable[[], Awaitable] | None = None):
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(runner())
+        return run_async(runner())
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alloy-run-sync") as ex:
         return ex.submit(asyncio.run, runner()).result()

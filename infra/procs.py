@@ -6,6 +6,10 @@
   engine/launcher.py). Children are also started in their own session (`start_new_session=True`) so that one
   `killpg` reaches everything they spawned, and a terminal's Ctrl-C reaches only the process that owns them.
 - `stop_group(proc, grace_s)`: SIGTERM the child's process group, SIGKILL after `grace_s`.
+- `run_async(coro)` / `cancel_main_loop(exc)`: `asyncio.run` for sync code whose stop signal must not be raised
+  into the middle of the event loop's own code (a KeyboardInterrupt there can leave a future unresolved that a task
+  then awaits forever): a signal handler cancels the main thread's `run_async` task through the loop instead, its
+  `finally` blocks and their awaits run, and `exc` is raised once it has unwound (as asyncio.Runner does for SIGINT).
 - `request_stop()` / `stop_requested()` / `raise_if_stopped()`: the first Ctrl-C of `alloy run` (alloy/interrupt.py)
   asks everything in this process to stop: a trainer process being waited on is stopped (tasks/worker_process.py),
   an in-process training loop raises `Stopped` at its next step, and every registered stop callback runs (each live
@@ -14,6 +18,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import itertools
 import logging
@@ -22,7 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 log = logging.getLogger("alloy")
 
@@ -30,6 +35,7 @@ _stop = threading.Event()
 _callbacks: dict[int, Callable[[], None]] = {}
 _lock = threading.RLock()  # re-entrant: a signal handler may run while its own thread holds it
 _tokens = itertools.count(1)
+_main_loop: dict[str, Any] = {}  # while the main thread runs `run_async`: its loop, task and the exception to raise
 
 
 class Stopped(RuntimeError):
@@ -143,3 +149,45 @@ def on_stop(fn: Callable[[], None]) -> int:
 def cancel_on_stop(token: int) -> None:
     with _lock:
         _callbacks.pop(token, None)
+
+
+# ------------------------------------------------------------------------------------------ event loops and signals
+
+
+def run_async(coro: Awaitable):
+    """`asyncio.run(coro)`; on the main thread, a signal handler's `cancel_main_loop(exc)` cancels the coroutine
+    through the loop (at its next await; its `finally` blocks, awaits included, run) and `exc` is raised here once it
+    has unwound, whether the coroutine then raised CancelledError or returned. Elsewhere (another thread, a nested
+    call): plain `asyncio.run`."""
+    if threading.current_thread() is not threading.main_thread() or _main_loop:
+        return asyncio.run(coro)
+
+    async def main():
+        _main_loop.update(loop=asyncio.get_running_loop(), task=asyncio.current_task())
+        return await coro
+
+    try:
+        out = asyncio.run(main())
+    except asyncio.CancelledError:
+        exc = _main_loop.get("exc")
+        if exc is None:
+            raise
+        raise exc from None
+    finally:
+        exc = _main_loop.get("exc")
+        _main_loop.clear()
+    if exc is not None:  # the coroutine swallowed the cancellation: the stop still stands
+        raise exc
+    return out
+
+
+def cancel_main_loop(exc: BaseException) -> bool:
+    """From a signal handler (main thread): cancel the running `run_async` task, which then raises `exc`; False when
+    none runs (the caller raises `exc` itself). A second call while the first unwinds changes nothing (True)."""
+    loop, task = _main_loop.get("loop"), _main_loop.get("task")
+    if loop is None or task is None or loop.is_closed():
+        return False
+    if "exc" not in _main_loop:
+        _main_loop["exc"] = exc
+        loop.call_soon_threadsafe(task.cancel)  # from the loop itself, never in the middle of its own code
+    return True

@@ -115,6 +115,13 @@ def stop() -> None:
         _refused.clear()
 
 
+def pids() -> set[int]:
+    """The pids of the zygotes this process started (infrastructure: `alloy run`'s Ctrl-C does not wait for them to
+    exit, alloy/interrupt.py; they outlive their children until this process exits or `stop()`)."""
+    with _lock:
+        return {proc.pid for proc in _started.values()}
+
+
 def gpu_host() -> bool:
     """An NVIDIA or AMD device node exists: children may use CUDA/ROCm, so they start fresh."""
     return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))

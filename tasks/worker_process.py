@@ -112,7 +112,7 @@ def run_worker(cmd: list[str], log_path: Path, steps: int, label: str,
                 if events and events[-1].step != last:
                     last = events[-1].step
                     bar(last)
-                    if on_step is not None:
+                    if on_step is not None and not procs.stop_requested():  # a stop does not wait on Prefect's API
                         on_step(last)
         finally:
             procs.cancel_on_stop(token)

@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import asyncio
 import gc
 import shutil
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from training.deepspeed_backend import DeepSpeedBackend, TrainSettings, init_distributed
 from engine.launcher import Supervisor
 from infra.devices import resolve_dtype
+from infra.procs import run_async
 from infra.models import load_model, load_tokenizer
 from training.policy_server import PolicyServer
 from training.checkpoints import drop_resume_checkpoints
@@ -84,7 +84,7 @@ def serve_and_run(engine_cfg, work: Path, name: str, model_dir: str | Path, *, v
                 for c in closers:
                     await c.aclose()
 
-        return asyncio.run(go())
+        return run_async(go())  # a stop signal cancels go() through the loop: the finally above runs in full
 
 
 def run_stage(trainer, ranks, *, engine_cfg, work: Path, init_dir: str | Path, server_name: str, server_dir: str,

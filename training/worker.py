@@ -215,7 +215,7 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
 class stop_on_signals:
     """`with stop_on_signals(): ...` — the first SIGTERM/SIGINT asks everything in the process to stop
     (`procs.request_stop`, in a thread of its own: supervisors stop their servers) and raises `WorkerStopped` in the
-    main thread; later ones are logged and ignored, so they cannot break into the `finally` blocks that are running.
+    main thread (while it runs an event loop under `procs.run_async`: cancels that loop's task, which then raises it); later ones are logged and ignored, so they cannot break into the `finally` blocks that are running.
     Previous handlers are restored on exit."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -231,6 +231,8 @@ class stop_on_signals:
         self.fired = signum
         # not inline: the stop callbacks may need a lock the interrupted code holds (a supervisor's, for one)
         threading.Thread(target=procs.request_stop, name="alloy-stop", daemon=True).start()
+        if procs.cancel_main_loop(WorkerStopped(signum)):  # an event loop runs: stopped through it, not from outside
+            return
         raise WorkerStopped(signum)
 
     def __enter__(self) -> "stop_on_signals":

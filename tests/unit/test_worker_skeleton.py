@@ -90,3 +90,54 @@ def test_sigterm_raises_once_in_the_main_thread_and_requests_a_stop():
     finally:
         procs.cancel_on_stop(token)
         procs.reset_stop()
+
+
+def test_a_signal_while_an_event_loop_runs_cancels_it_through_the_loop():
+    """A trainer's loop runs under `procs.run_async` (training/session.py): SIGTERM cancels its task from the loop
+    (never raised into the loop's own code, where it can leave a future unresolved that a task awaits forever), the
+    coroutine's `finally` awaits in full (a second signal there is only logged), and WorkerStopped comes out after."""
+    import asyncio
+
+    procs.reset_stop()
+    calls = []
+
+    async def trainer_loop():
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, os.kill, os.getpid(), signal.SIGTERM)
+        try:
+            while True:  # rollouts in threads, as the engine client's
+                await loop.run_in_executor(None, time.sleep, 0.01)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.05)  # closing the server client: an await that must complete
+            calls.append("closed")
+
+    try:
+        with pytest.raises(WorkerStopped) as info, stop_on_signals():
+            procs.run_async(trainer_loop())
+        assert info.value.signum == signal.SIGTERM and calls == ["closed"]
+        assert not procs.cancel_main_loop(KeyboardInterrupt())  # nothing runs now: the caller raises for itself
+    finally:
+        procs.reset_stop()
+
+
+def test_a_loop_that_swallows_the_cancellation_still_stops():
+    import asyncio
+
+    procs.reset_stop()
+
+    async def stubborn():
+        asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            return "kept going"
+
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerStopped) as info, stop_on_signals():
+            procs.run_async(stubborn())
+        assert info.value.signum == signal.SIGINT and time.monotonic() - t0 < 5
+        assert procs.run_async(asyncio.sleep(0, result=7)) == 7  # the next call is a plain asyncio.run again
+    finally:
+        procs.reset_stop()
