@@ -193,7 +193,23 @@ class AlloyConfig(_Strict):
         for i, d in enumerate(self.domains if "domains" in data else ()):
             if d.dataset is not None:  # the file's content keys the checkpoints: a changed file moves them
                 data["domains"][i]["dataset"]["sha256"] = d.dataset.content_sha256(f"domains.{i}.dataset.path")
+        if "specialists" in data:
+            _judge_by_content(data["specialists"])
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _judge_by_content(specialists: dict) -> None:
+    """Key a served judge (`specialists.guard.judge_path`, also one in `per_domain`) by its checkpoint's files, not
+    its path: a run root copied or moved with its judge inside keeps its specialists, a retrained judge moves them.
+    A path that is no directory (yet) keys by its string; the stage refuses it before it trains (alloy/plan.py)."""
+    from infra.storage import tree_sha256
+
+    guards = [specialists.get("guard")] + [o.get("guard") for o in (specialists.get("per_domain") or {}).values()
+                                           if isinstance(o, dict)]
+    for guard in guards:
+        path = guard.get("judge_path") if isinstance(guard, dict) else None
+        if path and Path(path).expanduser().is_dir():
+            guard["judge_path"] = "sha256:" + tree_sha256(Path(path).expanduser())
 
 
 # --------------------------------------------------------------------------------------------- loading

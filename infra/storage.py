@@ -273,6 +273,25 @@ def _scan(src: Path) -> list[str]:
     return sorted(out)
 
 
+_TREE_SHA: dict[tuple, str] = {}
+
+
+def tree_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a local directory's files, by relative name and content in name order (a top-level manifest
+    left out): what a checkpoint directory holds, wherever it lies. Cached per process by each file's size and
+    mtime, so a large checkpoint is read once."""
+    src = Path(path)
+    rels = _scan(src)
+    stats = tuple((rel, st.st_size, st.st_mtime_ns) for rel in rels for st in [(src / rel).stat()])
+    key = (str(src.resolve()), stats)
+    if key not in _TREE_SHA:
+        h = hashlib.sha256()
+        for rel in rels:
+            h.update(f"{rel}\0{_hash_file(src / rel)[1]}\n".encode())
+        _TREE_SHA[key] = h.hexdigest()
+    return _TREE_SHA[key]
+
+
 def _safe_rel(rel: str) -> bool:
     parts = rel.split("/")
     return bool(rel) and not rel.startswith("/") and ".." not in parts and "" not in parts and rel != MANIFEST

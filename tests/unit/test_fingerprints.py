@@ -160,3 +160,23 @@ def test_setting_a_train_section_in_part_to_its_defaults_moves_no_prefix():
     for section in ("specialists.policy_train", "specialists.critic_train", "distill.train"):
         lr = load_config(SMOKE).model_dump()[section.split(".")[0]][section.split(".")[1]]["lr"]
         assert prefixes([f"{section}.lr={lr}"]) == before, section
+
+
+def test_a_judge_checkpoint_keys_the_specialists_by_its_files_not_its_path(tmp_path):
+    """A run root copied or moved with its judge inside reuses its specialists; a judge with other weights moves
+    them (and the student), never the base."""
+    judge = tmp_path / "runs" / "judge"
+    judge.mkdir(parents=True)
+    (judge / "config.json").write_text('{"model_type": "llama"}')
+    (judge / "model.safetensors").write_bytes(bytes(range(256)) * 40)
+    moved = tmp_path / "elsewhere" / "judge"
+    moved.parent.mkdir()
+    import shutil
+
+    shutil.copytree(judge, moved)
+    here, there = prefixes([f"specialists.guard.judge_path={judge}"]), prefixes([f"specialists.guard.judge_path={moved}"])
+    assert here == there
+    assert here["specialist"] != prefixes([])["specialist"]  # a served judge still counts
+    (moved / "model.safetensors").write_bytes(bytes(range(256)) * 39 + bytes(256))
+    other = prefixes([f"specialists.guard.judge_path={moved}"])
+    assert {s for s in STAGES if other[s] != here[s]} == SPEC_ON
