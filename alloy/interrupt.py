@@ -140,13 +140,13 @@ class _Guard:
 
     def stop(self, done: threading.Event) -> None:
         """Wait for the pipeline thread to unwind: until it has, or `UNWIND_GRACE_S` after the last child process
-        (Prefect's API server and our process zygotes aside: they live until exit) is gone (a terminal's Ctrl-C also hits that server, which shares our process
-        group; the flow's state updates then never get through), or `STOP_TIMEOUT_S` after the signal."""
+        (Prefect's API server and our process zygotes aside: they live until exit) is gone (a terminal's Ctrl-C also
+        hits that server, which shares our process group; the flow's state updates then never get through), or
+        `STOP_TIMEOUT_S` after the signal."""
         deadline, quiet_since = self.t_signal + STOP_TIMEOUT_S, None
         while not done.wait(0.5) and time.monotonic() < deadline:
             self.remember()
             infra_pids = zygote.pids()
-            print("DBG", round(time.monotonic()-self.t_signal,1), [(p.pid, " ".join(p.cmdline())[:80]) for p in self.seen.values() if self.alive(p)], infra_pids, file=sys.stderr, flush=True)
             if any(self.alive(p) and not _is_prefect_api(p) and p.pid not in infra_pids for p in self.seen.values()):
                 quiet_since = None
             elif quiet_since is None:
@@ -154,8 +154,12 @@ class _Guard:
             elif time.monotonic() - quiet_since > UNWIND_GRACE_S:
                 break
         self.remember()
-        if not done.is_set():
-            print("alloy: the pipeline did not unwind; terminating what is left", file=sys.stderr, flush=True)
+        if not done.is_set() and quiet_since is not None:
+            print("alloy: every trainer and server has stopped; not waiting for the flow's last state updates "
+                  "(Prefect's temporary API server stops with a terminal's Ctrl-C)", file=sys.stderr, flush=True)
+        elif not done.is_set():
+            print(f"alloy: the pipeline did not unwind in {STOP_TIMEOUT_S:.0f} s; terminating what is left",
+                  file=sys.stderr, flush=True)
         # Prefect's own API server stays for its exit handlers while the flow has finished; anything else goes
         self.sweep(keep_prefect_api=done.is_set())
         self.mark_killed()

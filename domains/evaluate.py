@@ -38,8 +38,6 @@ extra generation: what the trainers write as the eval sample of their rollout re
 """
 from __future__ import annotations
 
-import asyncio
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -55,7 +53,7 @@ from infra.chat import PromptRenderer, response_text, token_budget, token_ids_co
 from infra.generation import generate_turns
 from infra.devices import resolve_device, resolve_dtype
 from infra.models import load_model, load_tokenizer
-from infra.procs import run_async
+from infra.http import run_sync
 
 COLUMNS = ["domain", "stage", "score", "n_eval", "checkpoint", "raw_score", "hacks_per_100", "reward_score",
            "reward_unparseable"]
@@ -146,29 +144,6 @@ async def _tool_episodes(domain, examples, em: EpisodeModel, budget: int, clean:
             for run, ep in zip(runs, episodes)]
 
 
-def _run(coro):
-    """`asyncio.run(coro)`, also from a thread whose event loop is running (then on a private loop in a helper
-    thread)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return run_async(coro)
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["out"] = asyncio.run(coro)
-        except BaseException as e:  # re-raised in the caller's thread
-            box["err"] = e
-
-    t = threading.Thread(target=run, name="eval-episodes")
-    t.start()
-    t.join()
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
-
-
 def run_tool_episodes(domain, examples: Sequence, em: EpisodeModel, budget: int, *, clean: bool = True,
                       env_kwargs: dict | None = None, compaction: Compaction | None = None) -> list[ToolEpisode]:
     """One episode per example (envs from `domain.env(ex, clean=clean, **env_kwargs)`) through the one episode loop
@@ -177,7 +152,7 @@ def run_tool_episodes(domain, examples: Sequence, em: EpisodeModel, budget: int,
     as the specialist's rollouts do); returns the episodes in input order."""
     if not examples:
         return []
-    return _run(_tool_episodes(domain, list(examples), em, budget, clean, dict(env_kwargs or {}), compaction))
+    return run_sync(_tool_episodes(domain, list(examples), em, budget, clean, dict(env_kwargs or {}), compaction))
 
 
 @dataclass
@@ -320,7 +295,7 @@ def score_domains(model, tokenizer, domains: Mapping[str, object], examples: Map
     plain = [n for n in domains if not is_tool_domain(domains[n])]
     items = [(name, ex) for name in plain for ex in examples[name]]  # (domain name, example)
     runs = [EpisodeRun(em.render.example_ids(domains[name], ex), limit[name]) for name, ex in items]
-    episodes = _run(run_episodes(runs, em.plain)) if runs else []
+    episodes = run_sync(run_episodes(runs, em.plain)) if runs else []
     out = {name: DomainScores([], [], [], tool=name not in plain) for name in domains}
     for (name, ex), run, ep in zip(items, runs, episodes):
         r = domains[name].verify(ex, em.text(ep.output_ids))
@@ -345,14 +320,9 @@ def score_domains(model, tokenizer, domains: Mapping[str, object], examples: Map
 
 
 def score_batch(rewarder, examples: Sequence, responses: Sequence[str], lengths: Sequence[int], budget: int):
-    """`rewarder.score(...)` on a one-shot loop (`_run`), the rewarder's session of that loop closed before it ends."""
-    async def once():
-        try:
-            return await rewarder.score(examples, responses, lengths, budget)
-        finally:
-            await rewarder.aclose()
-
-    return _run(once())
+    """`rewarder.score(...)` on a one-shot loop (`infra.http.run_sync`), the rewarder's session of that loop closed
+    before it ends."""
+    return run_sync(rewarder.score(examples, responses, lengths, budget), cleanup=rewarder.aclose)
 
 
 def model_rewards(sc: DomainScores, domain, rewarder, examples: Sequence, responses: Sequence[str],

@@ -86,7 +86,8 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
                        "specialists": {d: s["checkpoint"] for d, s in specs.items()},
                        **({"reward_models": {n: {"checkpoint": s["checkpoint"], "val_accuracy": s["val_accuracy"]}
                                              for n, s in reward_models.items()}} if reward_models else {})},
-            resources=resources_of(ctx.resources.get("base"), list(specs.values()), student))
+            resources=resources_of(ctx.resources.get("base"), list(specs.values()), student),
+            specialists=specs if ctx.cfg.specialists.enabled else None)
         status = "FINISHED"
         return report
     finally:

@@ -67,6 +67,45 @@ def domain_table(scores: pd.DataFrame, domains: list[str]) -> dict[str, dict[str
     return out
 
 
+NO_LIFT = 0.02  # a specialist within this of its base (clean score) did not learn: the report says why (`no_lift`)
+
+
+def specialist_training(result: dict | None) -> dict | None:
+    """What a specialist's result (teachers/specialist.py: `history`, `best_step`, `best_val`, `selected_step`,
+    `stopped`) says about its training, for the report: {steps, rewarded_steps (steps whose rollouts' mean reward was
+    above 0), reward_first, reward_last (mean reward of the first and last step), best_step, best_val,
+    selected_step, stopped}; None without a result (an external teacher)."""
+    if not result:
+        return None
+    rewards = [float(h["reward"]) for h in result.get("history") or [] if h.get("reward") is not None]
+    return {"steps": result.get("steps"), "rewarded_steps": sum(1 for r in rewards if r > 0),
+            "reward_first": _num(rewards[0]) if rewards else None, "reward_last": _num(rewards[-1]) if rewards else None,
+            "best_step": result.get("best_step"), "best_val": _num(result.get("best_val")),
+            "selected_step": result.get("selected_step"), "stopped": result.get("stopped")}
+
+
+def why_no_lift(row: dict, training: dict | None) -> str | None:
+    """Why a domain's specialist ended within `NO_LIFT` of its base (clean scores), read from its training; None
+    when it lifted, or when a stage has no score."""
+    base, spec = row.get("base"), row.get("specialist")
+    if base is None or spec is None or spec - base >= NO_LIFT:
+        return None
+    head = f"specialist {spec:.3f} against the base's {base:.3f}: "
+    if training is None:
+        return head + "no training record (an external teacher, or a result from before this field)"
+    steps = training.get("steps")
+    if training.get("steps") and training.get("rewarded_steps") == 0:
+        return head + (f"none of its {steps} training steps earned any reward, so RL had no successful episode to "
+                       "reinforce (more base SFT, an easier difficulty, or partial or step credit give it one)")
+    if training.get("selected_step") == 0 or (training.get("selected_step") is None and training.get("best_step") == 0):
+        best = training.get("best_val")
+        return head + (f"its validation never rose above step 0's ({_fmt(best)}) in {steps} steps, so the starting "
+                       "policy was kept" + (f" ({training['stopped']})" if training.get("stopped") else ""))
+    return head + (f"it trained {steps} steps and kept step {training.get('selected_step')} (validation "
+                   f"{_fmt(training.get('best_val'))} at its best step {training.get('best_step')}); the eval split "
+                   "did not confirm the validation's gain")
+
+
 # report.json `guard`: summed over the specialists (teachers/guard.py `Guard` counters)
 GUARD_KEYS = ("tool_calls", "flagged", "blocked", "judged", "judge_blocked", "judge_errors")
 
@@ -74,10 +113,15 @@ GUARD_KEYS = ("tool_calls", "flagged", "blocked", "judged", "judge_blocked", "ju
 def build_report(*, config: str, run_id: str, mlflow: dict, scores: pd.DataFrame, domains: list[str],
                  n_teachers: int = 0, timings_s: dict | None = None, throughput: dict | None = None,
                  guard: dict | None = None, artifacts: dict | None = None, resources: dict | None = None,
-                 meta: dict | None = None) -> dict:
+                 meta: dict | None = None, specialists: dict[str, dict] | None = None) -> dict:
     """`resources`: {stage: {"world_size": W}} as the trainers ran (see `resources_of`); missing stages are null.
-    `meta`: what ran where (`infra.hostinfo.run_meta`: commit, CPU, load, command line, config and overrides)."""
+    `meta`: what ran where (`infra.hostinfo.run_meta`: commit, CPU, load, command line, config and overrides).
+    `specialists`: {domain: the specialist's result}, for each domain's `training` and `no_lift` (why a specialist
+    did not learn); without it both are null."""
     table = domain_table(scores, domains)
+    for dom, row in table.items():
+        row["training"] = specialist_training((specialists or {}).get(dom))
+        row["no_lift"] = why_no_lift(row, row["training"]) if specialists is not None else None
     recoveries = [v["recovery"] for v in table.values() if v["recovery"] is not None]
     summary = {
         "n_domains": len(domains),
@@ -140,6 +184,10 @@ def render_table(report: dict) -> str:
                      "ground truth when the domain has one):")
         for dom, r in rewarded.items():
             lines.append(f"  {dom:<14}" + "   ".join(f"{_fmt(r['reward'].get(st)):>8}" for st in STAGES))
+    stuck = {d: r["no_lift"] for d, r in report.get("domains", {}).items() if r.get("no_lift")}
+    if stuck:  # a specialist that did not learn: why, from its training (`why_no_lift`)
+        lines.append("no lift:")
+        lines += [f"  {dom}: {why}" for dom, why in stuck.items()]
     lines.append(f"{'mean':<16}{_fmt(s.get('base_mean')):>8}{_fmt(s.get('specialist_mean')):>10}"
                  f"{_fmt(s.get('student_mean')):>9}{_fmt(s.get('mean_recovery')):>10}")
     lines.append(f"domains {s.get('n_domains')}, teachers {s.get('n_teachers')}, min recovery {_fmt(s.get('min_recovery'))}")

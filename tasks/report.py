@@ -25,7 +25,7 @@ log = logging.getLogger("alloy")
 @task(name="publish-report", cache_policy=NO_CACHE)
 def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | None = None, n_teachers: int = 0,
                    throughput: dict | None = None, guard: dict | None = None, artifacts: dict | None = None,
-                   resources: dict | None = None) -> dict:
+                   resources: dict | None = None, specialists: dict[str, dict] | None = None) -> dict:
     ctx.timings["total"] = time.monotonic() - ctx.started
     tracker = ctx.tracker
     report = build_report(
@@ -33,7 +33,7 @@ def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | Non
         mlflow={"tracking_uri": mask_secrets(getattr(tracker, "tracking_uri", None) or ""), "experiment": ctx.cfg.tracking.experiment,
                 "parent_run_id": ctx.parent_run_id},
         n_teachers=n_teachers, timings_s=ctx.timings, throughput=throughput, guard=guard, artifacts=artifacts,
-        resources=resources, meta=finish_meta(ctx.meta),
+        resources=resources, meta=finish_meta(ctx.meta), specialists=specialists,
     )
     write_json(join(ctx.storage_url, "report.json"), report)
     if report_path:
@@ -45,7 +45,7 @@ def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | Non
     charts = log_charts(tracker, report)
     annotate_registered_student(tracker, report)
     url = mlflow_run_url(mlflow_ui_url(), getattr(tracker, "experiment_id", None), ctx.parent_run_id)
-    rows = [{"domain": d, **{k: v for k, v in r.items() if not isinstance(v, dict)},
+    rows = [{"domain": d, **{k: v for k, v in r.items() if not isinstance(v, dict) and k != "no_lift"},
              **{f"{k} ({st})": v for k in ("raw", "hacks_per_100", "reward") for st, v in (r.get(k) or {}).items()}}
             for d, r in report["domains"].items()]
     create_table_artifact(key="alloy-scores", table=rows, description="Per-domain eval scores (base / specialist / student)")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from infra.report import NO_LIFT
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +36,9 @@ def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harne
         # eval read every call with the guard's rules: clean <= raw, hack attempts per 100 for every stage
         for stage in ("base", "specialist", "student"):
             assert row[stage] <= row["raw"][stage] and 0.0 <= row["hacks_per_100"][stage] <= 100.0, (dom, row)
+        # each specialist's training, and why one did not learn (infra.report.why_no_lift)
+        assert row["training"]["steps"] == 2 and 0 <= row["training"]["rewarded_steps"] <= 2, (dom, row)
+        assert (row["no_lift"] is None) == (row["specialist"] - row["base"] >= NO_LIFT), (dom, row)
     g = report["guard"]
     assert g["tool_calls"] > 0 and g["flagged"] > 0, g
     assert g["judged"] > 0 and g["judge_errors"] == 0, g  # the judge model answered every flagged call

@@ -162,6 +162,7 @@ def test_ctrl_c_in_the_specialists_stage_stops_everything_then_twice_kills_at_on
     assert proc.returncode == 130, text[-3000:]
     assert took <= 30, took
     assert re.search(r"to resume from the last checkpoints: alloy run \S+smoke\.yaml --set", text), text[-2000:]
+    assert "did not unwind" not in text, text[-3000:]  # a normal stop does not read like a fault
     check_killed_runs(root, started, "specialist/reverse")
     check_checkpoints(root)
 
