@@ -36,6 +36,7 @@ The same surface as `engine.scheduler.Engine` where the server touches it (`star
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -69,6 +70,7 @@ class _Job(NamedTuple):
     inputs: list[list[int]]
     rids: frozenset
     answer: asyncio.Future
+    tokens: int  # Σ len(inputs): the queue's token count is kept, not summed per request
 
 
 def _split(rows: list, sizes: list[int]) -> list[list]:
@@ -102,7 +104,8 @@ class RewardModel:
         # retried_rounds: shared rounds that failed and were scored again request by request
         self.stats = {"requests": 0, "inputs": 0, "forwards": 0, "rounds": 0, "shared_rounds": 0,
                       "retried_rounds": 0, "tokens": 0, "padded_tokens": 0, "seconds": 0.0}
-        self._queue: list[_Job] = []  # touched on the event loop only
+        self._queue: collections.deque[_Job] = collections.deque()  # touched on the event loop only
+        self._queued = 0  # tokens in the queue
         self._filled = asyncio.Event()  # set when the queue holds a forward's token budget (ends the idle window)
         self._collector: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -150,7 +153,8 @@ class RewardModel:
                     job.answer.set_exception(ProtocolError(f"request aborted: {message}", status=503))
             else:
                 keep.append(job)
-        self._queue[:] = keep
+        self._queue = collections.deque(keep)
+        self._queued = sum(j.tokens for j in keep)
 
     def _load_guarded(self) -> None:
         try:
@@ -206,13 +210,15 @@ class RewardModel:
         if not inputs:
             return []
         loop = asyncio.get_running_loop()
-        job = _Job([list(x) for x in inputs], frozenset(rids or ()), loop.create_future())
+        rows = [list(x) for x in inputs]
+        job = _Job(rows, frozenset(rids or ()), loop.create_future(), sum(len(x) for x in rows))
         self._queue.append(job)
+        self._queued += job.tokens
         if self._collector is None or self._collector.done() or self._loop is not loop:
             self._loop = loop
             self._filled = asyncio.Event()
             self._collector = loop.create_task(self._collect())
-        if self._queued_tokens() >= self.max_prefill_tokens:
+        if self._queued >= self.max_prefill_tokens:
             self._filled.set()
         return await job.answer
 
@@ -247,24 +253,21 @@ class RewardModel:
                     job.answer.set_result(res)
             await asyncio.sleep(0)  # let the answered requests' handlers run before the next round
 
-    def _queued_tokens(self) -> int:
-        return sum(len(x) for job in self._queue for x in job.inputs)
-
     def _take(self) -> list[_Job]:
         """The next round: queued requests in arrival order, up to `max_total_tokens` tokens (at least one); those
         whose client went away are dropped."""
         jobs, tokens = [], 0
         while self._queue:
             job = self._queue[0]
-            n = sum(len(x) for x in job.inputs)
             if job.answer.done():
-                self._queue.pop(0)
+                self._queued -= self._queue.popleft().tokens
                 continue
-            if jobs and tokens + n > self.max_total_tokens:
+            if jobs and tokens + job.tokens > self.max_total_tokens:
                 break
-            jobs.append(self._queue.pop(0))
-            tokens += n
-        if self._queued_tokens() < self.max_prefill_tokens:
+            jobs.append(self._queue.popleft())
+            self._queued -= job.tokens
+            tokens += job.tokens
+        if self._queued < self.max_prefill_tokens:
             self._filled.clear()
         return jobs
 

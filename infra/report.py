@@ -100,7 +100,7 @@ def why_no_lift(row: dict, training: dict | None) -> str | None:
     if training.get("selected_step") == 0 or (training.get("selected_step") is None and training.get("best_step") == 0):
         best = training.get("best_val")
         return head + (f"its validation never rose above step 0's ({_fmt(best)}) in {steps} steps, so the starting "
-                       "policy was kept" + (f" ({training['stopped']})" if training.get("stopped") else ""))
+                       "policy was kept" + (f"; stopped: {training['stopped']}" if training.get("stopped") else ""))
     return head + (f"it trained {steps} steps and kept step {training.get('selected_step')} (validation "
                    f"{_fmt(training.get('best_val'))} at its best step {training.get('best_step')}); the eval split "
                    "did not confirm the validation's gain")

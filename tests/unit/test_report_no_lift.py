@@ -37,7 +37,7 @@ def test_a_kept_starting_policy_and_an_unconfirmed_gain_are_told_apart():
     kept = specialist_training(result([0.1, 0.2], best_step=0, best_val=0.52, selected_step=0,
                                       stopped="4 validations without a new best (best 0.520 at step 0)"))
     why = why_no_lift({"base": 0.52, "specialist": 0.52}, kept)
-    assert "never rose above step 0's (0.520) in 2 steps, so the starting policy was kept (4 validations" in why
+    assert "never rose above step 0's (0.520) in 2 steps, so the starting policy was kept; stopped: 4 validations" in why
     later = specialist_training(result([0.1, 0.2, 0.3], best_step=2, best_val=0.6, selected_step=2))
     assert "kept step 2 (validation 0.600 at its best step 2); the eval split did not confirm" in why_no_lift(
         {"base": 0.5, "specialist": 0.51}, later)
