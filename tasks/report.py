@@ -42,6 +42,9 @@ def publish_report(ctx: RunContext, scores: pd.DataFrame, report_path: str | Non
     tracker.log_table(scores, "scores.json")
     tracker.log_metrics({f"summary/{k}": float(v) for k, v in report["summary"].items() if isinstance(v, (int, float))})
     tracker.log_dict(report, "report.json")
+    stuck = {f"alloy.no_lift.{d}": r["no_lift"] for d, r in report["domains"].items() if r.get("no_lift")}
+    if stuck:  # a specialist that did not learn, and why: on the parent run, where the dashboard shows it
+        tracker.set_tags(stuck)
     charts = log_charts(tracker, report)
     annotate_registered_student(tracker, report)
     url = mlflow_run_url(mlflow_ui_url(), getattr(tracker, "experiment_id", None), ctx.parent_run_id)

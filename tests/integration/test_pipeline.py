@@ -95,6 +95,9 @@ def test_cli_run_every_trainer_on_two_ranks_and_exit_codes(tmp_path, prefect_har
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     parent = client.get_run(report["mlflow"]["parent_run_id"])
     assert parent.data.tags.get("alloy.commit") == report["meta"]["commit"]
+    # a specialist that did not learn is named on the parent run with the report's reason, and only such a one
+    assert {k: v for k, v in parent.data.tags.items() if k.startswith("alloy.no_lift.")} == {
+        f"alloy.no_lift.{d}": r["no_lift"] for d, r in report["domains"].items() if r["no_lift"]}
     assert parent.info.status == "FINISHED" and report["run_id"] == report["mlflow"]["parent_run_id"]
     assert parent.data.params["domains.0.name"] == "reverse"
     children = {c.info.run_name: c for c in client.search_runs(
