@@ -87,7 +87,7 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
                        **({"reward_models": {n: {"checkpoint": s["checkpoint"], "val_accuracy": s["val_accuracy"]}
                                              for n, s in reward_models.items()}} if reward_models else {})},
             resources=resources_of(ctx.resources.get("base"), list(specs.values()), student),
-            specialists=specs if ctx.cfg.specialists.enabled else None)
+            specialists=specs)
         status = "FINISHED"
         return report
     finally:

@@ -94,7 +94,7 @@ def why_no_lift(row: dict, training: dict | None) -> str | None:
     if training is None:
         return head + "no training record (an external teacher, or a result from before this field)"
     steps = training.get("steps")
-    if training.get("steps") and training.get("rewarded_steps") == 0:
+    if steps and training.get("rewarded_steps") == 0:
         return head + (f"none of its {steps} training steps earned any reward, so RL had no successful episode to "
                        "reinforce (more base SFT, an easier difficulty, or partial or step credit give it one)")
     if training.get("selected_step") == 0 or (training.get("selected_step") is None and training.get("best_step") == 0):
