@@ -6,6 +6,7 @@ import logging
 
 import pandas as pd
 from prefect import flow
+from prefect.utilities.annotations import quote
 
 from domains.evaluate import COLUMNS
 from flows.distill import run_distill
@@ -87,7 +88,7 @@ def pipeline(config: str, overrides: list[str] | None = None, report_path: str |
                        **({"reward_models": {n: {"checkpoint": s["checkpoint"], "val_accuracy": s["val_accuracy"]}
                                              for n, s in reward_models.items()}} if reward_models else {})},
             resources=resources_of(ctx.resources.get("base"), list(specs.values()), student),
-            specialists=specs)
+            specialists=quote(specs))  # quote: Prefect would visit every step of every specialist's history
         status = "FINISHED"
         return report
     finally:

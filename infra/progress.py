@@ -42,3 +42,21 @@ def progress(desc: str, total: int, logger: logging.Logger | None = None,
 
         yield update
     logger.info("%s: done in %.1fs", desc, time.monotonic() - start)
+
+
+def throttled(fn: Callable[..., None], every_s: float,
+              clock: Callable[[], float] = time.monotonic) -> Callable[..., bool]:
+    """`fn` called at most once every `every_s` seconds of `clock`: the wrapper runs `fn(*args)` when `every_s` have
+    passed since the last run (the first call always runs) and returns whether it ran. For updates that cost an API
+    call each (a Prefect progress artifact), where the newest value is what matters."""
+    last = [None]
+
+    def call(*args) -> bool:
+        now = clock()
+        if last[0] is not None and now - last[0] < every_s:
+            return False
+        last[0] = now
+        fn(*args)
+        return True
+
+    return call

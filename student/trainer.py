@@ -387,6 +387,7 @@ class DistillTrainer:
                                 state_parts=STATE_PARTS, slim=slim)
         self.timing["ckpt_s"] += time.perf_counter() - t
         self.last_checkpoint = url
+        self.recorder.flush()  # the committed steps' rows to the MLflow tables
         return url
 
     def _perf(self, fresh: list, train_s: float) -> dict:

@@ -12,6 +12,7 @@ from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from infra.progress import throttled
 from infra.storage import local_path
 from tasks.context import RunContext
 from tasks.prefixes import specialist_prefix_of
@@ -20,6 +21,10 @@ from tasks.worker_process import WorkerCommand, on_ranks, worker_command
 from teachers.specialist_main import WORKER as SPECIALIST_WORKER
 
 log = logging.getLogger("alloy")
+# A progress artifact is updated at most this often (and at 100 %): each update is a Prefect API call and an
+# artifact row rewritten by the server; at every reported step (~2 a second per running specialist) they cost the
+# demo ~20 CPU-seconds between the flow's process and the Prefect server (docs/results.md#demo).
+PROGRESS_EVERY_S = 5.0
 
 
 def specialist_prefix(ctx: RunContext, domain: str) -> str:
@@ -56,10 +61,8 @@ def train_specialist(ctx: RunContext, domain: str, base_dir: str) -> dict:
         def train() -> None:
             art = _progress_artifact(domain)
             steps = cfg.specialists.for_domain(domain).steps
-
-            def on_step(step: int) -> None:
-                if art is not None:
-                    update_progress_artifact(art, progress=100.0 * step / max(steps, 1))
+            on_step = None if art is None else throttled(
+                lambda step: update_progress_artifact(art, progress=100.0 * step / max(steps, 1)), PROGRESS_EVERY_S)
 
             cmd = specialist_command(ctx, domain, base_dir, prefix, result, getattr(run, "run_id", None))
             run_trainer(cmd, ctx, "specialists", local_path(ctx.work_dir, "logs", f"specialist-{domain}.log"), steps,

@@ -157,6 +157,7 @@ class SpecialistTrainer:
                                 meta={"stage": "specialist", "domain": self.domain.name}, keep_last=keep,
                                 state_parts=STATE_PARTS, slim=slim)
         self.last_checkpoint = url
+        self.recorder.flush()  # the committed steps' rows to the MLflow tables
         return url
 
     # -- the loop ------------------------------------------------------------------------------------------------

@@ -167,6 +167,7 @@ def select_and_commit(cfg, trainer: SpecialistTrainer, summary: dict, final: Pat
                                  meta={"version": summary["selected_step"],
                                        "scores": {domain.name: {"score": float(row.score),
                                                                 "raw_score": float(row.raw_score)}}})
+    trainer.recorder.flush()  # this evaluation's rows to their MLflow table
     summary["rollout_records"] = trainer.recorder.summary()  # its `evals` with this evaluation's file
     summary["score"] = float(row.score)
     summary["raw_score"] = float(row.raw_score)

@@ -44,6 +44,15 @@ def test_agentic_config_end_to_end_with_the_served_judge(tmp_path, prefect_harne
     assert g["judged"] > 0 and g["judge_errors"] == 0, g  # the judge model answered every flagged call
     assert g["judge_blocked"] <= g["judged"] and g["blocked"] >= g["judge_blocked"], g
     assert report["summary"]["student_mean"] is not None
+    # the Prefect UI's progress artifact of each specialist (updated at most every 5 s) ends at 100 %
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    keys = [f"specialist-{d.replace('_', '-')}" for d in report["domains"]]
+    with get_client(sync_client=True) as pc:
+        arts = pc.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+    newest = {a.key: a for a in sorted(arts, key=lambda a: a.created)}
+    assert {k: (a.type, a.data) for k, a in newest.items()} == {k: ("progress", 100.0) for k in keys}
 
     # the full rollout record of every trainer: each tool episode's calls with the guard's verdicts (the blocked
     # ones are the episode's blocked_calls), read back with `alloy rollouts` as a user would

@@ -86,6 +86,7 @@ def test_the_students_evals_record_the_same_prompts_and_diff(sharp, tmp_path, ca
     for step in (0, 5):
         trainer.state.step = step
         asyncio.run(DistillTrainer._evaluate(trainer))
+        trainer.recorder.flush()  # as each checkpoint does
     ev = read_rollouts(url, split="eval")
     assert list(ev.step) == [0] * 4 + [5] * 4 and (ev.split == "eval").all() and (ev.stage == "student").all()
     assert list(ev.sample_id[:4]) == ["eval-addition-0", "eval-addition-1", "eval-tool_add-0", "eval-tool_add-1"]
@@ -123,6 +124,7 @@ def test_a_specialists_validation_records_its_split(sharp, tmp_path):
                  sc=NS(record=record), state=SpecialistState(step=4), recorder=Recorder(record, url, Tracker()),
                  tracker=Tracker(), best_dir=tmp_path / "best", rewarders=None)  # a verifier domain: no model reward
     score = SpecialistTrainer.validate(trainer)
+    trainer.recorder.flush()  # as the next checkpoint does
     val = read_rollouts(url, split="val")
     assert list(val.sample_id) == ["val-reverse-0", "val-reverse-1", "val-reverse-2"] and (val.step == 4).all()
     assert (val.stage == "specialist").all() and (val.split == "val").all()

@@ -89,3 +89,16 @@ def test_run_worker_follows_the_steps_its_child_reports(tmp_path, monkeypatch):
     again: list[int] = []  # a retry appends to the same files and follows only its own reports
     run_worker([sys.executable, "-c", CHILD.replace("(1, 2, 3)", "(2, 3)")], log_path, 3, "child", again.append)
     assert again and again[0] == 2 and again[-1] == 3, again
+
+
+def test_throttled_updates_run_at_most_once_per_interval():
+    """`infra.progress.throttled` (a specialist's Prefect progress artifact): the first call runs, then one per
+    `every_s` of the clock; the newest value goes through when one runs."""
+    from infra.progress import throttled
+
+    now, seen = [0.0], []
+    update = throttled(seen.append, 5.0, clock=lambda: now[0])
+    for t, step in ((0.0, 1), (1.0, 2), (4.9, 3), (5.0, 4), (9.0, 5), (11.0, 6), (11.1, 7)):
+        now[0] = t
+        assert update(step) == (step in (1, 4, 6))
+    assert seen == [1, 4, 6]

@@ -76,10 +76,18 @@ def test_written_and_read_back_with_the_schema_and_the_table(tmp_path):
 
     assert pq.read_schema(tmp_path / "spec" / "rollouts" / "step-000002.parquet").metadata[b"schema"] == \
         SCHEMA_VERSION.encode()
-    # the MLflow table: one artifact per domain, the sample's text columns, appended per recorded step
-    assert [name for name, _ in tracker.tables] == ["rollouts/reverse.json"] * 3
+    # the MLflow table: one artifact per domain, the sample's text columns, appended at each flush (a checkpoint,
+    # the end) with the steps recorded since: none before it, one call per table, in step order
+    assert tracker.tables == []
+    rec.flush()
+    assert [name for name, _ in tracker.tables] == ["rollouts/reverse.json"]
+    assert [r["step"] for r in tracker.tables[0][1]] == [2, 2, 2, 4, 4, 4, 5, 5, 5]
     assert set(tracker.tables[0][1][0]) == {"step", "domain", "sample_id", "staleness", "reward", "finish_reason",
                                             "blocked_calls", "tool_calls", "prompt", "response"}
+    rec.flush()  # nothing new: no call
+    rec.record(6, range(8), lambda i: row(6, i), sample_id=lambda i: f"s{i}")  # the last step is recorded anyway
+    rec.flush()
+    assert [len(rows) for _, rows in tracker.tables] == [9, 3] and rec.seconds > 0
 
 
 def test_full_records_every_row_of_every_step(tmp_path):
@@ -89,6 +97,7 @@ def test_full_records_every_row_of_every_step(tmp_path):
                    sample_id=lambda i: f"s{i}")
     df = read_rollouts(str(tmp_path / "s"))
     assert len(df) == 12 and sorted(set(df.domain)) == ["copy", "reverse"]
+    rec.flush()
     # the MLflow table keeps to the sample: 2 rows a step, in their domains' tables
     assert {name for name, _ in rec.tracker.tables} <= {"rollouts/copy.json", "rollouts/reverse.json"}
     assert sum(len(rows) for _, rows in rec.tracker.tables) == 4
@@ -215,7 +224,8 @@ def test_full_records_go_to_mlflow_only_on_the_sample_steps(tmp_path):
     rec = Recorder(RecordConfig(every=5, sample=1, full=True), str(tmp_path / "s"), tracker, last_step=7)
     for step in range(1, 8):
         rec.record(step, range(3), lambda i, step=step: row(step, i), sample_id=lambda i: f"s{i}")
-    assert len(rec.written) == 7 and [len(rows) for _, rows in tracker.tables] == [1, 1]  # steps 5 and 7
+    rec.flush()
+    assert len(rec.written) == 7 and [[r["step"] for r in rows] for _, rows in tracker.tables] == [[5, 7]]
     quiet = Recorder(RecordConfig(every=1, sample=2), str(tmp_path / "q"), NoopTracker())
     assert quiet.record(1, range(3), lambda i: row(1, i), sample_id=lambda i: f"s{i}") is not None  # no run: no table
 
@@ -286,8 +296,9 @@ def test_an_evaluations_sample_is_recorded_as_its_own_split(tmp_path):
                                                               "scores": {"reverse": {"score": 0.5}}}
     with pytest.raises(FileNotFoundError, match="no val rollout records under"):
         read_rollouts(f"file://{tmp_path}/st", split="val")
-    assert [n for n, _ in tracker.tables] == ["rollouts/reverse.json", "rollouts/eval_reverse.json",
-                                              "rollouts/eval_tool_add.json"]
+    rec.flush()
+    assert [n for n, _ in tracker.tables] == ["rollouts/eval_reverse.json", "rollouts/eval_tool_add.json",
+                                              "rollouts/reverse.json"]
     assert tracker.traces == []  # (an eval sample logs no trace)
     off = Recorder(RecordConfig(every=10, sample=0), f"file://{tmp_path}/off", Tracker())
     assert off.record_eval(10, rows) is None and off.written == []
