@@ -13,8 +13,9 @@ S3: infra/storage.py); a resumed run rewrites the steps it repeats, so a step's 
 recorded text columns of the sample also go to the MLflow run as a table (`rollouts/<domain>.json`, one artifact the
 UI shows as a table; with `full` too, only the sample's steps and rows go there). The table's rows are buffered and
 appended at each checkpoint and at the end (`Recorder.flush`): MLflow rewrites the whole file on every append (a
-download, a concatenation and an upload, ~30 ms of CPU), which per sampled step cost the demo's trainers ~2% of their
-CPU; the table then shows the committed steps, so a resumed run's repeated steps appear once.
+download, a concatenation and an upload, ~30 ms of CPU), which per sampled step cost the demo's trainers ~70 s of
+wall in their step loops (docs/tuning.md#overhead); the table then shows the committed steps, so a resumed run's
+repeated steps appear once.
 
 Evaluations are recorded too, always (unless `sample` is 0), with no extra generation: each evaluation keeps the
 first `sample` episodes of every domain it generated anyway (`domains.evaluate.score_domains(keep=k)`: the same
@@ -73,6 +74,7 @@ import hashlib
 import io
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
@@ -224,6 +226,7 @@ class Recorder:
         self.seconds = 0.0  # wall time spent recording (building rows, Parquet, storage, MLflow), in the step loop
         self.evals = {"files": 0, "bytes": 0, "seconds": 0.0}  # the evaluations' samples (`record_eval`), apart
         self._tables: dict[str, list[dict]] = {}  # MLflow table rows not yet logged, by artifact file (`flush`)
+        self._tables_lock = threading.Lock()  # a checkpoint may flush in a worker thread (the student's)
         if self.cfg.full or self.cfg.sample:  # (a sample also records every evaluation's)
             to_parquet([])  # pyarrow imported and its Parquet writer set up now, not in the first recorded step
 
@@ -324,21 +327,23 @@ class Recorder:
 
     def _log_table(self, rows: list[RolloutRow], split: str = TRAIN) -> None:
         """Buffer `rows` for their domains' MLflow tables (`flush` logs them)."""
-        for r in rows:
-            name = f"{FOLDER}/{r.domain}.json" if split == TRAIN else f"{FOLDER}/{split}_{r.domain}.json"
-            self._tables.setdefault(name, []).append({c: getattr(r, c) for c in TABLE_COLUMNS})
+        with self._tables_lock:
+            for r in rows:
+                name = f"{FOLDER}/{r.domain}.json" if split == TRAIN else f"{FOLDER}/{split}_{r.domain}.json"
+                self._tables.setdefault(name, []).append({c: getattr(r, c) for c in TABLE_COLUMNS})
 
     def flush(self) -> None:
         """Append the buffered rows to their MLflow tables, one `log_table` per table (`rollouts/<domain>.json`,
         `rollouts/<split>_<domain>.json`, in the order they were recorded). The trainers call it after each
         checkpoint and at the end; without a bound MLflow run nothing is buffered. A failed table is logged and
         dropped (its rows are in the Parquet files): a record never stops training."""
-        if not self._tables:
+        with self._tables_lock:
+            tables, self._tables = self._tables, {}
+        if not tables:
             return
         import pandas as pd
 
         t0 = time.perf_counter()
-        tables, self._tables = self._tables, {}
         try:
             for name in sorted(tables):
                 try:
