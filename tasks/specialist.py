@@ -23,7 +23,7 @@ from teachers.specialist_main import WORKER as SPECIALIST_WORKER
 log = logging.getLogger("alloy")
 # A progress artifact is updated at most this often (and at 100 %): each update is a Prefect API call and an
 # artifact row rewritten by the server; at every reported step (~2 a second per running specialist) they cost the
-# demo ~20 CPU-seconds between the flow's process and the Prefect server (docs/tuning.md#overhead).
+# demo ~15–20 CPU-seconds between the flow's process and the Prefect server (profiles, docs/tuning.md#overhead).
 PROGRESS_EVERY_S = 5.0
 
 
