@@ -7,7 +7,7 @@ Runs the pipeline's own flow function (`flows.pipeline.pipeline`: base SFT → s
 servers → OPD student → evaluation → report) in this process, with MLflow tracking off. The lent GPU machine has
 CUDA + PyTorch but no Prefect, MLflow or SGLang (and no network): `prefect` is replaced by pass-through stand-ins
 (`prefect_stand_in`: `@flow`/`@task` call the function; `.submit` runs it on the flow's thread pool of
-`specialists.max_parallel` workers, with the task's retries; artifacts and concurrency limits do nothing), and
+`specialists.max_parallel` workers, with the task's retries; artifacts and concurrency limits do nothing, `quote` passes its value through), and
 `mlflow`/`sglang` are made absent (an import fails as on a machine without them). What runs is the real thing
 otherwise: the trainer processes (DeepSpeed), the embedded engine servers (rollouts, teachers), the placement plan
 that shares the GPU between them by memory fractions, storage, evaluation, the report. Prefect's orchestration
@@ -129,13 +129,15 @@ def prefect_stand_in() -> None:
         return
     mods = {n: types.ModuleType(n) for n in ("prefect", "prefect.task_runners", "prefect.artifacts",
                                               "prefect.cache_policies", "prefect.concurrency",
-                                              "prefect.concurrency.sync", "prefect.deployments", "prefect.settings")}
+                                              "prefect.concurrency.sync", "prefect.deployments", "prefect.settings",
+                                              "prefect.utilities", "prefect.utilities.annotations")}
     mods["prefect"].flow, mods["prefect"].task = _decorator(True), _decorator(False)
     mods["prefect.task_runners"].ThreadPoolTaskRunner = _Runner
     for name in ("create_progress_artifact", "update_progress_artifact", "create_markdown_artifact",
                  "create_table_artifact"):
         setattr(mods["prefect.artifacts"], name, lambda *a, **k: None)
     mods["prefect.cache_policies"].NO_CACHE = None
+    mods["prefect.utilities.annotations"].quote = lambda value: value  # the stand-in's tasks get their arguments as is
     mods["prefect.concurrency.sync"].concurrency = lambda *a, **k: contextlib.nullcontext()
 
     def run_deployment(*a, **k):
