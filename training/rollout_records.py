@@ -272,7 +272,7 @@ class Recorder:
             self.evals["files"] += 1
             self.evals["bytes"] += size
             if getattr(self.tracker, "run_id", None) is not None:
-                self._log_table(rows, split)
+                self._buffer_table(rows, split)
             return url
         finally:
             self.evals["seconds"] += time.perf_counter() - t0
@@ -300,7 +300,7 @@ class Recorder:
         self.bytes += size
         if getattr(self.tracker, "run_id", None) is not None and self.sampled(step):  # an MLflow run to show it in
             shown = pick_sample(rows, self.cfg.sample, step, lambda r: r.sample_id) if self.cfg.full else rows
-            self._log_table(shown)
+            self._buffer_table(shown)
             for r in shown:
                 if r.tool_calls or r.calls:
                     self._log_trace(r)
@@ -325,7 +325,7 @@ class Recorder:
         except Exception as e:  # noqa: BLE001 (a tracking hiccup must not stop training)
             log.warning("rollout records: MLflow trace of %s not logged: %s", row.sample_id, e)
 
-    def _log_table(self, rows: list[RolloutRow], split: str = TRAIN) -> None:
+    def _buffer_table(self, rows: list[RolloutRow], split: str = TRAIN) -> None:
         """Buffer `rows` for their domains' MLflow tables (`flush` logs them)."""
         with self._tables_lock:
             for r in rows:
