@@ -62,7 +62,8 @@ def result_settings(model_cls: type[BaseModel], data: Mapping) -> dict:
             out[key] = value
             continue
         extra = field.json_schema_extra
-        if isinstance(extra, dict) and extra.get("fingerprint") is False:
+        if isinstance(extra, dict) and (extra.get("fingerprint") is False
+                                        or extra.get("fingerprint") == "when_set" and value == field.default):
             continue
         if model_cls is SpecialistsConfig and key == "per_domain":
             value = {d: kept for d, over in value.items() if (kept := result_settings(SpecialistsConfig, over))}
@@ -153,6 +154,13 @@ class AlloyConfig(_Strict):
                            (where, "critic_train", sc.critic_train, sc.steps)]
         checks += [(f"reward_models.{n}", "train", rm.train, rm.steps) for n, rm in self.reward_models.items()]
         for where, name, t, steps in checks:
+            if t.lr_decay_steps is not None:
+                if t.lr_schedule != "cosine":
+                    raise ValueError(f"{where}.{name}.lr_decay_steps={t.lr_decay_steps} applies to lr_schedule "
+                                     f"cosine only (this one is {t.lr_schedule!r}): remove it or set lr_schedule: cosine")
+                if t.lr_decay_steps < steps:
+                    raise ValueError(f"{where}.{name}.lr_decay_steps={t.lr_decay_steps} is below {where}.steps={steps}: "
+                                     "its last steps would train at lr 0; use at least the stage's steps (or null)")
             if t.lr_schedule == "cosine" and t.warmup_steps >= max(steps, 1):
                 raise ValueError(f"{where}.{name}.warmup_steps={t.warmup_steps} must be below {where}.steps={steps} "
                                  "with lr_schedule cosine (it decays over the steps after the warm-up)")

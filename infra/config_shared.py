@@ -67,6 +67,13 @@ def ops_field(default: Any = ..., **kw) -> Any:
     return Field(default, json_schema_extra={"fingerprint": False}, **kw)
 
 
+def keyed_when_set(default: Any = None, **kw) -> Any:
+    """A `Field` for a setting that changes what is trained, added after run roots existed: at its default
+    (`default`, None) `AlloyConfig.fingerprint` leaves it out, so a config without it keys what it keyed before the
+    field existed (its checkpoints are reused); set, it keys the stage like any other setting."""
+    return Field(default, json_schema_extra={"fingerprint": "when_set"}, **kw)
+
+
 def _problem(err: Mapping) -> str:
     """One pydantic error's message as the config errors show it."""
     return "unknown key" if err.get("type") == "extra_forbidden" else str(err.get("msg")).removeprefix("Value error, ")
@@ -356,6 +363,11 @@ class TrainConfig(_Strict):
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up: constant, or "
                                                          "cosine decay to 0 at the stage's last step.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
+    lr_decay_steps: int | None = keyed_when_set(None, ge=1, description=(
+        "With lr_schedule cosine: the optimizer steps the cosine decays over (Megatron's --lr-decay-iters). null: "
+        "the stage's steps (the lr reaches 0 at its last step). More than the stage's steps: training stops on "
+        "the way down, the first steps exactly those of a run of lr_decay_steps steps (the last lr "
+        "lr·½(1 + cos(π·(steps − warmup)/(lr_decay_steps − warmup))))."))
     world_size: int = Field(1, ge=1, description="Ranks per trainer; > 1 launches the trainer under torchrun.")
     micro_batch_tokens: int | None = ops_field(None, ge=1, description=(
         "Token-budget micro-batches: each optimizer step's rows (one rank's share) are sorted by length and cut "

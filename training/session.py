@@ -32,10 +32,11 @@ from infra.storage import join, save_checkpoint
 
 def train_settings(t, total_steps: int, seed: int, **overrides) -> TrainSettings:
     """`TrainSettings` from a config's `TrainConfig` section `t` (`base.train`, `specialists.policy_train`,
-    `distill.train`, ...) for `total_steps` optimizer steps; `overrides` replace single fields (grad_accum=1)."""
+    `distill.train`, ...) for `total_steps` optimizer steps; `overrides` replace single fields (grad_accum=1). A
+    cosine decays over `t.lr_decay_steps` when set (the stage then stops on the way down), else over `total_steps`."""
     kw = dict(lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip, zero_stage=t.zero_stage, dtype=t.dtype,
               micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, warmup_steps=t.warmup_steps,
-              lr_schedule=t.lr_schedule, total_steps=total_steps, seed=seed,
+              lr_schedule=t.lr_schedule, total_steps=t.lr_decay_steps or total_steps, seed=seed,
               micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing)
     return TrainSettings(**{**kw, **overrides})
 

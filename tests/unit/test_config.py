@@ -181,6 +181,34 @@ def test_a_cosine_warmup_as_long_as_its_stage_is_refused_when_the_config_loads()
     load_config(gpu1, ["base.steps=100", "base.train.lr_schedule=constant"])  # no decay, no constraint
 
 
+def test_lr_decay_steps_sets_the_cosine_horizon_and_bad_values_are_refused_naming_the_field():
+    """`train.lr_decay_steps`: the cosine decays over that many steps instead of the stage's (the trainer's
+    TrainSettings.total_steps), so a shorter stage stops on the way down; below the stage's steps (a tail at lr 0) or
+    on a constant schedule it is refused when the config loads, naming the section."""
+    from training.ds_config import lr_multiplier
+    from training.session import train_settings
+
+    demo = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
+    cfg = load_config(demo, [])  # the demo: 1,200 steps of a 1,500-step cosine
+    s = train_settings(cfg.distill.train, cfg.distill.steps, 0)
+    assert s.total_steps == 1500 and s.lr_schedule == "cosine"
+    # step 1,199 (the 1,200th update) of a 1,500-step cosine: ½(1 + cos(π·1199/1500)) = 0.0961...
+    assert lr_multiplier(1199, s.warmup_steps, s.lr_schedule, s.total_steps) == pytest.approx(0.09611, abs=1e-5)
+    plain = load_config(demo, ["distill.steps=1200", "distill.train.lr_decay_steps=null"])
+    assert train_settings(plain.distill.train, plain.distill.steps, 0).total_steps == 1200  # null: the stage's
+    # unset, it is not in the fingerprint (run roots from before the field keep their keys); set, it moves the stage
+    from infra.config import AlloyConfig, result_settings
+    assert "lr_decay_steps" not in result_settings(AlloyConfig, plain.model_dump())["distill"]["train"]
+    assert cfg.fingerprint("distill") != plain.fingerprint("distill")
+    assert cfg.fingerprint("base", "specialists") == plain.fingerprint("base", "specialists")
+    with pytest.raises(ConfigError, match=r"distill\.train\.lr_decay_steps=1000 is below distill\.steps=1200"):
+        load_config(demo, ["distill.steps=1200", "distill.train.lr_decay_steps=1000"])
+    with pytest.raises(ConfigError, match=r"base\.train\.lr_decay_steps=2000 applies to lr_schedule cosine only"):
+        load_config(demo, ["base.train.lr_decay_steps=2000"])
+    with pytest.raises(ConfigError, match=r"lr_decay_steps"):
+        load_config(demo, ["distill.train.lr_decay_steps=0"])
+
+
 def test_teacher_scoring_calls_over_the_engine_answer_cap_are_refused_when_the_config_loads():
     """engine.max_logprob_entries caps an embedded server's answer (engine/protocol.py); the student's scoring calls
     (score_batch_size × (max_new_tokens + 1) × (1 + top_k) entries) must fit it, and do at the defaults."""
