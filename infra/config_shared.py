@@ -361,7 +361,7 @@ class TrainConfig(_Strict):
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward/backward pass on one rank.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up: constant, or "
-                                                         "cosine decay to 0 at the stage's last step.")
+                                                         "cosine decay to 0 at the stage's last step (or at lr_decay_steps).")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, in optimizer steps.")
     lr_decay_steps: int | None = keyed_when_set(None, ge=1, description=(
         "With lr_schedule cosine: the optimizer steps the cosine decays over (Megatron's --lr-decay-iters). null: "
