@@ -273,23 +273,25 @@ def _scan(src: Path) -> list[str]:
     return sorted(out)
 
 
-_TREE_SHA: dict[tuple, str] = {}
+_TREE_SHA: dict[str, tuple[tuple, str]] = {}  # resolved directory → (its files' names, sizes, mtimes; their sha256)
 
 
 def tree_sha256(path: str | os.PathLike) -> str:
     """The sha256 of a local directory's files, by relative name and content in name order (a top-level manifest
-    left out): what a checkpoint directory holds, wherever it lies. Cached per process by each file's size and
-    mtime, so a large checkpoint is read once."""
+    left out): what a checkpoint directory holds, wherever it lies. Cached per process and directory while each
+    file's size and mtime stay the same, so a large checkpoint is read once; a changed directory replaces its entry
+    (a long-lived worker keeps one per directory it hashed, not one per version)."""
     src = Path(path)
     rels = _scan(src)
     stats = tuple((rel, st.st_size, st.st_mtime_ns) for rel in rels for st in [(src / rel).stat()])
-    key = (str(src.resolve()), stats)
-    if key not in _TREE_SHA:
+    key = str(src.resolve())
+    cached = _TREE_SHA.get(key)
+    if cached is None or cached[0] != stats:
         h = hashlib.sha256()
         for rel in rels:
             h.update(f"{rel}\0{_hash_file(src / rel)[1]}\n".encode())
-        _TREE_SHA[key] = h.hexdigest()
-    return _TREE_SHA[key]
+        cached = _TREE_SHA[key] = (stats, h.hexdigest())
+    return cached[1]
 
 
 def _safe_rel(rel: str) -> bool:

@@ -308,3 +308,27 @@ def test_json_and_text_helpers(prefix, tmp_path):
         assert names == ["note.txt", "sub", os.path.join("sub", "report.json")]
     with pytest.raises(FileNotFoundError):
         read_json(join(prefix, "missing.json"))
+
+
+def test_tree_sha256_is_by_content_cached_per_directory_and_follows_a_change(tmp_path):
+    """`tree_sha256`: the same files in two places hash alike (names and contents, the manifest left out); a file
+    changed in place gives a new hash; the per-process cache holds one entry per directory, not one per version."""
+    from infra import storage
+    from infra.storage import tree_sha256
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        (d / "sub").mkdir(parents=True)
+        (d / "model.bin").write_bytes(b"weights")
+        (d / "sub" / "cfg.json").write_text("{}")
+    (b / MANIFEST).write_text("{}")
+    want = hashlib.sha256(f"model.bin\0{hashlib.sha256(b'weights').hexdigest()}\n"
+                          f"sub/cfg.json\0{hashlib.sha256(b'{}').hexdigest()}\n".encode()).hexdigest()
+    assert tree_sha256(a) == tree_sha256(b) == want
+    entries = len(storage._TREE_SHA)
+    for version in range(3):
+        (a / "model.bin").write_bytes(b"weights v%d" % version)
+        os.utime(a / "model.bin", ns=(version + 10**18, version + 10**18))  # a new mtime even within one clock tick
+        assert tree_sha256(a) != want
+    assert len(storage._TREE_SHA) == entries  # three versions of `a`: its entry replaced, none added
+    assert tree_sha256(a) == tree_sha256(str(a) + "/")  # the same directory, however it is written
