@@ -141,9 +141,10 @@ class AlloyConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _warmup_fits(self) -> "AlloyConfig":
-        """A cosine schedule decays over the steps after its warm-up: a warm-up as long as the stage is refused here,
-        when the config loads (`alloy config`, `--dry-run`), not minutes later in the stage's trainer."""
+    def _schedules_fit(self) -> "AlloyConfig":
+        """A cosine schedule decays over the steps after its warm-up: a warm-up as long as the stage, and an
+        `lr_decay_steps` below the stage's steps or on a constant schedule, are refused here, when the config loads
+        (`alloy config`, `--dry-run`), not minutes later in the stage's trainer."""
         checks = [("base", "train", self.base.train, self.base.steps),
                   ("distill", "train", self.distill.train, self.distill.steps)]
         if self.specialists.enabled:

@@ -334,7 +334,7 @@ class Recorder:
 
     def flush(self) -> None:
         """Append the buffered rows to their MLflow tables, one `log_table` per table (`rollouts/<domain>.json`,
-        `rollouts/<split>_<domain>.json`, in the order they were recorded). The trainers call it after each
+        `rollouts/<split>_<domain>.json`; the tables by name, each one's rows in the order they were recorded). The trainers call it after each
         checkpoint and at the end; without a bound MLflow run nothing is buffered. A failed table is logged and
         dropped (its rows are in the Parquet files): a record never stops training."""
         with self._tables_lock:
